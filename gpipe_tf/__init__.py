@@ -1,0 +1,1 @@
+"""gpipe_tf: GPipe pipeline parallelism for TensorFlow, in the style of Lingvo."""

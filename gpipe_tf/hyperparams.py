@@ -1,0 +1,406 @@
+"""Lingvo-style hyperparameters: `Params` and `InstantiableParams`.
+
+A `Params` object is a typed-by-example record of named, documented values. Layers, models and
+inputs are configured through them, never constructed ad hoc, so a Params dump is at once the
+configuration and its documentation.
+
+Text form (Lingvo's): one `dotted.name : value` per line. Values are written as Python literals
+(`1`, `0.5`, `'abc'`, `True`, `None`, `[1, 2]`, `{'a': 1}`), TF dtypes by their name (`float32`),
+classes as `type/module/Name` and module-level functions as `callable/module/name`. Params nested
+in Params or in lists are flattened: `cell_tpl[0].name : 'dense'`.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import difflib
+import importlib
+import inspect
+import re
+from typing import Any, Iterator
+
+import tensorflow as tf
+
+_NAME_RE = re.compile(r'^[a-z_][a-z0-9_]*$')
+# A flattened key: `a.b[2].c`.
+_KEY_RE = re.compile(r'^[a-z_][a-z0-9_]*(\[\d+\])*(\.[a-z_][a-z0-9_]*(\[\d+\])*)*$')
+
+
+class _Param:
+    """One named value with its description."""
+
+    __slots__ = ('name', 'value', 'description')
+
+    def __init__(self, name: str, value: Any, description: str):
+        self.name = name
+        self.value = value
+        self.description = description
+
+
+def _ClosestNames(name: str, candidates) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=3, cutoff=0.5)
+    return ', '.join(repr(c) for c in close) if close else 'none'
+
+
+class Params:
+    """A set of named, documented hyperparameters.
+
+    Example:
+        p = Params()
+        p.Define('num_micro_batches', 1, 'Number of micro-batches the mini-batch is split into.')
+        p.num_micro_batches = 8
+    """
+
+    def __init__(self):
+        object.__setattr__(self, '_params', {})
+        object.__setattr__(self, '_frozen', False)
+
+    # ---- definition and access -------------------------------------------------------------------
+    def Define(self, name: str, default: Any, description: str) -> None:
+        """Defines a new parameter.
+
+        Raises:
+            ValueError: if the name is malformed.
+            AttributeError: if the name is already defined.
+            TypeError: if these Params are frozen.
+        """
+        self._CheckNotFrozen(name)
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise ValueError(f'Param name {name!r} is malformed: expected ^[a-z_][a-z0-9_]*$.')
+        if name in self._params:
+            raise AttributeError(f'Param {name!r} is already defined.')
+        self._params[name] = _Param(name, copy.deepcopy(default), description)
+
+    def _CheckNotFrozen(self, name: str) -> None:
+        if self._frozen:
+            raise TypeError(f'Params are frozen; cannot set {name!r}. Copy() them to change values.')
+
+    def _Lookup(self, name: str) -> _Param:
+        try:
+            return self._params[name]
+        except KeyError:
+            raise AttributeError(
+                    f'Unknown param {name!r}; closest defined names: '
+                    f'{_ClosestNames(name, self._params)}.') from None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith('__'):
+            raise AttributeError(name)
+        return self._Lookup(name).value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._CheckNotFrozen(name)
+        self._Lookup(name).value = value
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._params
+
+    def __dir__(self):
+        return sorted(self._params)
+
+    def Get(self, dotted_name: str) -> Any:
+        """Returns the value at a dotted name (`a.b.c`)."""
+        parent, leaf = self._Resolve(dotted_name)
+        return parent._Lookup(leaf).value
+
+    def Describe(self, name: str) -> str:
+        return self._Lookup(name).description
+
+    def Set(self, **kwargs) -> 'Params':
+        """Sets values; keys may be dotted (`p.Set(**{'a.b': 1})`). Returns self."""
+        for dotted_name, value in kwargs.items():
+            parent, leaf = self._Resolve(dotted_name)
+            setattr(parent, leaf, value)
+        return self
+
+    def _Resolve(self, dotted_name: str) -> tuple['Params', str]:
+        parts = dotted_name.split('.')
+        node = self
+        for i, part in enumerate(parts[:-1]):
+            node = node._Lookup(part).value
+            if not isinstance(node, Params):
+                raise AttributeError(
+                        f'{".".join(parts[:i + 1])!r} is {type(node).__name__}, not Params; '
+                        f'cannot resolve {dotted_name!r}.')
+        return node, parts[-1]
+
+    def IterParams(self) -> Iterator[tuple[str, Any]]:
+        for name in sorted(self._params):
+            yield name, self._params[name].value
+
+    # ---- copy, freeze, compare -----------------------------------------------------------------
+    def Copy(self) -> 'Params':
+        """A deep, unfrozen copy."""
+        return self._CopyInto(type(self).__new__(type(self)))
+
+    def _CopyInto(self, other: 'Params') -> 'Params':
+        object.__setattr__(other, '_params', {})
+        object.__setattr__(other, '_frozen', False)
+        for name, param in self._params.items():
+            other._params[name] = _Param(name, _CopyValue(param.value), param.description)
+        return other
+
+    def Freeze(self) -> 'Params':
+        """Makes these Params and all nested ones read-only. Returns self."""
+        object.__setattr__(self, '_frozen', True)
+        for _, value in self.IterParams():
+            for nested in _NestedParams(value):
+                nested.Freeze()
+        return self
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Params) or set(self._params) != set(other._params):
+            return False
+        return all(_ValuesEqual(v, other._params[k].value) for k, v in self.IterParams())
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f'{type(self).__name__}(\n{self.ToText()})'
+
+    # ---- text form ----------------------------------------------------------------------------
+    def ToText(self) -> str:
+        """Lingvo's `dotted.name : value` text, one line per leaf value, sorted."""
+        return ''.join(f'{key} : {text}\n' for key, text in self._Flatten())
+
+    def _Flatten(self, prefix: str = '') -> list[tuple[str, str]]:
+        lines = []
+        for name, value in self.IterParams():
+            key = prefix + name
+            if isinstance(value, Params):
+                lines.extend(value._Flatten(key + '.'))
+            elif _IsParamsList(value):
+                for i, item in enumerate(value):
+                    if isinstance(item, Params):
+                        lines.extend(item._Flatten(f'{key}[{i}].'))
+                    else:
+                        lines.append((f'{key}[{i}]', _ValueToText(item)))
+                if not value:
+                    lines.append((key, _ValueToText(value)))
+            else:
+                lines.append((key, _ValueToText(value)))
+        return lines
+
+    def FromText(self, text: str) -> 'Params':
+        """Sets values from `ToText()` output onto these Params. Returns self.
+
+        Raises:
+            ValueError: naming the line number, for a malformed line, an unknown name or a value that
+                cannot be parsed.
+        """
+        entries = []
+        for lineno, raw in enumerate(text.splitlines(), start=1):
+            line = raw.strip()
+            if not line or line.startswith('#'):
+                continue
+            if ' : ' not in line and not line.endswith(' :'):
+                raise ValueError(f'Line {lineno}: expected "name : value", got {raw!r}.')
+            key, _, value_text = line.partition(' :')
+            entries.append((lineno, line, key.strip(), value_text.strip()))
+        # `x.cls` lines go first, shallowest first: they create Params missing from lists or
+        # None-valued fields, so text from a fuller config can fill a fresh one.
+        cls_entries = sorted((e for e in entries if e[2].endswith('.cls')),
+                             key=lambda e: e[2].count('.') + e[2].count('['))
+        for create, batch in ((True, cls_entries), (False, entries)):
+            for lineno, line, key, value_text in batch:
+                try:
+                    self._SetPath(key, ParseValue(value_text), create=create)
+                except (ValueError, AttributeError, TypeError, IndexError, ImportError) as e:
+                    raise ValueError(f'Line {lineno} ({line!r}): {e}') from None
+        return self
+
+    def _SetPath(self, key: str, value: Any, create: bool = False) -> None:
+        """Sets the value at a flattened key; with `create`, a `....cls` key whose Params is
+        missing (one past the end of a list, or a None field) creates `value.Params()`."""
+        if not _KEY_RE.match(key):
+            raise ValueError(f'malformed name {key!r}.')
+        tokens = re.findall(r'\w+|\[\d+\]', key)
+        node: Any = self
+        for i, token in enumerate(tokens[:-1]):
+            creating = create and i == len(tokens) - 2 and isinstance(value, type)
+            if token.startswith('['):
+                index = int(token[1:-1])
+                if creating and isinstance(node, list) and index == len(node):
+                    node.append(_NewParams(value))
+                if not isinstance(node, list) or index >= len(node):
+                    raise IndexError(f'{key!r}: index {index} out of range.')
+                node = node[index]
+            else:
+                if not isinstance(node, Params):
+                    raise AttributeError(f'{key!r}: {token!r} is not inside Params.')
+                if creating and node._Lookup(token).value is None:
+                    setattr(node, token, _NewParams(value))
+                node = node._Lookup(token).value
+        last = tokens[-1]
+        if last.startswith('['):
+            index = int(last[1:-1])
+            if not isinstance(node, list) or index >= len(node):
+                raise IndexError(f'{key!r}: index {index} out of range.')
+            node[index] = value
+        elif not isinstance(node, Params):
+            raise AttributeError(f'{key!r}: {last!r} is not inside Params.')
+        else:
+            setattr(node, last, value)
+
+    def TextDiff(self, other: 'Params') -> str:
+        """A unified-diff-like listing of lines that differ: `- ours` / `+ theirs`."""
+        ours, theirs = dict(self._Flatten()), dict(other._Flatten())
+        out = []
+        for key in sorted(set(ours) | set(theirs)):
+            if ours.get(key) != theirs.get(key):
+                if key in ours:
+                    out.append(f'- {key} : {ours[key]}')
+                if key in theirs:
+                    out.append(f'+ {key} : {theirs[key]}')
+        return '\n'.join(out) + ('\n' if out else '')
+
+
+class InstantiableParams(Params):
+    """Params with a `cls` that `Instantiate()` constructs as `cls(params)`."""
+
+    def __init__(self, cls: type | None = None):
+        super().__init__()
+        self.Define('cls', cls, 'The class these params instantiate.')
+
+    def Instantiate(self, **kwargs):
+        if self.cls is None:
+            raise ValueError('Params.cls is None; nothing to instantiate.')
+        return self.cls(self, **kwargs)
+
+
+def _NewParams(cls: type) -> Params:
+    """Default Params for `cls`: its own `Params()` when it has one."""
+    if hasattr(cls, 'Params'):
+        return cls.Params()
+    return InstantiableParams(cls)
+
+
+# ---- value helpers ----------------------------------------------------------------------------
+def _IsParamsList(value) -> bool:
+    return isinstance(value, list) and any(isinstance(v, Params) for v in value)
+
+
+def _NestedParams(value) -> list[Params]:
+    if isinstance(value, Params):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for item in value for v in _NestedParams(item)]
+    if isinstance(value, dict):
+        return [v for item in value.values() for v in _NestedParams(item)]
+    return []
+
+
+def _CopyValue(value):
+    if isinstance(value, Params):
+        return value.Copy()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_CopyValue(v) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _CopyValue(v)) for k, v in value.items())
+    if isinstance(value, (type, tf.DType)) or callable(value):
+        return value
+    return copy.deepcopy(value)
+
+
+def _ValuesEqual(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(
+                _ValuesEqual(x, y) for x, y in zip(a, b))
+    if type(a) is not type(b) and not (isinstance(a, tf.DType) and isinstance(b, tf.DType)):
+        return False
+    return a == b
+
+
+def _ValueToText(value) -> str:
+    if isinstance(value, tf.DType):
+        return value.name
+    if isinstance(value, type):
+        return f'type/{value.__module__}/{value.__qualname__}'
+    if inspect.isfunction(value) or inspect.isbuiltin(value):
+        return f'callable/{value.__module__}/{value.__qualname__}'
+    if isinstance(value, list):
+        return '[' + ', '.join(_ValueToText(v) for v in value) + ']'
+    if isinstance(value, tuple):
+        inner = ', '.join(_ValueToText(v) for v in value)
+        return '(' + inner + (',)' if len(value) == 1 else ')')
+    if isinstance(value, dict):
+        return '{' + ', '.join(
+                f'{_ValueToText(k)}: {_ValueToText(v)}' for k, v in value.items()) + '}'
+    # Subclasses (numpy.float64 is a float) are written as the base type: their own repr
+    # (`np.float64(0.5)`) would not parse back.
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    for base in (int, float, str):
+        if isinstance(value, base):
+            return repr(base(value))
+    if isinstance(value, Params):
+        raise TypeError('Params inside a tuple or dict have no text form; use a list.')
+    raise TypeError(f'Value {value!r} of type {type(value).__name__} has no text form.')
+
+
+def ParseValue(text: str) -> Any:
+    """Parses one value written by `ToText` (a safe subset of Python expressions)."""
+    try:
+        tree = ast.parse(text, mode='eval')
+    except SyntaxError:
+        raise ValueError(f'cannot parse value {text!r}.') from None
+    return _Eval(tree.body, text)
+
+
+def _DottedName(node) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _DottedName(node.value)
+        return None if base is None else f'{base}.{node.attr}'
+    return None
+
+
+def _ImportSymbol(kind: str, module: str, qualname: str) -> Any:
+    obj = importlib.import_module(module)
+    for part in qualname.split('.'):
+        obj = getattr(obj, part)
+    if kind == 'type' and not isinstance(obj, type):
+        raise ValueError(f'{module}.{qualname} is not a class.')
+    if kind == 'callable' and not callable(obj):
+        raise ValueError(f'{module}.{qualname} is not callable.')
+    return obj
+
+
+def _Eval(node, text: str) -> Any:
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        operand = _Eval(node.operand, text)
+        if isinstance(operand, (int, float)) and not isinstance(operand, bool):
+            return -operand if isinstance(node.op, ast.USub) else operand
+    if isinstance(node, ast.List):
+        return [_Eval(e, text) for e in node.elts]
+    if isinstance(node, ast.Tuple):
+        return tuple(_Eval(e, text) for e in node.elts)
+    if isinstance(node, ast.Dict):
+        return {_Eval(k, text): _Eval(v, text) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, ast.Name):
+        if node.id in ('inf', 'nan'):  # repr() of non-finite floats.
+            return float(node.id)
+        try:
+            return tf.as_dtype(node.id)
+        except TypeError:
+            pass
+    # `type/pkg.module/Name` parses as ((type / pkg.module) / Name).
+    if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and
+            isinstance(node.left, ast.BinOp) and isinstance(node.left.op, ast.Div)):
+        kind = _DottedName(node.left.left)
+        module = _DottedName(node.left.right)
+        qualname = _DottedName(node.right)
+        if kind in ('type', 'callable') and module and qualname:
+            return _ImportSymbol(kind, module, qualname)
+    raise ValueError(f'cannot parse value {text!r}.')

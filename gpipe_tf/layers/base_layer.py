@@ -1,0 +1,317 @@
+"""BaseLayer: configured by Params, functional `FProp(theta, *inputs)`, cost-aware `FPropMeta`.
+
+A layer owns variables and child layers; `theta` is a NestedMap of the variables' current values
+(its own and its children's), and `FProp` computes only from the theta it is given. That makes the
+same code differentiable with respect to explicit tensors, which re-materialization and pipelining
+rely on, and lets it run in eager mode, in a `tf.function` and in a `tf.compat.v1` graph.
+
+`FPropMeta(p, *input_shapes)` is a classmethod working on Params and `tf.TensorShape`s alone: the
+partitioner and the paper-size parameter tables use it without building a single variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import zlib
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from gpipe_tf import hyperparams
+from gpipe_tf.layers import fprop_context
+from gpipe_tf.nested_map import NestedMap
+
+
+# ---- weight initialisation ----------------------------------------------------------------------
+class WeightInit(hyperparams.Params):
+    """How a variable is initialised: a method name and a scale."""
+
+    METHODS = ('xavier', 'gaussian', 'truncated_gaussian', 'uniform', 'constant',
+               'gaussian_sqrt_fanin', 'uniform_sqrt_fanin')
+
+    def __init__(self, method: str = 'xavier', scale: float = 1.0):
+        super().__init__()
+        if method not in self.METHODS:
+            raise ValueError(f'Unknown init method {method!r}; expected one of {self.METHODS}.')
+        self.Define('method', method, f'One of {self.METHODS}.')
+        self.Define('scale', scale, 'Scale: stddev, limit, constant value or Xavier gain.')
+
+    @staticmethod
+    def Xavier(scale: float = 1.0) -> 'WeightInit':
+        return WeightInit('xavier', scale)
+
+    @staticmethod
+    def Gaussian(scale: float = 1.0) -> 'WeightInit':
+        return WeightInit('gaussian', scale)
+
+    @staticmethod
+    def TruncatedGaussian(scale: float = 1.0) -> 'WeightInit':
+        return WeightInit('truncated_gaussian', scale)
+
+    @staticmethod
+    def Uniform(scale: float = 1.0) -> 'WeightInit':
+        return WeightInit('uniform', scale)
+
+    @staticmethod
+    def Constant(scale: float = 0.0) -> 'WeightInit':
+        return WeightInit('constant', scale)
+
+    @staticmethod
+    def GaussianSqrtFanIn(scale: float = 1.0) -> 'WeightInit':
+        return WeightInit('gaussian_sqrt_fanin', scale)
+
+    @staticmethod
+    def UniformSqrtFanIn(scale: float = 1.0) -> 'WeightInit':
+        return WeightInit('uniform_sqrt_fanin', scale)
+
+
+def _Fans(shape) -> tuple[int, int]:
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return shape[0], shape[0]
+    receptive = int(np.prod(shape[:-2])) if len(shape) > 2 else 1
+    return shape[-2] * receptive, shape[-1] * receptive
+
+
+def InitialValue(init: WeightInit, shape, dtype: tf.DType, seed) -> tf.Tensor:
+    """Deterministic (stateless) initial value of `shape` for `seed` (shape [2] ints)."""
+    shape = list(shape)
+    fan_in, fan_out = _Fans(shape)
+    scale = float(init.scale)
+    method = init.method
+    if method == 'constant':
+        return tf.fill(shape, tf.cast(scale, dtype))
+    if method == 'xavier':
+        limit = scale * np.sqrt(6.0 / (fan_in + fan_out))
+        return tf.random.stateless_uniform(shape, seed, -limit, limit, dtype=dtype)
+    if method == 'uniform':
+        return tf.random.stateless_uniform(shape, seed, -scale, scale, dtype=dtype)
+    if method == 'uniform_sqrt_fanin':
+        limit = scale / np.sqrt(fan_in)
+        return tf.random.stateless_uniform(shape, seed, -limit, limit, dtype=dtype)
+    if method == 'gaussian':
+        return tf.random.stateless_normal(shape, seed, stddev=scale, dtype=dtype)
+    if method == 'gaussian_sqrt_fanin':
+        return tf.random.stateless_normal(shape, seed, stddev=scale / np.sqrt(fan_in), dtype=dtype)
+    if method == 'truncated_gaussian':
+        return tf.random.stateless_truncated_normal(shape, seed, stddev=scale, dtype=dtype)
+    raise ValueError(f'Unknown init method {method!r}.')
+
+
+@dataclasses.dataclass
+class WeightParams:
+    """What `CreateVariable` builds: shape, initialiser, dtype and trainability."""
+    shape: tuple
+    init: WeightInit | None = None
+    dtype: tf.DType | None = None
+    trainable: bool = True
+
+
+def PathSeed(path: str, random_seed: int | None) -> int:
+    """A 31-bit seed that depends only on a layer path and the configured seed."""
+    return (zlib.crc32(path.encode()) ^ (random_seed or 0)) & 0x7FFFFFFF
+
+
+# ---- cost metadata -------------------------------------------------------------------------------
+@dataclasses.dataclass
+class LayerMeta:
+    """What `FPropMeta` reports for one forward pass of a layer.
+
+    Attributes:
+      out_shapes: the output shape: a `tf.TensorShape`, or a NestedMap / tuple of them.
+      flops: floating point operations of one forward pass (a multiply-add counts 2).
+      num_params: number of scalar parameters the layer creates (trainable or not).
+      activation_bytes: bytes of activations a backward pass keeps alive without
+        re-materialization (for a composite layer, every sub-layer's output).
+    """
+    out_shapes: Any
+    flops: int = 0
+    num_params: int = 0
+    activation_bytes: int = 0
+
+
+def _FlattenShapes(shapes) -> list[tf.TensorShape]:
+    if isinstance(shapes, tf.TensorShape):
+        return [shapes]
+    if isinstance(shapes, dict):
+        return [s for k in sorted(shapes) for s in _FlattenShapes(shapes[k])]
+    if isinstance(shapes, (list, tuple)):
+        return [s for item in shapes for s in _FlattenShapes(item)]
+    raise TypeError(f'Expected TensorShapes, got {shapes!r}.')
+
+
+def OutputBytes(shapes, dtype: tf.DType) -> int:
+    """Bytes of activations of `shapes` (TensorShape, or NestedMap/tuple of them)."""
+    return sum(int(s.num_elements()) for s in _FlattenShapes(shapes)) * tf.as_dtype(dtype).size
+
+
+def AsArgs(outputs) -> tuple:
+    """How one layer's outputs feed the next: a tuple is spread, anything else is one argument."""
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+# ---- the layer --------------------------------------------------------------------------------
+_BUILD_STACK = threading.local()
+
+
+def _ParentStack() -> list:
+    if not hasattr(_BUILD_STACK, 'layers'):
+        _BUILD_STACK.layers = []
+    return _BUILD_STACK.layers
+
+
+class BaseLayer(tf.Module):
+    """Base class of all layers. Subclasses define `Params`, `__init__`, `FProp`, `FPropMeta`."""
+
+    @classmethod
+    def Params(cls) -> hyperparams.InstantiableParams:
+        p = hyperparams.InstantiableParams(cls)
+        p.Define('name', '', 'Name of this layer; also its variable scope.')
+        p.Define('dtype', tf.float32, 'Data type of variables and activations.')
+        p.Define('params_init', WeightInit.Xavier(1.0), 'Default initialisation of weights.')
+        p.Define('random_seed', None,
+                 'Seed for initialisation and randomness (dropout); None means 0. Values are '
+                 'derived from the seed and the layer path, so rebuilding gives equal weights.')
+        return p
+
+    def __init__(self, params: hyperparams.Params):
+        if not params.name:
+            raise ValueError(f'{type(self).__name__} needs a name (params.name is empty).')
+        stack = _ParentStack()
+        parent = stack[-1] if stack else None
+        super().__init__(name=params.name)
+        self._params = params.Copy().Freeze()
+        self._path = f'{parent.path}.{params.name}' if parent else params.name
+        self._layer_vars = {}
+        self._layer_children = {}
+
+    # -- configuration and identity
+    @property
+    def params(self) -> hyperparams.Params:
+        """The frozen Params this layer was built from."""
+        return self._params
+
+    @property
+    def p(self) -> hyperparams.Params:
+        return self._params
+
+    @property
+    def path(self) -> str:
+        """Dotted path from the root layer, e.g. `pipeline.cell_1.dense_3`."""
+        return self._path
+
+    # -- children
+    def CreateChild(self, name: str, params: hyperparams.Params) -> 'BaseLayer':
+        """Instantiates `params` as child `name` (its variables nest under this layer)."""
+        self._CheckNewName(name)
+        child = self._Instantiate(name, params)
+        self._layer_children[name] = child
+        return child
+
+    def CreateChildren(self, name: str, params_list) -> list:
+        """Instantiates a list of children stored under `name`: `name_0`, `name_1`, ..."""
+        self._CheckNewName(name)
+        children = [self._Instantiate(f'{name}_{i}', p) for i, p in enumerate(params_list)]
+        self._layer_children[name] = children
+        return children
+
+    def _Instantiate(self, name: str, params: hyperparams.Params) -> 'BaseLayer':
+        p = params.Copy()
+        p.name = name
+        if p.random_seed is None:
+            p.random_seed = self.p.random_seed
+        stack = _ParentStack()
+        stack.append(self)
+        try:
+            return p.Instantiate()
+        finally:
+            stack.pop()
+
+    def _CheckNewName(self, name: str) -> None:
+        if name in self._layer_children or name in self._layer_vars:
+            raise ValueError(f'{self.path}: child or variable {name!r} already exists.')
+
+    @property
+    def children(self) -> NestedMap:
+        return NestedMap({k: list(v) if isinstance(v, list) else v
+                          for k, v in self._layer_children.items()})
+
+    def __getattr__(self, name: str):
+        children = self.__dict__.get('_layer_children')
+        if children is not None and name in children:
+            return children[name]
+        raise AttributeError(f'{type(self).__name__} has no attribute or child {name!r}.')
+
+    # -- variables
+    def CreateVariable(self, name: str, wp: WeightParams) -> tf.Variable:
+        """Creates variable `name` of this layer, initialised deterministically from its path."""
+        self._CheckNewName(name)
+        dtype = wp.dtype or self.p.dtype
+        init = wp.init or self.p.params_init
+        seed = [PathSeed(f'{self.path}.{name}', self.p.random_seed), 0]
+        with tf.name_scope(self.path.replace('.', '/') + '/'):
+            var = tf.Variable(
+                initial_value=lambda: InitialValue(init, wp.shape, dtype, seed),
+                name=name, dtype=dtype, trainable=wp.trainable)
+        self._layer_vars[name] = var
+        return var
+
+    @property
+    def vars(self) -> NestedMap:
+        """NestedMap of this layer's and its children's tf.Variables."""
+        out = NestedMap(self._layer_vars)
+        for name, child in self.children.items():
+            out[name] = [c.vars for c in child] if isinstance(child, list) else child.vars
+        return out
+
+    @property
+    def theta(self) -> NestedMap:
+        """NestedMap of the current values (read tensors) of `vars`."""
+        return self.vars.Transform(lambda v: v.read_value() if isinstance(v, tf.Variable) else v)
+
+    # -- computation
+    def FProp(self, theta: NestedMap, *inputs):
+        """Forward computation from explicit `theta`. Subclasses override."""
+        raise NotImplementedError(f'{type(self).__name__}.FProp')
+
+    def __call__(self, *inputs):
+        return self.FProp(self.theta, *inputs)
+
+    @classmethod
+    def FPropMeta(cls, p: hyperparams.Params, *input_shapes) -> LayerMeta:
+        """Output shapes and costs for `input_shapes`, from Params alone. Subclasses override."""
+        raise NotImplementedError(f'{cls.__name__}.FPropMeta')
+
+    # -- side effects of a training forward pass
+    def AddUpdate(self, stats: NestedMap) -> None:
+        """Hands statistics of one forward pass to the active collector, or applies them now.
+
+        Layers with state that training updates (batch norm's moving averages) call this from
+        FProp. PipeliningLayer collects the statistics of all micro-batches and applies their sum
+        once per step; outside a pipeline they are applied at once.
+        """
+        collector = fprop_context.Current().update_collector
+        if collector is not None:
+            collector.Add(self, stats)
+            return
+        update = self.ApplyUpdate(stats)
+        if update is not None and not tf.executing_eagerly() and not _InsideFunction():
+            tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, update)
+
+    def ApplyUpdate(self, stats: NestedMap):
+        """Applies summed statistics to this layer's state; returns the update op (graph mode)."""
+        raise NotImplementedError(f'{type(self).__name__} makes no updates.')
+
+    def StepSeed(self) -> tf.Tensor:
+        """A [2] int seed for stateless randomness, unique per (layer, step, micro-batch)."""
+        ctx = fprop_context.Current()
+        base = tf.constant([PathSeed(self.path, self.p.random_seed), 0], tf.int64)
+        seed = tf.random.experimental.stateless_fold_in(base, tf.cast(ctx.step, tf.int64))
+        return tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.micro_batch, tf.int64))
+
+
+def _InsideFunction() -> bool:
+    return tf.compat.v1.get_default_graph().building_function

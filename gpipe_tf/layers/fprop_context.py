@@ -1,0 +1,73 @@
+"""The context a forward pass runs in: training or not, step, micro-batch, update collector.
+
+Layers read it instead of taking extra arguments, so `FProp(theta, *inputs)` stays the one
+signature. PipeliningLayer sets the micro-batch index (a tensor, so one traced cell serves all
+micro-batches) and collects the layers' training updates; a trainer sets the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class FPropContext:
+    """Attributes:
+      training: whether this is a training pass (batch statistics, dropout on).
+      step: the training step (int or scalar int tensor); seeds randomness.
+      micro_batch: index of the micro-batch being computed (int or scalar int tensor).
+      update_collector: where layers' training updates go; None applies them at once.
+    """
+    training: bool = True
+    step: Any = 0
+    micro_batch: Any = 0
+    update_collector: Any = None
+
+
+_STATE = threading.local()
+
+
+def _Stack() -> list:
+    if not hasattr(_STATE, 'stack'):
+        _STATE.stack = [FPropContext()]
+    return _STATE.stack
+
+
+def Current() -> FPropContext:
+    """The innermost active context (the default one is training, step 0, micro-batch 0)."""
+    return _Stack()[-1]
+
+
+@contextlib.contextmanager
+def Scope(**changes):
+    """Runs the body with the current context's fields replaced by `changes`."""
+    stack = _Stack()
+    stack.append(dataclasses.replace(stack[-1], **changes))
+    try:
+        yield stack[-1]
+    finally:
+        stack.pop()
+
+
+class UpdateCollector:
+    """Gathers the statistics layers report through `BaseLayer.AddUpdate`, keyed by layer."""
+
+    def __init__(self):
+        self._layers = {}
+        self._stats = {}
+
+    def Add(self, layer, stats) -> None:
+        if layer.path in self._stats:
+            raise ValueError(f'Layer {layer.path} reported updates twice in one forward pass.')
+        self._layers[layer.path] = layer
+        self._stats[layer.path] = stats
+
+    def Items(self) -> list[tuple[Any, Any]]:
+        """(layer, stats) pairs in the order layers reported them."""
+        return [(self._layers[k], self._stats[k]) for k in self._stats]
+
+    def __len__(self) -> int:
+        return len(self._stats)

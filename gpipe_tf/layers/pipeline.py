@@ -1,0 +1,382 @@
+"""PipeliningLayer: GPipe's partitioned, micro-batched, re-materialized layer stack.
+
+The layers are partitioned into K cells, each built and run under a device of its own. A mini-batch
+is split into M micro-batches; the forward schedule (`schedule.ForwardTicks`) is unrolled into the
+graph, so cell k works on micro-batch t - k at tick t and K devices work at once. The backward is
+built explicitly by walking `schedule.BackwardTicks`: every cell's backward (and its recompute) runs
+under that cell's device, and each cell's weight gradients are summed over the M micro-batches on
+that device. The result, outputs and gradients, equals the same layers run un-partitioned.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from absl import logging
+
+from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import fprop_context
+from gpipe_tf.layers import microbatch
+from gpipe_tf.layers import partition
+from gpipe_tf.layers import recompute
+from gpipe_tf.layers import schedule
+from gpipe_tf.layers import sequential
+from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
+from gpipe_tf.nested_map import NestedMap
+
+RECOMPUTE_MODES = ('always', 'except_last', 'never')
+PARTITION_METHODS = ('flops', 'params', 'uniform')
+
+
+def DefaultDevices() -> list[str]:
+    """The logical accelerators present (GPUs, else TPUs, else CPUs)."""
+    for kind in ('GPU', 'TPU', 'CPU'):
+        devices = tf.config.list_logical_devices(kind)
+        if devices:
+            return [d.name for d in devices]
+    return ['/device:CPU:0']
+
+
+def StageDevices(devices, num_cells: int, round_robin: bool = True) -> list[str]:
+    """Device string of each of the K stages.
+
+    Args:
+      devices: None (the logical devices present), a list of device strings, or a function of the
+        stage index returning a device string.
+      num_cells: K.
+      round_robin: whether stages may share devices when there are fewer than K.
+
+    Raises:
+      ValueError: if there are fewer devices than K and round_robin is off.
+    """
+    if callable(devices):
+        return [devices(k) for k in range(num_cells)]
+    available = list(devices) if devices else DefaultDevices()
+    if len(available) < num_cells and not round_robin:
+        raise ValueError(f'{num_cells} cells need {num_cells} devices, but only '
+                         f'{len(available)} were given ({available}) and round_robin is off.')
+    return [available[k % len(available)] for k in range(num_cells)]
+
+
+def _ToShapes(shapes):
+    """Params-friendly shapes (lists of ints, dicts of them) as TensorShapes / NestedMaps."""
+    if isinstance(shapes, dict):
+        return NestedMap({k: _ToShapes(v) for k, v in shapes.items()})
+    return tf.TensorShape(shapes)
+
+
+def _LayerName(p, index: int) -> str:
+    return p.name or f'layer_{index:03d}'
+
+
+class PipeliningLayer(BaseLayer):
+    """Runs a sequence of layers as a GPipe pipeline of K cells over M micro-batches."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('cell_tpl', None,
+                 'Explicit cells: a list of K entries, each a layer Params or a list of them.')
+        p.Define('layer_tpl', None,
+                 'A flat list of layer Params, partitioned into num_cells cells automatically.')
+        p.Define('num_cells', 1, 'K, the number of cells when partitioning layer_tpl.')
+        p.Define('before_tpl', [], 'Layer Params run ahead of the pipeline on the first device.')
+        p.Define('num_micro_batches', 1, 'M, the number of micro-batches per mini-batch.')
+        p.Define('micro_batch_size', None,
+                 'Size of a micro-batch; when set, M = batch size / micro_batch_size.')
+        p.Define('batch_dim', 0, 'The batch dimension of every input and output.')
+        p.Define('devices', None,
+                 'Device of each stage: None (logical devices present), a list of device '
+                 'strings, or a function of the stage index.')
+        p.Define('round_robin', True,
+                 'Whether stages share devices round-robin when there are fewer devices than K.')
+        p.Define('recompute', 'always',
+                 f'Re-materialization: {RECOMPUTE_MODES} ("except_last" keeps the last cell\'s '
+                 'activations, which backprop needs first).')
+        p.Define('partition_method', 'flops',
+                 f'How layer_tpl is split: one of {PARTITION_METHODS}, or explicit boundaries '
+                 '[0, b_1, ..., L] (cell k holds layers b_k .. b_{k+1} - 1).')
+        p.Define('input_shapes', None,
+                 'Shapes of the inputs for one mini-batch (list of ints per input, or a dict of '
+                 'them for a NestedMap input); needed by the flops/params partitioners and to '
+                 'check that adjacent cells fit together.')
+        return p
+
+    def __init__(self, params):
+        super().__init__(params)
+        p = self.p
+        if p.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f'recompute must be one of {RECOMPUTE_MODES}, got {p.recompute!r}.')
+        cell_layers = self._CellLayerParams()
+        self._num_cells = len(cell_layers)
+        self._devices = StageDevices(p.devices, self._num_cells, p.round_robin)
+        with tf.device(self._devices[0]):
+            self._before = [self.CreateChild(_LayerName(lp, i), lp)
+                            for i, lp in enumerate(p.before_tpl)]
+        self._cells = []
+        for k, layers in enumerate(cell_layers):
+            with tf.device(self._devices[k]):
+                self._cells.append(self.CreateChild(
+                    f'cell_{k}', sequential.SequentialLayer.Params().Set(sub=layers)))
+        self._functions = [recompute.CellFunctions(cell, device)
+                           for cell, device in zip(self._cells, self._devices)]
+        self._cell_metas = self._CheckCellsFit(cell_layers)
+        logging.info('%s partition:\n%s', self.path, self.PartitionReport())
+
+    # ---- construction ---------------------------------------------------------------------
+    def _InputShapes(self) -> tuple | None:
+        shapes = self.p.input_shapes
+        if shapes is None:
+            return None
+        if isinstance(shapes, dict) or (shapes and isinstance(shapes[0], int)):
+            return (_ToShapes(shapes),)
+        return tuple(_ToShapes(s) for s in shapes)
+
+    def _BodyInputShapes(self) -> tuple | None:
+        shapes = self._InputShapes()
+        if shapes is None or not self.p.before_tpl:
+            return shapes
+        meta, _ = sequential.ChainMeta(self.p.before_tpl, *shapes)
+        return base_layer.AsArgs(meta.out_shapes)
+
+    def _CellLayerParams(self) -> list[list]:
+        """Names the layers and splits them into cells."""
+        p = self.p
+        if (p.cell_tpl is None) == (p.layer_tpl is None):
+            raise ValueError('Set exactly one of cell_tpl (explicit cells) and layer_tpl (layers '
+                             'to partition into num_cells).')
+        if p.cell_tpl is not None:
+            if not p.cell_tpl:
+                raise ValueError('cell_tpl is empty: expected at least one cell.')
+            cells = [list(c) if isinstance(c, (list, tuple)) else [c] for c in p.cell_tpl]
+            index, named = 0, []
+            for cell in cells:
+                named.append([lp.Copy().Set(name=_LayerName(lp, index + i))
+                              for i, lp in enumerate(cell)])
+                index += len(cell)
+            return named
+        layers = [lp.Copy().Set(name=_LayerName(lp, i)) for i, lp in enumerate(p.layer_tpl)]
+        boundaries = self._Boundaries(layers)
+        return [layers[boundaries[k]:boundaries[k + 1]] for k in range(len(boundaries) - 1)]
+
+    def _Boundaries(self, layers: list) -> list[int]:
+        p = self.p
+        num_layers, num_cells = len(layers), p.num_cells
+        if num_cells > num_layers:
+            raise ValueError(f'num_cells ({num_cells}) is larger than the number of layers '
+                             f'({num_layers}).')
+        method = p.partition_method
+        if isinstance(method, (list, tuple)):
+            return partition.CheckBoundaries(method, num_layers, num_cells)
+        if method == 'uniform':
+            return partition.UniformBoundaries(num_layers, num_cells)
+        if method not in PARTITION_METHODS:
+            raise ValueError(f'partition_method must be one of {PARTITION_METHODS} or a list of '
+                             f'boundaries, got {method!r}.')
+        shapes = self._BodyInputShapes()
+        if shapes is None:
+            raise ValueError(f'partition_method={method!r} needs input_shapes (the shapes of '
+                             'one mini-batch of inputs) to estimate layer costs.')
+        _, metas = sequential.ChainMeta(layers, *shapes)
+        costs = [m.flops if method == 'flops' else m.num_params for m in metas]
+        return partition.OptimalBoundaries(costs, num_cells)
+
+    def _CheckCellsFit(self, cell_layers: list) -> list[LayerMeta] | None:
+        """FPropMeta of every cell, checking each cell's output fits the next cell's input."""
+        shapes = self._BodyInputShapes()
+        if shapes is None:
+            return None
+        metas = []
+        for k, layers in enumerate(cell_layers):
+            try:
+                meta, _ = sequential.ChainMeta(layers, *shapes)
+            except ValueError as e:
+                if k == 0:
+                    raise ValueError(f'{self.path}: cell 0 ({_Names(layers)}) does not accept '
+                                     f'the pipeline input {shapes}: {e}') from None
+                raise ValueError(
+                    f'{self.path}: cell {k - 1} ({_Names(cell_layers[k - 1])}) outputs '
+                    f'{shapes}, which cell {k} ({_Names(layers)}) cannot take: {e}') from None
+            metas.append(meta)
+            shapes = base_layer.AsArgs(meta.out_shapes)
+        return metas
+
+    # ---- introspection ----------------------------------------------------------------------
+    @property
+    def num_cells(self) -> int:
+        return self._num_cells
+
+    @property
+    def devices(self) -> list[str]:
+        """The device of each cell."""
+        return list(self._devices)
+
+    @property
+    def cells(self) -> list:
+        return list(self._cells)
+
+    @property
+    def cell_functions(self) -> list:
+        """Each cell's traced forward/backward functions."""
+        return list(self._functions)
+
+    def Layers(self) -> list:
+        """Every layer, in the order the pipeline applies them (before_tpl layers first)."""
+        return self._before + [layer for cell in self._cells for layer in cell.sequence]
+
+    def PartitionReport(self) -> str:
+        """A table: per cell its device, layers, FLOPs, parameters and activation bytes."""
+        rows = []
+        for k, cell in enumerate(self._cells):
+            meta = self._cell_metas[k] if self._cell_metas else None
+            rows.append(partition.ReportRow(
+                cell=k, device=self._devices[k], layers=[l.p.name for l in cell.sequence],
+                flops=meta.flops if meta else None,
+                num_params=meta.num_params if meta else sum(
+                    int(v.shape.num_elements()) for v in cell.variables),
+                activation_bytes=meta.activation_bytes if meta else None))
+        return partition.FormatReport(rows)
+
+    # ---- computation ----------------------------------------------------------------------
+    def FProp(self, theta, *inputs):
+        p = self.p
+        with tf.device(self._devices[0]):
+            args = inputs
+            for layer in self._before:
+                args = base_layer.AsArgs(layer.FProp(theta[layer.p.name], *args))
+        inputs = args[0] if len(args) == 1 else args
+        batch_size = microbatch.BatchSize(inputs, p.batch_dim)
+        if batch_size is None:
+            raise ValueError(f'{self.path}: the batch dimension {p.batch_dim} of the inputs must '
+                             'be statically known to split micro-batches.')
+        num_micro_batches = microbatch.NumMicroBatches(
+            batch_size, p.num_micro_batches, p.micro_batch_size)
+        ctx = fprop_context.Current()
+        step = tf.cast(ctx.step, tf.int64)
+        thetas = [theta[f'cell_{k}'] for k in range(self._num_cells)]
+        if not ctx.training:
+            return self._Infer(thetas, inputs, step, num_micro_batches)
+        return self._Train(thetas, inputs, step, num_micro_batches)
+
+    def _Infer(self, thetas, inputs, step, num_micro_batches):
+        """Forward only, micro-batched, no re-materialization."""
+        with tf.device(self._devices[0]):
+            acts = [microbatch.Split(inputs, num_micro_batches, self.p.batch_dim)]
+        acts += [[None] * num_micro_batches for _ in range(self._num_cells)]
+        for tick in schedule.ForwardTicks(num_micro_batches, self._num_cells):
+            for k, m in tick:
+                acts[k + 1][m], _ = self._functions[k].Forward(
+                    thetas[k], acts[k][m], step, tf.constant(m, tf.int64), training=False)
+        with tf.device(self._devices[-1]):
+            return microbatch.Concat(acts[-1], self.p.batch_dim)
+
+    def _Recomputes(self, k: int) -> bool:
+        mode = self.p.recompute
+        return mode == 'always' or (mode == 'except_last' and k < self._num_cells - 1)
+
+    def _Train(self, thetas, inputs, step, num_micro_batches):
+        num_cells, batch_dim = self._num_cells, self.p.batch_dim
+        theta_flat = [tf.nest.flatten(t) for t in thetas]
+        theta_sizes = [len(f) for f in theta_flat]
+        input_flat = tf.nest.flatten(inputs)
+        micro_batch_ids = [tf.constant(m, tf.int64) for m in range(num_micro_batches)]
+        updates = []  # Per cell, the summed training statistics of its layers.
+        output_structure = []
+
+        @tf.custom_gradient
+        def Pipeline(*flat):
+            thetas_in, offset = [], 0
+            for k in range(num_cells):
+                thetas_in.append(tf.nest.pack_sequence_as(
+                    thetas[k], flat[offset:offset + theta_sizes[k]]))
+                offset += theta_sizes[k]
+            x = tf.nest.pack_sequence_as(inputs, flat[offset:])
+            with tf.device(self._devices[0]):
+                acts = [microbatch.Split(x, num_micro_batches, batch_dim)]
+            acts += [[None] * num_micro_batches for _ in range(num_cells)]
+            stats = [[None] * num_micro_batches for _ in range(num_cells)]
+            # Cells that keep their activations are recorded on a tape for their backward.
+            tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
+            for tick in schedule.ForwardTicks(num_micro_batches, num_cells):
+                for k, m in tick:
+                    fn = self._functions[k]
+                    if self._Recomputes(k):
+                        acts[k + 1][m], stats[k][m] = fn.Forward(
+                            thetas_in[k], acts[k][m], step, micro_batch_ids[m])
+                    else:
+                        with tape:
+                            tape.watch(tf.nest.flatten(thetas_in[k]) +
+                                       recompute.FloatLeaves(acts[k][m]))
+                            acts[k + 1][m], stats[k][m] = fn.Forward(
+                                thetas_in[k], acts[k][m], step, micro_batch_ids[m])
+            for k in range(num_cells):
+                with tf.device(self._devices[k]):
+                    updates.append(_SumStats(stats[k]))
+            with tf.device(self._devices[-1]):
+                outputs = microbatch.Concat(acts[-1], batch_dim)
+            output_structure.append(outputs)
+
+            def Grad(*d_flat):
+                d_outputs = tf.nest.pack_sequence_as(outputs, _FloatGrads(outputs, d_flat))
+                with tf.device(self._devices[-1]):
+                    d_acts = microbatch.Split(d_outputs, num_micro_batches, batch_dim)
+                d_thetas = [[] for _ in range(num_cells)]
+                for tick in schedule.BackwardTicks(num_micro_batches, num_cells):
+                    for k, m in tick:
+                        d_y = recompute.FloatLeaves(d_acts[m])
+                        fn = self._functions[k]
+                        if self._Recomputes(k):
+                            d_theta, d_x = fn.Backward(
+                                thetas_in[k], acts[k][m], step, micro_batch_ids[m], d_y)
+                        else:
+                            with tf.device(self._devices[k]):
+                                d_theta, d_x = recompute.Differentiate(
+                                    acts[k + 1][m], thetas_in[k], acts[k][m], d_y,
+                                    tape=tape if tf.executing_eagerly() else None)
+                        d_thetas[k].append(tf.nest.flatten(d_theta))
+                        d_acts[m] = tf.nest.pack_sequence_as(acts[k][m], d_x)
+                grads = []
+                for k in range(num_cells):
+                    with tf.device(self._devices[k]):
+                        grads += [tf.add_n(list(g)) for g in zip(*d_thetas[k])]
+                with tf.device(self._devices[0]):
+                    d_inputs = microbatch.Concat(d_acts, batch_dim)
+                return grads + tf.nest.flatten(d_inputs)
+
+            return tf.nest.flatten(outputs), Grad
+
+        flat_outputs = Pipeline(*[t for f in theta_flat for t in f], *input_flat)
+        for k, cell_updates in enumerate(updates):
+            with tf.device(self._devices[k]):
+                for layer, stats in zip(self._functions[k].update_layers or [], cell_updates):
+                    layer.AddUpdate(stats)
+        return tf.nest.pack_sequence_as(output_structure[0], list(flat_outputs))
+
+    @classmethod
+    def FPropMeta(cls, p, *input_shapes):
+        layers = list(p.before_tpl)
+        if p.cell_tpl is not None:
+            for c in p.cell_tpl:
+                layers += list(c) if isinstance(c, (list, tuple)) else [c]
+        else:
+            layers += list(p.layer_tpl or [])
+        layers = [lp.Copy().Set(name=_LayerName(lp, i)) for i, lp in enumerate(layers)]
+        return sequential.ChainMeta(layers, *input_shapes)[0]
+
+
+def _Names(layers: list) -> str:
+    return ', '.join(lp.name for lp in layers)
+
+
+def _SumStats(per_micro_batch: list) -> list:
+    """Sums each layer's statistics over the micro-batches."""
+    if not per_micro_batch or not per_micro_batch[0]:
+        return []
+    return [tf.nest.map_structure(lambda *xs: tf.add_n(list(xs)), *layer_stats)
+            for layer_stats in zip(*per_micro_batch)]
+
+
+def _FloatGrads(outputs, d_flat) -> list:
+    """Incoming gradients with zeros where none arrived (unused outputs)."""
+    return [d if d is not None or not recompute.IsFloat(y) else tf.zeros_like(y)
+            for y, d in zip(tf.nest.flatten(outputs), d_flat)]
+

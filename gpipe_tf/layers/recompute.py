@@ -1,0 +1,122 @@
+"""A pipeline cell's traced forward and re-materializing backward.
+
+Each cell is traced once into a forward function and once into a backward function, and both are
+called once per micro-batch, so the graph grows with M by one call op, not by the cell's layers.
+
+The backward function recomputes the cell's forward from the cell's input and then differentiates
+it. Its recompute waits on the incoming gradient (a control dependency on `dy`), so it runs during
+backprop in every mode; `tf.recompute_grad` was measured to recompute during the forward pass in a
+tf.compat.v1 graph, saving nothing there, which is why this module exists.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import fprop_context
+
+
+def IsFloat(x) -> bool:
+    return x is not None and x.dtype.is_floating
+
+
+def FloatLeaves(structure) -> list:
+    """The floating-point tensors of a nest, in `tf.nest` order: what gradients flow through."""
+    return [x for x in tf.nest.flatten(structure) if IsFloat(x)]
+
+
+def WithFloatLeaves(structure, float_values) -> list:
+    """The flat leaves of `structure` with its float leaves replaced by `float_values` and the
+    others by None."""
+    values = iter(float_values)
+    return [next(values) if IsFloat(x) else None for x in tf.nest.flatten(structure)]
+
+
+class CellFunctions:
+    """The traced forward and backward functions of one cell on one device.
+
+    Args:
+      cell: the cell layer; `cell.FProp(theta, *args)`.
+      device: the device string every op of the cell is placed on.
+    """
+
+    def __init__(self, cell: base_layer.BaseLayer, device: str):
+        self.cell = cell
+        self.device = device
+        # Layers that report training updates, in the order they report them; set when the
+        # training forward is first traced.
+        self.update_layers: list | None = None
+        self._forward = {
+            training: tf.function(self._MakeForward(training), autograph=False)
+            for training in (True, False)}
+        self._backward = tf.function(self._Backward, autograph=False)
+
+    def _Run(self, theta, inputs, step, micro_batch, training):
+        collector = fprop_context.UpdateCollector()
+        with tf.device(self.device), fprop_context.Scope(
+                training=training, step=step, micro_batch=micro_batch,
+                update_collector=collector):
+            outputs = self.cell.FProp(theta, *base_layer.AsArgs(inputs))
+        layers = [layer for layer, _ in collector.Items()]
+        if training and self.update_layers is None:
+            self.update_layers = layers
+        stats = [tf.nest.map_structure(tf.stop_gradient, s) for _, s in collector.Items()]
+        return outputs, stats
+
+    def _MakeForward(self, training: bool):
+        def Forward(theta, inputs, step, micro_batch):
+            return self._Run(theta, inputs, step, micro_batch, training)
+        Forward.__name__ = f'{self.cell.path.replace(".", "_")}_fwd'
+        return Forward
+
+    def _Backward(self, theta, inputs, step, micro_batch, d_outputs):
+        """Recomputes the forward once `d_outputs` (gradients of the float outputs) exist, then
+        differentiates it.
+
+        Returns:
+          (d_theta, d_inputs): d_theta shaped like theta; d_inputs a flat list over the leaves of
+          `inputs`, None where a leaf is not floating point.
+        """
+        with tf.device(self.device):
+            with tf.control_dependencies(d_outputs):
+                theta = tf.nest.map_structure(tf.identity, theta)
+                inputs = tf.nest.map_structure(
+                    lambda x: tf.identity(x) if x is not None else None, inputs)
+            outputs, _ = self._Run(theta, inputs, step, micro_batch, training=True)
+            return Differentiate(outputs, theta, inputs, d_outputs)
+
+    def Forward(self, theta, inputs, step, micro_batch, training: bool = True):
+        """(outputs, update stats) of the cell on one micro-batch; one call op on the device."""
+        with tf.device(self.device):
+            return self._forward[training](theta, inputs, step, micro_batch)
+
+    def Backward(self, theta, inputs, step, micro_batch, d_outputs):
+        """(d_theta, flat d_inputs) for one micro-batch, recomputing the forward."""
+        with tf.device(self.device):
+            return self._backward(theta, inputs, step, micro_batch, d_outputs)
+
+
+def Differentiate(outputs, theta, inputs, d_outputs, tape=None):
+    """Gradients of `outputs` w.r.t. theta and the float leaves of `inputs`.
+
+    `d_outputs` lists the incoming gradients of the float leaves of `outputs`.
+
+    Uses `tape` when given (eager mode), else tf.gradients (graph mode, colocated with the ops).
+
+    Returns:
+      (d_theta shaped like theta, flat d_inputs with None for non-float leaves).
+    """
+    ys = FloatLeaves(outputs)
+    dys = list(d_outputs)
+    theta_flat = tf.nest.flatten(theta)
+    xs = FloatLeaves(inputs)
+    if tape is not None:
+        grads = tape.gradient(ys, theta_flat + xs, output_gradients=dys,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    else:
+        grads = tf.gradients(ys, theta_flat + xs, grad_ys=dys,
+                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    d_theta = tf.nest.pack_sequence_as(theta, grads[:len(theta_flat)])
+    return d_theta, WithFloatLeaves(inputs, grads[len(theta_flat):])
+

@@ -1,0 +1,77 @@
+"""SequentialLayer: layers applied one after another, optionally repeated."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from gpipe_tf.layers import base_layer
+from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
+
+
+def ExpandRepeats(sub: list, repeat: int) -> list:
+    """The layer params of `sub` repeated `repeat` times (copies, so each repeat has its own
+    variables), named `<name>_r<i>` when repeated."""
+    if repeat < 1:
+        raise ValueError(f'repeat must be >= 1, got {repeat}.')
+    out = []
+    for r in range(repeat):
+        for i, p in enumerate(sub):
+            p = p.Copy()
+            name = p.name or f'{p.cls.__name__.lower()}_{i}'
+            p.name = f'{name}_r{r}' if repeat > 1 else name
+            out.append(p)
+    names = [p.name for p in out]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f'Sub-layer names must be unique, got duplicates {duplicates}.')
+    return out
+
+
+def ChainMeta(layer_params: list, *input_shapes) -> tuple[LayerMeta, list[LayerMeta]]:
+    """FPropMeta of layers applied in sequence: the total, and each layer's own."""
+    metas = []
+    args = input_shapes
+    for p in layer_params:
+        meta = p.cls.FPropMeta(p, *args)
+        metas.append(meta)
+        args = base_layer.AsArgs(meta.out_shapes)
+    out = metas[-1].out_shapes if metas else (
+        input_shapes[0] if len(input_shapes) == 1 else tuple(input_shapes))
+    total = LayerMeta(out, sum(m.flops for m in metas), sum(m.num_params for m in metas),
+                      sum(m.activation_bytes for m in metas))
+    return total, metas
+
+
+class SequentialLayer(BaseLayer):
+    """Applies `sub` layers in order, `repeat` times; each output feeds the next layer.
+
+    A tuple output is spread over the next layer's arguments; anything else (a tensor, a
+    NestedMap) is passed as its single argument.
+    """
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('sub', [], 'List of layer Params applied in order.')
+        p.Define('repeat', 1, 'How many times `sub` is repeated (each repeat has own weights).')
+        return p
+
+    def __init__(self, params):
+        super().__init__(params)
+        self._sequence = [self.CreateChild(sp.name, sp)
+                          for sp in ExpandRepeats(self.p.sub, self.p.repeat)]
+
+    @property
+    def sequence(self) -> list:
+        """The layers in the order they are applied."""
+        return list(self._sequence)
+
+    def FProp(self, theta, *inputs):
+        args = inputs
+        for layer in self._sequence:
+            args = base_layer.AsArgs(layer.FProp(theta[layer.p.name], *args))
+        return args[0] if len(args) == 1 else args
+
+    @classmethod
+    def FPropMeta(cls, p, *input_shapes):
+        return ChainMeta(ExpandRepeats(p.sub, p.repeat), *input_shapes)[0]
