@@ -323,9 +323,9 @@ def _ValueToText(value) -> str:
     if isinstance(value, tf.DType):
         return value.name
     if isinstance(value, type):
-        return f'type/{value.__module__}/{value.__qualname__}'
+        return f'type/{value.__module__}/{_ImportableName(value)}'
     if inspect.isfunction(value) or inspect.isbuiltin(value):
-        return f'callable/{value.__module__}/{value.__qualname__}'
+        return f'callable/{value.__module__}/{_ImportableName(value)}'
     if isinstance(value, list):
         return '[' + ', '.join(_ValueToText(v) for v in value) + ']'
     if isinstance(value, tuple):
@@ -344,6 +344,14 @@ def _ValueToText(value) -> str:
     if isinstance(value, Params):
         raise TypeError('Params inside a tuple or dict have no text form; use a list.')
     raise TypeError(f'Value {value!r} of type {type(value).__name__} has no text form.')
+
+
+def _ImportableName(value) -> str:
+    # Lambdas and local definitions (`f.<locals>.g`) cannot be imported back by name.
+    if '<' in value.__qualname__:
+        raise TypeError(f'{value.__qualname__} in {value.__module__} has no text form: only '
+                        f'module-level classes and functions can be written.')
+    return value.__qualname__
 
 
 def ParseValue(text: str) -> Any:

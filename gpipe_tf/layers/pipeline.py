@@ -219,6 +219,18 @@ class PipeliningLayer(BaseLayer):
         """Each cell's traced forward/backward functions."""
         return list(self._functions)
 
+    @property
+    def theta(self) -> NestedMap:
+        """Variable values, each cell's read on the cell's device."""
+        theta = NestedMap()
+        with tf.device(self._devices[0]):
+            for layer in self._before:
+                theta[layer.p.name] = layer.theta
+        for k, cell in enumerate(self._cells):
+            with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_theta'):
+                theta[f'cell_{k}'] = cell.theta
+        return theta
+
     def Layers(self) -> list:
         """Every layer, in the order the pipeline applies them (before_tpl layers first)."""
         return self._before + [layer for cell in self._cells for layer in cell.sequence]
@@ -264,8 +276,9 @@ class PipeliningLayer(BaseLayer):
         acts += [[None] * num_micro_batches for _ in range(self._num_cells)]
         for tick in schedule.ForwardTicks(num_micro_batches, self._num_cells):
             for k, m in tick:
-                acts[k + 1][m], _ = self._functions[k].Forward(
-                    thetas[k], acts[k][m], step, tf.constant(m, tf.int64), training=False)
+                with tf.name_scope(f'cell_{k}_fwd'):
+                    acts[k + 1][m], _ = self._functions[k].Forward(
+                        thetas[k], acts[k][m], step, tf.constant(m, tf.int64), training=False)
         with tf.device(self._devices[-1]):
             return microbatch.Concat(acts[-1], self.p.batch_dim)
 
@@ -295,21 +308,30 @@ class PipeliningLayer(BaseLayer):
             acts += [[None] * num_micro_batches for _ in range(num_cells)]
             stats = [[None] * num_micro_batches for _ in range(num_cells)]
             # Cells that keep their activations are recorded on a tape for their backward.
+            kept_thetas = {}
+            kept_inputs = [[None] * num_micro_batches for _ in range(num_cells)]
             tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
             for tick in schedule.ForwardTicks(num_micro_batches, num_cells):
                 for k, m in tick:
                     fn = self._functions[k]
                     if self._Recomputes(k):
-                        acts[k + 1][m], stats[k][m] = fn.Forward(
-                            thetas_in[k], acts[k][m], step, micro_batch_ids[m])
-                    else:
-                        with tape:
-                            tape.watch(tf.nest.flatten(thetas_in[k]) +
-                                       recompute.FloatLeaves(acts[k][m]))
+                        with tf.name_scope(f'cell_{k}_fwd'):
                             acts[k + 1][m], stats[k][m] = fn.Forward(
                                 thetas_in[k], acts[k][m], step, micro_batch_ids[m])
+                    else:
+                        # Fresh identities as differentiation sources: tf.gradients would
+                        # otherwise also differentiate the op that produced its sources
+                        # (the previous cell's call), under this cell's device.
+                        with tape, tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_fwd'):
+                            if k not in kept_thetas:
+                                kept_thetas[k] = tf.nest.map_structure(tf.identity, thetas_in[k])
+                            kept_inputs[k][m] = _Identity(acts[k][m])
+                            tape.watch(tf.nest.flatten(kept_thetas[k]) +
+                                       recompute.FloatLeaves(kept_inputs[k][m]))
+                            acts[k + 1][m], stats[k][m] = fn.Forward(
+                                kept_thetas[k], kept_inputs[k][m], step, micro_batch_ids[m])
             for k in range(num_cells):
-                with tf.device(self._devices[k]):
+                with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_stats'):
                     updates.append(_SumStats(stats[k]))
             with tf.device(self._devices[-1]):
                 outputs = microbatch.Concat(acts[-1], batch_dim)
@@ -325,18 +347,19 @@ class PipeliningLayer(BaseLayer):
                         d_y = recompute.FloatLeaves(d_acts[m])
                         fn = self._functions[k]
                         if self._Recomputes(k):
-                            d_theta, d_x = fn.Backward(
-                                thetas_in[k], acts[k][m], step, micro_batch_ids[m], d_y)
+                            with tf.name_scope(f'cell_{k}_bwd'):
+                                d_theta, d_x = fn.Backward(
+                                    thetas_in[k], acts[k][m], step, micro_batch_ids[m], d_y)
                         else:
-                            with tf.device(self._devices[k]):
+                            with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_bwd'):
                                 d_theta, d_x = recompute.Differentiate(
-                                    acts[k + 1][m], thetas_in[k], acts[k][m], d_y,
+                                    acts[k + 1][m], kept_thetas[k], kept_inputs[k][m], d_y,
                                     tape=tape if tf.executing_eagerly() else None)
                         d_thetas[k].append(tf.nest.flatten(d_theta))
                         d_acts[m] = tf.nest.pack_sequence_as(acts[k][m], d_x)
                 grads = []
                 for k in range(num_cells):
-                    with tf.device(self._devices[k]):
+                    with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_grad_sum'):
                         grads += [tf.add_n(list(g)) for g in zip(*d_thetas[k])]
                 with tf.device(self._devices[0]):
                     d_inputs = microbatch.Concat(d_acts, batch_dim)
@@ -346,7 +369,7 @@ class PipeliningLayer(BaseLayer):
 
         flat_outputs = Pipeline(*[t for f in theta_flat for t in f], *input_flat)
         for k, cell_updates in enumerate(updates):
-            with tf.device(self._devices[k]):
+            with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_update'):
                 for layer, stats in zip(self._functions[k].update_layers or [], cell_updates):
                     layer.AddUpdate(stats)
         return tf.nest.pack_sequence_as(output_structure[0], list(flat_outputs))
@@ -373,6 +396,10 @@ def _SumStats(per_micro_batch: list) -> list:
         return []
     return [tf.nest.map_structure(lambda *xs: tf.add_n(list(xs)), *layer_stats)
             for layer_stats in zip(*per_micro_batch)]
+
+
+def _Identity(structure):
+    return tf.nest.map_structure(lambda x: tf.identity(x) if x is not None else None, structure)
 
 
 def _FloatGrads(outputs, d_flat) -> list:

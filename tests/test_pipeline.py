@@ -1,0 +1,397 @@
+"""PipeliningLayer's contract: the same outputs and gradients as the un-partitioned layers."""
+
+import itertools
+import re
+
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+from gpipe_tf import test_utils
+from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import basic
+from gpipe_tf.layers import fprop_context
+from gpipe_tf.layers import pipeline
+from gpipe_tf.nested_map import NestedMap
+
+DEVICES = test_utils.ConfigureVirtualCpus()
+TOLERANCE = 1e-5
+BATCH, DIM, NUM_LAYERS = 16, 8, 8
+
+
+def DenseStack(num_layers=NUM_LAYERS, dim=DIM):
+    return [basic.DenseLayer.Params().Set(input_dim=dim, output_dim=dim, activation='tanh')
+            for _ in range(num_layers)]
+
+
+def PipelineParams(num_cells, num_micro_batches, recompute='always', layers=None, **kw):
+    return pipeline.PipeliningLayer.Params().Set(
+        name='pipe', layer_tpl=layers or DenseStack(), num_cells=num_cells,
+        num_micro_batches=num_micro_batches, recompute=recompute,
+        input_shapes=[BATCH, DIM], devices=DEVICES[:4], **kw)
+
+
+def Loss(outputs):
+    return tf.add_n([tf.reduce_sum(tf.square(x)) for x in FloatLeaves(outputs)])
+
+
+def FloatLeaves(outputs):
+    return [x for x in tf.nest.flatten(outputs) if x.dtype.is_floating]
+
+
+def Reference(layer, inputs, num_micro_batches=1, step=0):
+    """The pipeline's layers applied un-partitioned, one micro-batch at a time (M=1: whole
+    batch), with no devices, no recompute, no pipeline code."""
+    flat = [tf.split(x, num_micro_batches, layer.p.batch_dim) for x in tf.nest.flatten(inputs)]
+    outputs = []
+    for m in range(num_micro_batches):
+        args = (tf.nest.pack_sequence_as(inputs, [parts[m] for parts in flat]),)
+        with fprop_context.Scope(step=step, micro_batch=m):
+            for l in layer.Layers():
+                args = base_layer.AsArgs(l.FProp(l.theta, *args))
+        outputs.append(args[0])
+    return tf.nest.map_structure(lambda *xs: tf.concat(xs, layer.p.batch_dim), *outputs)
+
+
+def OutputsAndGrads(fn, layer, inputs):
+    """(outputs, d loss / d [float inputs + trainable variables]) with a GradientTape."""
+    float_inputs = FloatLeaves(inputs)
+    with tf.GradientTape() as tape:
+        tape.watch(float_inputs)
+        outputs = fn(inputs)
+        loss = Loss(outputs)
+    return outputs, tape.gradient(loss, float_inputs + list(layer.trainable_variables))
+
+
+def RunV1(build):
+    """Builds `build()` -> (pipeline_fetches, reference_fetches) in a v1 graph and runs both."""
+    graph = tf.Graph()
+    with graph.as_default():
+        fetches = build()
+        config = tf.compat.v1.ConfigProto(device_count={'CPU': len(DEVICES)})
+        with tf.compat.v1.Session(graph=graph, config=config) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            return sess.run(fetches)
+
+
+def V1OutputsAndGrads(make_layer, make_inputs, num_micro_batches_ref=1):
+    def Build():
+        layer = make_layer()
+        inputs = make_inputs()
+        xs = FloatLeaves(inputs) + list(layer.trainable_variables)
+        y = layer(inputs)
+        y_ref = Reference(layer, inputs, num_micro_batches_ref)
+        return ([y, tf.compat.v1.gradients(Loss(y), xs)],
+                [y_ref, tf.compat.v1.gradients(Loss(y_ref), xs)])
+    return RunV1(Build)
+
+
+def RandomInputs(shape=(BATCH, DIM)):
+    return tf.random.stateless_normal(shape, [7, 11])
+
+
+GRID = list(itertools.product([1, 2, 4], [1, 2, 4, 8], pipeline.RECOMPUTE_MODES))
+
+
+class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
+    """Outputs and gradients equal the un-partitioned layers for every K, M and recompute mode."""
+
+    @parameterized.parameters(*GRID)
+    def testTfFunctionMatchesUnpartitioned(self, k, m, mode):
+        layer = PipelineParams(k, m, mode).Instantiate()
+        x = RandomInputs()
+        got = tf.function(lambda x: OutputsAndGrads(layer, layer, x))(x)
+        want = OutputsAndGrads(lambda x: Reference(layer, x), layer, x)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+
+    @parameterized.parameters(*GRID)
+    def testV1GraphMatchesUnpartitioned(self, k, m, mode):
+        got, want = V1OutputsAndGrads(lambda: PipelineParams(k, m, mode).Instantiate(),
+                                      RandomInputs)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+
+    @parameterized.parameters((2, 4, 'always'), (4, 8, 'never'), (3, 2, 'except_last'))
+    def testEagerMatchesUnpartitioned(self, k, m, mode):
+        layer = PipelineParams(k, m, mode).Instantiate()
+        x = RandomInputs()
+        got = OutputsAndGrads(layer, layer, x)
+        want = OutputsAndGrads(lambda x: Reference(layer, x), layer, x)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+
+    def testExplicitCellsMatchUnpartitioned(self):
+        stack = DenseStack(6)
+        layer = pipeline.PipeliningLayer.Params().Set(
+            name='pipe', cell_tpl=[stack[:1], stack[1:5], stack[5]], num_micro_batches=4,
+            devices=DEVICES[:3]).Instantiate()
+        self.assertEqual([len(c.sequence) for c in layer.cells], [1, 4, 1])
+        x = RandomInputs()
+        got = tf.function(lambda x: OutputsAndGrads(layer, layer, x))(x)
+        want = OutputsAndGrads(lambda x: Reference(layer, x), layer, x)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+
+    def testInferenceMatchesUnpartitioned(self):
+        layer = PipelineParams(4, 4).Instantiate()
+        x = RandomInputs()
+        with fprop_context.Scope(training=False):
+            got = tf.function(layer)(x)
+            want = Reference(layer, x)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+
+
+class NestedInputLayer(base_layer.BaseLayer):
+    """Test layer: NestedMap(x, bias, ids) -> same structure; x mixes in bias, ids pass through."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('dim', DIM, 'Feature size.')
+        return p
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.CreateVariable('w', base_layer.WeightParams((self.p.dim, self.p.dim)))
+
+    def FProp(self, theta, inputs):
+        x = tf.tanh(tf.einsum('...d,de->...e', inputs.x, theta.w) + inputs.bias)
+        return NestedMap(x=x, bias=inputs.bias * 0.5, ids=inputs.ids + 1)
+
+    @classmethod
+    def FPropMeta(cls, p, shapes):
+        return base_layer.LayerMeta(shapes, 2 * shapes.x.num_elements() * p.dim, p.dim * p.dim,
+                                    base_layer.OutputBytes(shapes, p.dtype))
+
+
+class StructuredInputTest(tf.test.TestCase, parameterized.TestCase):
+
+    def _Inputs(self, batch_dim):
+        shape = [BATCH, 3, DIM] if batch_dim == 0 else [3, BATCH, DIM]
+        ids_shape = shape[:2]
+        return NestedMap(x=tf.random.stateless_normal(shape, [1, 2]),
+                         bias=tf.random.stateless_normal(shape, [3, 4]),
+                         ids=tf.zeros(ids_shape, tf.int32))
+
+    def _Layer(self, batch_dim, mode):
+        shape = [BATCH, 3, DIM] if batch_dim == 0 else [3, BATCH, DIM]
+        return pipeline.PipeliningLayer.Params().Set(
+            name='pipe', layer_tpl=[NestedInputLayer.Params() for _ in range(4)], num_cells=2,
+            num_micro_batches=4, batch_dim=batch_dim, recompute=mode, devices=DEVICES[:2],
+            input_shapes={'x': shape, 'bias': shape, 'ids': shape[:2]}).Instantiate()
+
+    @parameterized.product(batch_dim=[0, 1], mode=pipeline.RECOMPUTE_MODES)
+    def testNestedMapInputsInTfFunction(self, batch_dim, mode):
+        layer = self._Layer(batch_dim, mode)
+        inputs = self._Inputs(batch_dim)
+        got = tf.function(lambda x: OutputsAndGrads(layer, layer, x))(inputs)
+        want = OutputsAndGrads(lambda x: Reference(layer, x), layer, inputs)
+        self.assertIsInstance(got[0], NestedMap)
+        self.assertAllEqual(got[0].ids, tf.fill(got[0].ids.shape, 4))
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+
+    @parameterized.parameters(0, 1)
+    def testNestedMapInputsInV1Graph(self, batch_dim):
+        got, want = V1OutputsAndGrads(lambda: self._Layer(batch_dim, 'always'),
+                                      lambda: self._Inputs(batch_dim))
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+
+
+class DropoutTest(tf.test.TestCase, parameterized.TestCase):
+    """Dropout: micro-batch m of step s draws the mask of a standalone pass at (s, m)."""
+
+    def _Layer(self, mode):
+        layers = []
+        for _ in range(4):
+            layers += [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM),
+                       basic.DropoutLayer.Params().Set(keep_prob=0.7)]
+        return PipelineParams(2, 4, mode, layers=layers).Instantiate()
+
+    @parameterized.parameters(*pipeline.RECOMPUTE_MODES)
+    def testPipelineEqualsReferenceWithSameSeeds(self, mode):
+        layer = self._Layer(mode)
+        x = RandomInputs()
+        with fprop_context.Scope(step=3):
+            got = tf.function(lambda x: OutputsAndGrads(layer, layer, x))(x)
+        want = OutputsAndGrads(lambda x: Reference(layer, x, 4, step=3), layer, x)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+        # The masks really drop: a different step gives a different output.
+        with fprop_context.Scope(step=4):
+            other = layer(x)
+        self.assertGreater(float(tf.reduce_max(tf.abs(other - got[0]))), 1e-3)
+
+
+class PlacementTest(tf.test.TestCase, parameterized.TestCase):
+    """Every op of cell k, forward and backward, is on device k; each cell runs M micro-batches."""
+
+    @parameterized.parameters(*pipeline.RECOMPUTE_MODES)
+    def testOpsOfEachCellAreOnItsDevice(self, mode):
+        k_cells, m = 4, 4
+        graph = tf.Graph()
+        with graph.as_default():
+            layer = PipelineParams(k_cells, m, mode).Instantiate()
+            y = layer(RandomInputs())
+            grads = tf.compat.v1.gradients(Loss(y), list(layer.trainable_variables))
+            self.assertNotIn(None, grads)
+        library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+        devices = [tf.DeviceSpec.from_string(d) for d in layer.devices]
+        calls = {(k, kind): 0 for k in range(k_cells) for kind in ('fwd', 'bwd')}
+        checked = 0
+        for op in graph.get_operations():
+            k, kind = CellScope(op.name)
+            if k is None:
+                continue
+            self.assertEqual(tf.DeviceSpec.from_string(op.device), devices[k],
+                             f'{op.name} ({op.type}) is on {op.device!r}')
+            checked += 1
+            if op.type in ('PartitionedCall', 'StatefulPartitionedCall'):
+                calls[(k, kind)] += 1
+                for node in FunctionNodes(library, op.get_attr('f').name):
+                    # Ops in a function body without a device run on the call op's device.
+                    if node.device:
+                        self.assertEqual(tf.DeviceSpec.from_string(node.device), devices[k],
+                                         f'{node.name} in {op.name}')
+        self.assertGreater(checked, 0)
+        for k in range(k_cells):
+            self.assertEqual(calls[(k, 'fwd')], m, f'cell {k} forward calls')
+            self.assertEqual(calls[(k, 'bwd')], m, f'cell {k} backward calls')
+
+    def testOpsRunOnTheirDevicesAtRunTime(self):
+        """Read placement back from a traced v1 Session step (step_stats)."""
+        graph = tf.Graph()
+        with graph.as_default():
+            layer = PipelineParams(4, 4, 'always').Instantiate()
+            y = layer(RandomInputs())
+            train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+                Loss(y), var_list=list(layer.trainable_variables))
+            config = tf.compat.v1.ConfigProto(device_count={'CPU': len(DEVICES)})
+            with tf.compat.v1.Session(graph=graph, config=config) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                meta = tf.compat.v1.RunMetadata()
+                sess.run(train, options=tf.compat.v1.RunOptions(
+                    trace_level=tf.compat.v1.RunOptions.FULL_TRACE), run_metadata=meta)
+        ran = 0
+        for dev_stats in meta.step_stats.dev_stats:
+            device = tf.DeviceSpec.from_string(dev_stats.device)
+            for node in dev_stats.node_stats:
+                k = CellOf(node.node_name)
+                # `.../_<n>` nodes are the runtime's send/receive pairs, one on each side.
+                if k is None or re.search(r'/_\d+$', node.node_name):
+                    continue
+                ran += 1
+                self.assertEqual(device.device_index, k, f'{node.node_name} ran on '
+                                 f'{dev_stats.device}')
+        self.assertGreater(ran, 0)
+
+
+_CELL_SCOPE = re.compile(r'^cell_(\d+)_(fwd|bwd|grad_sum|stats|update|theta)(_\d+)?$')
+
+
+def CellScope(name):
+    """(cell index, part) of an op from its `cell_<k>_<part>` name scope, or (None, None)."""
+    for part in name.split('/'):
+        match = _CELL_SCOPE.match(part)
+        if match:
+            return int(match.group(1)), match.group(2)
+    return None, None
+
+
+def CellOf(name):
+    """The cell index an op belongs to, or None."""
+    return CellScope(name)[0]
+
+
+def FunctionNodes(library, name, seen=None):
+    """All nodes of function `name`, including functions it calls."""
+    seen = set() if seen is None else seen
+    if name in seen or name not in library:
+        return []
+    seen.add(name)
+    nodes = list(library[name].node_def)
+    for node in list(nodes):
+        if 'f' in node.attr and node.attr['f'].func.name:
+            nodes += FunctionNodes(library, node.attr['f'].func.name, seen)
+    return nodes
+
+
+class MemoryTest(tf.test.TestCase, parameterized.TestCase):
+    """Re-materialization cuts measured peak memory (32 layers, K=4, M=8)."""
+
+    def _Peak(self, mode, api):
+        layers = [basic.DenseLayer.Params().Set(input_dim=128, output_dim=128, activation='tanh')
+                  for _ in range(32)]
+        shape = [64, 64, 128]
+        p = pipeline.PipeliningLayer.Params().Set(
+            name='pipe', layer_tpl=layers, num_cells=4, num_micro_batches=8, recompute=mode,
+            input_shapes=shape, devices=DEVICES[:4])
+        x_value = np.random.RandomState(0).normal(size=shape).astype(np.float32)
+        if api == 'function':
+            layer = p.Instantiate()
+            step = tf.function(lambda x: tf.gradients(Loss(layer(x)), layer.trainable_variables))
+            step(x_value)  # Trace and warm up.
+            tf.config.experimental.reset_memory_stats('CPU:0')
+            step(x_value)
+            return tf.config.experimental.get_memory_info('CPU:0')['peak']
+        graph = tf.Graph()
+        with graph.as_default():
+            layer = p.Instantiate()
+            x = tf.compat.v1.placeholder(tf.float32, shape)
+            grads = tf.compat.v1.gradients(Loss(layer(x)), list(layer.trainable_variables))
+            config = tf.compat.v1.ConfigProto(device_count={'CPU': len(DEVICES)})
+            with tf.compat.v1.Session(graph=graph, config=config) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                sess.run(grads, {x: x_value})
+                tf.config.experimental.reset_memory_stats('CPU:0')
+                sess.run(grads, {x: x_value})
+                return tf.config.experimental.get_memory_info('CPU:0')['peak']
+
+    @parameterized.parameters('function', 'v1')
+    def testRecomputeCutsPeakMemory(self, api):
+        off = self._Peak('never', api)
+        on = self._Peak('always', api)
+        self.assertLess(on, 0.6 * off, f'peak with recompute {on / 2**20:.1f} MiB vs without '
+                        f'{off / 2**20:.1f} MiB')
+
+
+class BadInputTest(tf.test.TestCase):
+
+    def testBatchNotDivisibleByMicroBatches(self):
+        layer = PipelineParams(2, 3).Set(input_shapes=None, partition_method='uniform').Instantiate()
+        with self.assertRaisesRegex(ValueError, r'Batch size 16 is not divisible.*\(3\)'):
+            layer(RandomInputs())
+
+    def testMoreMicroBatchesThanExamples(self):
+        layer = PipelineParams(2, 32).Set(input_shapes=None, partition_method='uniform').Instantiate()
+        with self.assertRaisesRegex(ValueError, r'num_micro_batches \(32\) is larger than the '
+                                    r'batch size \(16\)'):
+            layer(RandomInputs())
+
+    def testMoreCellsThanLayers(self):
+        with self.assertRaisesRegex(ValueError, r'num_cells \(9\) is larger than the number of '
+                                    r'layers \(8\)'):
+            PipelineParams(9, 1).Instantiate()
+
+    def testTooFewDevicesWithoutRoundRobin(self):
+        with self.assertRaisesRegex(ValueError, r'4 cells need 4 devices, but only 2'):
+            PipelineParams(4, 1).Set(devices=DEVICES[:2], round_robin=False).Instantiate()
+
+    def testRoundRobinSharesDevices(self):
+        layer = PipelineParams(4, 1).Set(devices=DEVICES[:2]).Instantiate()
+        self.assertEqual(layer.devices, [DEVICES[0], DEVICES[1], DEVICES[0], DEVICES[1]])
+
+    def testBoundariesThatDoNotCoverTheLayers(self):
+        with self.assertRaisesRegex(ValueError, r'boundaries \[0, 3, 7\] do not cover the 8'):
+            PipelineParams(2, 1).Set(partition_method=[0, 3, 7]).Instantiate()
+
+    def testCellOutputDoesNotFitNextCell(self):
+        layers = DenseStack(4)
+        layers[2] = basic.DenseLayer.Params().Set(name='wide_in', input_dim=2 * DIM,
+                                                  output_dim=DIM)
+        with self.assertRaisesRegex(ValueError, r'cell 0 \(layer_000, layer_001\) outputs .*'
+                                    r'cell 1 \(wide_in, layer_003\) cannot take'):
+            PipelineParams(2, 1, layers=layers).Set(partition_method='uniform').Instantiate()
+
+    def testFlopsPartitionNeedsInputShapes(self):
+        with self.assertRaisesRegex(ValueError, 'needs input_shapes'):
+            PipelineParams(2, 1).Set(input_shapes=None).Instantiate()
+
+
+if __name__ == '__main__':
+    tf.test.main()
