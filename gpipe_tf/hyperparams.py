@@ -238,6 +238,9 @@ class Params:
                     raise AttributeError(f'{key!r}: {token!r} is not inside Params.')
                 if creating and node._Lookup(token).value is None:
                     setattr(node, token, _NewParams(value))
+                elif (create and isinstance(value, type) and tokens[i + 1].startswith('[') and
+                      node._Lookup(token).value is None):
+                    setattr(node, token, [])  # A None list field that the text fills.
                 node = node._Lookup(token).value
         last = tokens[-1]
         if last.startswith('['):

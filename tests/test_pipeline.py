@@ -11,6 +11,7 @@ from gpipe_tf import test_utils
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import fprop_context
+from gpipe_tf.layers import normalization
 from gpipe_tf.layers import pipeline
 from gpipe_tf.nested_map import NestedMap
 
@@ -41,12 +42,14 @@ def FloatLeaves(outputs):
 
 def Reference(layer, inputs, num_micro_batches=1, step=0):
     """The pipeline's layers applied un-partitioned, one micro-batch at a time (M=1: whole
-    batch), with no devices, no recompute, no pipeline code."""
+    batch), with no devices, no recompute, no pipeline code. Training updates (batch norm's
+    moving statistics) are collected and dropped, so the reference changes no state."""
     flat = [tf.split(x, num_micro_batches, layer.p.batch_dim) for x in tf.nest.flatten(inputs)]
     outputs = []
     for m in range(num_micro_batches):
         args = (tf.nest.pack_sequence_as(inputs, [parts[m] for parts in flat]),)
-        with fprop_context.Scope(step=step, micro_batch=m):
+        with fprop_context.Scope(step=step, micro_batch=m,
+                                 update_collector=fprop_context.UpdateCollector()):
             for l in layer.Layers():
                 args = base_layer.AsArgs(l.FProp(l.theta, *args))
         outputs.append(args[0])
@@ -216,6 +219,68 @@ class DropoutTest(tf.test.TestCase, parameterized.TestCase):
         with fprop_context.Scope(step=4):
             other = layer(x)
         self.assertGreater(float(tf.reduce_max(tf.abs(other - got[0]))), 1e-3)
+
+
+class BatchNormTest(tf.test.TestCase, parameterized.TestCase):
+    """Batch norm: per-micro-batch statistics in training; moving statistics updated once per
+    step from all M micro-batches, equal to a full-batch update."""
+
+    def _Layer(self, mode, num_micro_batches):
+        # No bias before batch norm, and a nonlinearity after it: otherwise some gradients are
+        # exactly zero in theory and only rounding noise in practice.
+        layers = []
+        for _ in range(3):
+            layers += [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM,
+                                                     has_bias=False),
+                       normalization.BatchNormLayer.Params().Set(dim=DIM, decay=0.9),
+                       basic.ActivationLayer.Params().Set(activation='tanh')]
+        return PipelineParams(3, num_micro_batches, mode, layers=layers).Instantiate()
+
+    def _ExpectedMovingStats(self, layer, x, num_micro_batches):
+        """Moving statistics after one full-batch update from the inputs each BN layer saw."""
+        expected = {}
+        chunks = tf.split(x, num_micro_batches)
+        seen = {}
+        for m, h in enumerate(chunks):
+            with fprop_context.Scope(micro_batch=m,
+                                     update_collector=fprop_context.UpdateCollector()):
+                for l in layer.Layers():
+                    if isinstance(l, normalization.BatchNormLayer):
+                        seen.setdefault(l.path, []).append(h)
+                    h = l.FProp(l.theta, h)
+        for l in layer.Layers():
+            if isinstance(l, normalization.BatchNormLayer):
+                mean, var = tf.nn.moments(tf.concat(seen[l.path], 0), [0])
+                decay = l.p.decay
+                expected[l.path] = (decay * l.vars.moving_mean + (1 - decay) * mean,
+                                    decay * l.vars.moving_variance + (1 - decay) * var)
+        return expected
+
+    @parameterized.product(mode=pipeline.RECOMPUTE_MODES, m=[1, 4])
+    def testTrainingMatchesPerMicroBatchReferenceAndUpdatesOnce(self, mode, m):
+        layer = self._Layer(mode, m)
+        x = RandomInputs() * 3.0 + 1.0
+        want = OutputsAndGrads(lambda x: Reference(layer, x, m), layer, x)
+        expected = self._ExpectedMovingStats(layer, x, m)
+        got = tf.function(lambda x: OutputsAndGrads(layer, layer, x))(x)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+        for l in layer.Layers():
+            if l.path in expected:
+                self.assertLess(test_utils.MaxRelativeError(
+                    (l.vars.moving_mean, l.vars.moving_variance), expected[l.path]), TOLERANCE)
+
+    def testV1GraphUpdatesMovingStatistics(self):
+        def Build():
+            layer = self._Layer('always', 4)
+            y = layer(RandomInputs())
+            updates = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+            bn = [l for l in layer.Layers() if isinstance(l, normalization.BatchNormLayer)]
+            self.assertLen(updates, 3)
+            with tf.control_dependencies(updates + [y]):
+                return [tf.identity(l.vars.moving_mean) for l in bn]
+        means = RunV1(Build)
+        for mean in means:
+            self.assertGreater(float(np.abs(mean).max()), 0.0)
 
 
 class PlacementTest(tf.test.TestCase, parameterized.TestCase):

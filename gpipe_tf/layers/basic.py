@@ -26,11 +26,11 @@ def CheckActivation(name: str) -> None:
 
 
 def LastDim(shape: tf.TensorShape, layer: str, expected: int | None = None) -> int:
-    """The last dimension of `shape`, checked against `expected` when given."""
+    """The last dimension of `shape`, checked against `expected` when both are known."""
     shape = tf.TensorShape(shape)
     if shape.rank is None or shape.rank < 1:
         raise ValueError(f'{layer}: expected an input of rank >= 1, got shape {shape}.')
-    if expected is not None and shape[-1] != expected:
+    if expected is not None and shape[-1] is not None and shape[-1] != expected:
         raise ValueError(f'{layer}: expected input last dimension {expected}, got shape {shape}.')
     return shape[-1]
 
@@ -62,6 +62,7 @@ class DenseLayer(BaseLayer):
 
     def FProp(self, theta, x):
         p = self.p
+        LastDim(x.shape, self.path, p.input_dim)
         y = tf.tensordot(x, theta.w, axes=[[x.shape.rank - 1], [0]])
         if p.has_bias:
             y += theta.b
@@ -70,6 +71,9 @@ class DenseLayer(BaseLayer):
     @classmethod
     def FPropMeta(cls, p, x_shape):
         LastDim(x_shape, p.name or cls.__name__, p.input_dim)
+        if not tf.TensorShape(x_shape).is_fully_defined():
+            raise ValueError(f'{p.name or cls.__name__}: FPropMeta needs a fully defined input '
+                             f'shape, got {x_shape}.')
         out = tf.TensorShape(x_shape)[:-1].concatenate([p.output_dim])
         rows = tf.TensorShape(x_shape)[:-1].num_elements()
         flops = 2 * rows * p.input_dim * p.output_dim

@@ -1,0 +1,23 @@
+"""gpipe_tf: GPipe pipeline parallelism for TensorFlow, in the style of Lingvo."""
+
+import setuptools
+
+setuptools.setup(
+    name='gpipe_tf',
+    version='0.1.0',
+    description='GPipe pipeline parallelism for TensorFlow, in the style of Lingvo.',
+    long_description=open('README.md', encoding='utf-8').read(),
+    long_description_content_type='text/markdown',
+    packages=setuptools.find_packages(include=['gpipe_tf', 'gpipe_tf.*']),
+    package_data={'gpipe_tf': ['**/*.txt', '**/*.tsv', '**/LICENSE*']},
+    python_requires='>=3.11',
+    install_requires=[
+        'tensorflow>=2.21,<2.22',
+        'absl-py',
+        'numpy',
+    ],
+    extras_require={
+        'test': ['pytest'],
+    },
+    license='Apache-2.0',
+)
