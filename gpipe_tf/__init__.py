@@ -5,6 +5,8 @@ The public API is re-exported here; everything else is importable but not promis
 
 from gpipe_tf.hyperparams import InstantiableParams
 from gpipe_tf.hyperparams import Params
+from gpipe_tf.layers.attention import MultiHeadAttentionLayer
+from gpipe_tf.layers.attention import TransformerLayer
 from gpipe_tf.layers.base_layer import BaseLayer
 from gpipe_tf.layers.base_layer import LayerMeta
 from gpipe_tf.layers.base_layer import WeightInit

@@ -63,7 +63,11 @@ class DenseLayer(BaseLayer):
     def FProp(self, theta, x):
         p = self.p
         LastDim(x.shape, self.path, p.input_dim)
-        y = tf.tensordot(x, theta.w, axes=[[x.shape.rank - 1], [0]])
+        if x.shape.rank == 2:
+            y = tf.matmul(x, theta.w)
+        else:  # One matmul over all leading dimensions.
+            y = tf.reshape(tf.matmul(tf.reshape(x, [-1, p.input_dim]), theta.w),
+                           tf.concat([tf.shape(x)[:-1], [p.output_dim]], 0))
         if p.has_bias:
             y += theta.b
         return ACTIVATIONS[p.activation][0](y)

@@ -341,26 +341,33 @@ class PipeliningLayer(BaseLayer):
                 d_outputs = tf.nest.pack_sequence_as(outputs, _FloatGrads(outputs, d_flat))
                 with tf.device(self._devices[-1]):
                     d_acts = microbatch.Split(d_outputs, num_micro_batches, batch_dim)
-                d_thetas = [[] for _ in range(num_cells)]
+                d_thetas = [None] * num_cells  # Per cell, the running gradient sum.
                 for tick in schedule.BackwardTicks(num_micro_batches, num_cells):
                     for k, m in tick:
                         d_y = recompute.FloatLeaves(d_acts[m])
                         fn = self._functions[k]
+                        # A device works on one micro-batch at a time: the backward of the
+                        # next micro-batch waits for the last one's gradient to be summed, so
+                        # at most one micro-batch's weight gradient per cell is alive.
+                        after_previous = tf.control_dependencies(d_thetas[k] or [])
                         if self._Recomputes(k):
-                            with tf.name_scope(f'cell_{k}_bwd'):
+                            with after_previous, tf.name_scope(f'cell_{k}_bwd'):
                                 d_theta, d_x = fn.Backward(
                                     thetas_in[k], acts[k][m], step, micro_batch_ids[m], d_y)
                         else:
-                            with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_bwd'):
+                            with after_previous, tf.device(self._devices[k]), tf.name_scope(
+                                    f'cell_{k}_bwd'):
                                 d_theta, d_x = recompute.Differentiate(
                                     acts[k + 1][m], kept_thetas[k], kept_inputs[k][m], d_y,
                                     tape=tape if tf.executing_eagerly() else None)
-                        d_thetas[k].append(tf.nest.flatten(d_theta))
+                        # A running sum in schedule order: each micro-batch's weight gradient
+                        # is freed once added, instead of all M living until one add_n.
+                        with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_grad_sum'):
+                            d_theta = tf.nest.flatten(d_theta)
+                            d_thetas[k] = d_theta if d_thetas[k] is None else [
+                                a + b for a, b in zip(d_thetas[k], d_theta)]
                         d_acts[m] = tf.nest.pack_sequence_as(acts[k][m], d_x)
-                grads = []
-                for k in range(num_cells):
-                    with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_grad_sum'):
-                        grads += [tf.add_n(list(g)) for g in zip(*d_thetas[k])]
+                grads = [g for cell_grads in d_thetas for g in cell_grads]
                 with tf.device(self._devices[0]):
                     d_inputs = microbatch.Concat(d_acts, batch_dim)
                 return grads + tf.nest.flatten(d_inputs)
