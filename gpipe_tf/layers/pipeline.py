@@ -18,8 +18,8 @@ from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import microbatch
 from gpipe_tf.layers import partition
 from gpipe_tf.layers import recompute
-from gpipe_tf.layers import schedule
 from gpipe_tf.layers import sequential
+from gpipe_tf.layers import unrolled
 from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
 from gpipe_tf.nested_map import NestedMap
 
@@ -263,123 +263,54 @@ class PipeliningLayer(BaseLayer):
         num_micro_batches = microbatch.NumMicroBatches(
             batch_size, p.num_micro_batches, p.micro_batch_size)
         ctx = fprop_context.Current()
-        step = tf.cast(ctx.step, tf.int64)
+        run = unrolled.UnrolledSchedule(
+            self._functions, [self._Recomputes(k) for k in range(self._num_cells)],
+            num_micro_batches, p.batch_dim, tf.cast(ctx.step, tf.int64))
         thetas = [theta[f'cell_{k}'] for k in range(self._num_cells)]
-        if not ctx.training:
-            return self._Infer(thetas, inputs, step, num_micro_batches)
-        return self._Train(thetas, inputs, step, num_micro_batches)
-
-    def _Infer(self, thetas, inputs, step, num_micro_batches):
-        """Forward only, micro-batched, no re-materialization."""
-        with tf.device(self._devices[0]):
-            acts = [microbatch.Split(inputs, num_micro_batches, self.p.batch_dim)]
-        acts += [[None] * num_micro_batches for _ in range(self._num_cells)]
-        for tick in schedule.ForwardTicks(num_micro_batches, self._num_cells):
-            for k, m in tick:
-                with tf.name_scope(f'cell_{k}_fwd'):
-                    acts[k + 1][m], _ = self._functions[k].Forward(
-                        thetas[k], acts[k][m], step, tf.constant(m, tf.int64), training=False)
-        with tf.device(self._devices[-1]):
-            return microbatch.Concat(acts[-1], self.p.batch_dim)
+        if not ctx.training:  # Forward only, micro-batched, no re-materialization.
+            return run.Forward(thetas, inputs, training=False)[0]
+        outputs, updates = self._Train(run, thetas, inputs)
+        for k, cell_updates in enumerate(updates):
+            with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_update'):
+                for layer, stats in zip(self._functions[k].update_layers or [], cell_updates):
+                    layer.AddUpdate(stats)
+        return outputs
 
     def _Recomputes(self, k: int) -> bool:
         mode = self.p.recompute
         return mode == 'always' or (mode == 'except_last' and k < self._num_cells - 1)
 
-    def _Train(self, thetas, inputs, step, num_micro_batches):
-        num_cells, batch_dim = self._num_cells, self.p.batch_dim
-        theta_flat = [tf.nest.flatten(t) for t in thetas]
-        theta_sizes = [len(f) for f in theta_flat]
-        input_flat = tf.nest.flatten(inputs)
-        micro_batch_ids = [tf.constant(m, tf.int64) for m in range(num_micro_batches)]
-        updates = []  # Per cell, the summed training statistics of its layers.
-        output_structure = []
+    def _Train(self, run: unrolled.UnrolledSchedule, thetas: list, inputs):
+        """The unrolled step as one custom-gradient op, so that its backward is ours: built
+        per cell under the cell's device, in the schedule's order.
+
+        Returns:
+          (outputs, per cell its layers' summed training statistics).
+        """
+        theta_sizes = [len(tf.nest.flatten(t)) for t in thetas]
+        results = []
 
         @tf.custom_gradient
         def Pipeline(*flat):
             thetas_in, offset = [], 0
-            for k in range(num_cells):
-                thetas_in.append(tf.nest.pack_sequence_as(
-                    thetas[k], flat[offset:offset + theta_sizes[k]]))
-                offset += theta_sizes[k]
-            x = tf.nest.pack_sequence_as(inputs, flat[offset:])
-            with tf.device(self._devices[0]):
-                acts = [microbatch.Split(x, num_micro_batches, batch_dim)]
-            acts += [[None] * num_micro_batches for _ in range(num_cells)]
-            stats = [[None] * num_micro_batches for _ in range(num_cells)]
-            # Cells that keep their activations are recorded on a tape for their backward.
-            kept_thetas = {}
-            kept_inputs = [[None] * num_micro_batches for _ in range(num_cells)]
-            tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
-            for tick in schedule.ForwardTicks(num_micro_batches, num_cells):
-                for k, m in tick:
-                    fn = self._functions[k]
-                    if self._Recomputes(k):
-                        with tf.name_scope(f'cell_{k}_fwd'):
-                            acts[k + 1][m], stats[k][m] = fn.Forward(
-                                thetas_in[k], acts[k][m], step, micro_batch_ids[m])
-                    else:
-                        # Fresh identities as differentiation sources: tf.gradients would
-                        # otherwise also differentiate the op that produced its sources
-                        # (the previous cell's call), under this cell's device.
-                        with tape, tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_fwd'):
-                            if k not in kept_thetas:
-                                kept_thetas[k] = tf.nest.map_structure(tf.identity, thetas_in[k])
-                            kept_inputs[k][m] = _Identity(acts[k][m])
-                            tape.watch(tf.nest.flatten(kept_thetas[k]) +
-                                       recompute.FloatLeaves(kept_inputs[k][m]))
-                            acts[k + 1][m], stats[k][m] = fn.Forward(
-                                kept_thetas[k], kept_inputs[k][m], step, micro_batch_ids[m])
-            for k in range(num_cells):
-                with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_stats'):
-                    updates.append(_SumStats(stats[k]))
-            with tf.device(self._devices[-1]):
-                outputs = microbatch.Concat(acts[-1], batch_dim)
-            output_structure.append(outputs)
+            for theta, size in zip(thetas, theta_sizes):
+                thetas_in.append(tf.nest.pack_sequence_as(theta, flat[offset:offset + size]))
+                offset += size
+            outputs, updates = run.Forward(
+                thetas_in, tf.nest.pack_sequence_as(inputs, flat[offset:]))
+            results.append((outputs, updates))
 
             def Grad(*d_flat):
                 d_outputs = tf.nest.pack_sequence_as(outputs, _FloatGrads(outputs, d_flat))
-                with tf.device(self._devices[-1]):
-                    d_acts = microbatch.Split(d_outputs, num_micro_batches, batch_dim)
-                d_thetas = [None] * num_cells  # Per cell, the running gradient sum.
-                for tick in schedule.BackwardTicks(num_micro_batches, num_cells):
-                    for k, m in tick:
-                        d_y = recompute.FloatLeaves(d_acts[m])
-                        fn = self._functions[k]
-                        # A device works on one micro-batch at a time: the backward of the
-                        # next micro-batch waits for the last one's gradient to be summed, so
-                        # at most one micro-batch's weight gradient per cell is alive.
-                        after_previous = tf.control_dependencies(d_thetas[k] or [])
-                        if self._Recomputes(k):
-                            with after_previous, tf.name_scope(f'cell_{k}_bwd'):
-                                d_theta, d_x = fn.Backward(
-                                    thetas_in[k], acts[k][m], step, micro_batch_ids[m], d_y)
-                        else:
-                            with after_previous, tf.device(self._devices[k]), tf.name_scope(
-                                    f'cell_{k}_bwd'):
-                                d_theta, d_x = recompute.Differentiate(
-                                    acts[k + 1][m], kept_thetas[k], kept_inputs[k][m], d_y,
-                                    tape=tape if tf.executing_eagerly() else None)
-                        # A running sum in schedule order: each micro-batch's weight gradient
-                        # is freed once added, instead of all M living until one add_n.
-                        with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_grad_sum'):
-                            d_theta = tf.nest.flatten(d_theta)
-                            d_thetas[k] = d_theta if d_thetas[k] is None else [
-                                a + b for a, b in zip(d_thetas[k], d_theta)]
-                        d_acts[m] = tf.nest.pack_sequence_as(acts[k][m], d_x)
-                grads = [g for cell_grads in d_thetas for g in cell_grads]
-                with tf.device(self._devices[0]):
-                    d_inputs = microbatch.Concat(d_acts, batch_dim)
-                return grads + tf.nest.flatten(d_inputs)
+                d_thetas, d_inputs = run.Backward(d_outputs)
+                return [g for cell in d_thetas for g in cell] + tf.nest.flatten(d_inputs)
 
             return tf.nest.flatten(outputs), Grad
 
-        flat_outputs = Pipeline(*[t for f in theta_flat for t in f], *input_flat)
-        for k, cell_updates in enumerate(updates):
-            with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_update'):
-                for layer, stats in zip(self._functions[k].update_layers or [], cell_updates):
-                    layer.AddUpdate(stats)
-        return tf.nest.pack_sequence_as(output_structure[0], list(flat_outputs))
+        flat_outputs = Pipeline(*[t for theta in thetas for t in tf.nest.flatten(theta)],
+                                *tf.nest.flatten(inputs))
+        outputs, updates = results[0]
+        return tf.nest.pack_sequence_as(outputs, list(flat_outputs)), updates
 
     @classmethod
     def FPropMeta(cls, p, *input_shapes):
@@ -395,18 +326,6 @@ class PipeliningLayer(BaseLayer):
 
 def _Names(layers: list) -> str:
     return ', '.join(lp.name for lp in layers)
-
-
-def _SumStats(per_micro_batch: list) -> list:
-    """Sums each layer's statistics over the micro-batches."""
-    if not per_micro_batch or not per_micro_batch[0]:
-        return []
-    return [tf.nest.map_structure(lambda *xs: tf.add_n(list(xs)), *layer_stats)
-            for layer_stats in zip(*per_micro_batch)]
-
-
-def _Identity(structure):
-    return tf.nest.map_structure(lambda x: tf.identity(x) if x is not None else None, structure)
 
 
 def _FloatGrads(outputs, d_flat) -> list:

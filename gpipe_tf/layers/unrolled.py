@@ -1,0 +1,140 @@
+"""The GPipe schedule unrolled into the graph: one step's forward and backward walks.
+
+`UnrolledSchedule.Forward` walks `schedule.ForwardTicks`, calling cell k's traced forward on
+micro-batch t - k at tick t under cell k's device, and keeps only what each cell's backward needs:
+its input (re-materializing cells) or a tape of its forward (cells that keep activations).
+`Backward` walks `schedule.BackwardTicks`, running every cell's backward under its device and
+summing its weight gradients over the micro-batches there.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from gpipe_tf.layers import microbatch
+from gpipe_tf.layers import recompute
+from gpipe_tf.layers import schedule
+
+
+def _Identity(structure):
+    return tf.nest.map_structure(lambda x: tf.identity(x) if x is not None else None, structure)
+
+
+def _SumStats(per_micro_batch: list) -> list:
+    """Sums each layer's training statistics over the micro-batches."""
+    if not per_micro_batch or not per_micro_batch[0]:
+        return []
+    return [tf.nest.map_structure(lambda *xs: tf.add_n(list(xs)), *layer_stats)
+            for layer_stats in zip(*per_micro_batch)]
+
+
+class UnrolledSchedule:
+    """One step of a pipeline of K cells over M micro-batches.
+
+    Args:
+      functions: each cell's `recompute.CellFunctions` (which carry its device).
+      recomputes: per cell, whether its backward re-materializes its forward.
+      num_micro_batches: M.
+      batch_dim: the dimension micro-batches are split along.
+      step: the training step (scalar int64 tensor), for the layers' randomness.
+    """
+
+    def __init__(self, functions, recomputes, num_micro_batches, batch_dim, step):
+        self._functions = functions
+        self._devices = [f.device for f in functions]
+        self._recomputes = list(recomputes)
+        self._num_cells = len(functions)
+        self._num_micro_batches = num_micro_batches
+        self._batch_dim = batch_dim
+        self._step = step
+        self._micro_batch_ids = [tf.constant(m, tf.int64) for m in range(num_micro_batches)]
+
+    def _Grid(self):
+        return [[None] * self._num_micro_batches for _ in range(self._num_cells)]
+
+    def Forward(self, thetas: list, inputs, training: bool = True):
+        """Runs the forward schedule.
+
+        Args:
+          thetas: per cell, its theta.
+          inputs: the mini-batch (tensor or nest of tensors).
+          training: whether to run training passes (and record for `Backward`).
+
+        Returns:
+          (outputs on the last device, per cell the list of its layers' summed statistics).
+        """
+        m_count, batch_dim = self._num_micro_batches, self._batch_dim
+        with tf.device(self._devices[0]):
+            acts = [microbatch.Split(inputs, m_count, batch_dim)] + self._Grid()
+        stats = self._Grid()
+        self._thetas = list(thetas)
+        self._inputs = self._Grid()  # Differentiation sources of each (cell, micro-batch).
+        self._outputs = self._Grid()
+        # Cells that keep their activations are recorded on a tape for their backward (eager
+        # mode needs it; graph mode differentiates the recorded ops with tf.gradients).
+        self._tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
+        for tick in schedule.ForwardTicks(m_count, self._num_cells):
+            for k, m in tick:
+                fn, mb_id = self._functions[k], self._micro_batch_ids[m]
+                with tf.name_scope(f'cell_{k}_fwd'):
+                    if not training or self._recomputes[k]:
+                        self._inputs[k][m] = acts[k][m]
+                        acts[k + 1][m], stats[k][m] = fn.Forward(
+                            thetas[k], acts[k][m], self._step, mb_id, training=training)
+                        continue
+                    # Fresh identities as differentiation sources: tf.gradients would otherwise
+                    # also differentiate the op that produced them (the previous cell's call).
+                    with self._tape, tf.device(self._devices[k]):
+                        if m == 0:
+                            self._thetas[k] = tf.nest.map_structure(tf.identity, thetas[k])
+                        self._inputs[k][m] = _Identity(acts[k][m])
+                        self._tape.watch(tf.nest.flatten(self._thetas[k]) +
+                                         recompute.FloatLeaves(self._inputs[k][m]))
+                        acts[k + 1][m], stats[k][m] = fn.Forward(
+                            self._thetas[k], self._inputs[k][m], self._step, mb_id)
+                self._outputs[k][m] = acts[k + 1][m]
+        updates = []
+        for k in range(self._num_cells):
+            with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_stats'):
+                updates.append(_SumStats(stats[k]) if training else [])
+        with tf.device(self._devices[-1]):
+            return microbatch.Concat(acts[-1], batch_dim), updates
+
+    def Backward(self, d_outputs):
+        """Runs the backward schedule for gradients `d_outputs` of `Forward`'s outputs.
+
+        Args:
+          d_outputs: like the outputs; None for leaves that are not floating point.
+
+        Returns:
+          (per cell the flat list of its theta's gradients, d_inputs like the inputs).
+        """
+        m_count, batch_dim = self._num_micro_batches, self._batch_dim
+        with tf.device(self._devices[-1]):
+            d_acts = microbatch.Split(d_outputs, m_count, batch_dim)
+        d_thetas = [None] * self._num_cells  # Per cell, the running gradient sum.
+        for tick in schedule.BackwardTicks(m_count, self._num_cells):
+            for k, m in tick:
+                d_y = recompute.FloatLeaves(d_acts[m])
+                # A device works on one micro-batch at a time: the backward of the next
+                # micro-batch waits for the last one's gradient to be summed, so at most one
+                # micro-batch's weight gradient per cell is alive.
+                with tf.control_dependencies(d_thetas[k] or []), tf.name_scope(f'cell_{k}_bwd'):
+                    if self._recomputes[k]:
+                        d_theta, d_x = self._functions[k].Backward(
+                            self._thetas[k], self._inputs[k][m], self._step,
+                            self._micro_batch_ids[m], d_y)
+                    else:
+                        with tf.device(self._devices[k]):
+                            d_theta, d_x = recompute.Differentiate(
+                                self._outputs[k][m], self._thetas[k], self._inputs[k][m], d_y,
+                                tape=self._tape if tf.executing_eagerly() else None)
+                # A running sum in schedule order, freed as it goes, instead of one add_n
+                # that keeps all M gradients alive.
+                with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_grad_sum'):
+                    d_theta = tf.nest.flatten(d_theta)
+                    d_thetas[k] = d_theta if d_thetas[k] is None else [
+                        a + b for a, b in zip(d_thetas[k], d_theta)]
+                d_acts[m] = tf.nest.pack_sequence_as(self._inputs[k][m], d_x)
+        with tf.device(self._devices[0]):
+            return d_thetas, microbatch.Concat(d_acts, batch_dim)
