@@ -19,3 +19,9 @@ from gpipe_tf.model_registry import RegisterSingleTaskModel
 from gpipe_tf.nested_map import NestedMap
 
 __version__ = '0.1.0'
+
+__all__ = [
+    'BaseLayer', 'FPropScope', 'GetParams', 'InstantiableParams', 'LayerMeta', 'ListModels',
+    'MultiHeadAttentionLayer', 'NestedMap', 'Params', 'PipeliningLayer',
+    'RegisterSingleTaskModel', 'TransformerLayer', 'WeightInit', 'WeightParams',
+]

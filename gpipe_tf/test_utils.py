@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import fprop_context
+
 # Tests split the CPU into this many logical devices, enough for K = 8 cells.
 NUM_VIRTUAL_CPUS = 8
 
@@ -43,3 +46,42 @@ def MaxRelativeError(actual, expected) -> float:
         scale = max(np.abs(e).max(initial=0.0), 1e-30)
         worst = max(worst, float(np.abs(a - e).max(initial=0.0) / scale))
     return worst
+
+
+def FloatLeaves(structure) -> list:
+    return [x for x in tf.nest.flatten(structure) if x is not None and x.dtype.is_floating]
+
+
+def SquareLoss(outputs) -> tf.Tensor:
+    """A scalar that depends on every float output: the sum of their squares."""
+    return tf.add_n([tf.reduce_sum(tf.square(x)) for x in FloatLeaves(outputs)])
+
+
+def Unpartitioned(pipeline_layer, inputs, num_micro_batches: int = 1, step: int = 0):
+    """A PipeliningLayer's layers applied one after another, without the pipeline.
+
+    No devices, no recompute, no pipeline code: each micro-batch (M=1: the whole batch) runs
+    through `pipeline_layer.Layers()` under `fprop_context.Scope(step, micro_batch=m)`. Training
+    updates (batch norm's moving statistics) are collected and dropped, so this changes no state.
+    """
+    batch_dim = pipeline_layer.p.batch_dim
+    flat = [tf.split(x, num_micro_batches, batch_dim) for x in tf.nest.flatten(inputs)]
+    outputs = []
+    for m in range(num_micro_batches):
+        args = (tf.nest.pack_sequence_as(inputs, [parts[m] for parts in flat]),)
+        with fprop_context.Scope(step=step, micro_batch=m,
+                                 update_collector=fprop_context.UpdateCollector()):
+            for layer in pipeline_layer.Layers():
+                args = base_layer.AsArgs(layer.FProp(layer.theta, *args))
+        outputs.append(args[0])
+    return tf.nest.map_structure(lambda *xs: tf.concat(xs, batch_dim), *outputs)
+
+
+def OutputsAndGrads(fn, layer, inputs, loss_fn=SquareLoss):
+    """(fn(inputs), d loss / d [float leaves of inputs + layer.trainable_variables])."""
+    float_inputs = FloatLeaves(inputs)
+    with tf.GradientTape() as tape:
+        tape.watch(float_inputs)
+        outputs = fn(inputs)
+        loss = loss_fn(outputs)
+    return outputs, tape.gradient(loss, float_inputs + list(layer.trainable_variables))

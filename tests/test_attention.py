@@ -291,39 +291,6 @@ class TransformerLayerTest(tf.test.TestCase, parameterized.TestCase):
 
 
 # ---- pipelined stacks --------------------------------------------------------------------------
-def Loss(outputs):
-    return tf.add_n([tf.reduce_sum(tf.square(x)) for x in FloatLeaves(outputs)])
-
-
-def FloatLeaves(outputs):
-    return [x for x in tf.nest.flatten(outputs) if x.dtype.is_floating]
-
-
-def Reference(layer, inputs, num_micro_batches=1, step=0):
-    """The pipeline's layers run one after another on each micro-batch (M=1: the whole batch),
-    without devices, recompute or pipeline code (as in test_pipeline)."""
-    flat = [tf.split(x, num_micro_batches, layer.p.batch_dim) for x in tf.nest.flatten(inputs)]
-    outputs = []
-    for m in range(num_micro_batches):
-        args = (tf.nest.pack_sequence_as(inputs, [parts[m] for parts in flat]),)
-        with fprop_context.Scope(step=step, micro_batch=m,
-                                 update_collector=fprop_context.UpdateCollector()):
-            for l in layer.Layers():
-                args = base_layer.AsArgs(l.FProp(l.theta, *args))
-        outputs.append(args[0])
-    return tf.nest.map_structure(lambda *xs: tf.concat(xs, layer.p.batch_dim), *outputs)
-
-
-def OutputsAndGrads(fn, layer, inputs):
-    """(outputs, d loss / d [float inputs + trainable variables]) with a GradientTape."""
-    float_inputs = FloatLeaves(inputs)
-    with tf.GradientTape() as tape:
-        tape.watch(float_inputs)
-        outputs = fn(inputs)
-        loss = Loss(outputs)
-    return outputs, tape.gradient(loss, float_inputs + list(layer.trainable_variables))
-
-
 def _Pipeline(cross=False, **kwargs):
     blocks = [_Transformer(has_cross_attention=cross, **kwargs).Set(name=f'block_{i}')
               for i in range(4)]
@@ -343,8 +310,8 @@ class PipelinedTransformerTest(tf.test.TestCase, parameterized.TestCase):
     def testPipelineMatchesSequentialBlocks(self, cross):
         layer = _Pipeline(cross, causal=True, ffn_init_scale=0.25)
         inputs = _BlockInputs(cross)
-        got = tf.function(lambda x: OutputsAndGrads(layer, layer, x))(inputs)
-        want = OutputsAndGrads(lambda x: Reference(layer, x), layer, inputs)
+        got = tf.function(lambda x: test_utils.OutputsAndGrads(layer, layer, x))(inputs)
+        want = test_utils.OutputsAndGrads(lambda x: test_utils.Unpartitioned(layer, x), layer, inputs)
         self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
 
     def testPipelineWithDropoutMatchesPerMicroBatchReference(self):
@@ -352,8 +319,8 @@ class PipelinedTransformerTest(tf.test.TestCase, parameterized.TestCase):
                           relu_dropout_keep_prob=0.7)
         inputs = _BlockInputs()
         with fprop_context.Scope(step=5):
-            got = tf.function(lambda x: OutputsAndGrads(layer, layer, x))(inputs)
-        want = OutputsAndGrads(lambda x: Reference(layer, x, 2, step=5), layer, inputs)
+            got = tf.function(lambda x: test_utils.OutputsAndGrads(layer, layer, x))(inputs)
+        want = test_utils.OutputsAndGrads(lambda x: test_utils.Unpartitioned(layer, x, 2, step=5), layer, inputs)
         self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
 
 

@@ -32,40 +32,6 @@ def PipelineParams(num_cells, num_micro_batches, recompute='always', layers=None
         input_shapes=[BATCH, DIM], devices=DEVICES[:4], **kw)
 
 
-def Loss(outputs):
-    return tf.add_n([tf.reduce_sum(tf.square(x)) for x in FloatLeaves(outputs)])
-
-
-def FloatLeaves(outputs):
-    return [x for x in tf.nest.flatten(outputs) if x.dtype.is_floating]
-
-
-def Reference(layer, inputs, num_micro_batches=1, step=0):
-    """The pipeline's layers applied un-partitioned, one micro-batch at a time (M=1: whole
-    batch), with no devices, no recompute, no pipeline code. Training updates (batch norm's
-    moving statistics) are collected and dropped, so the reference changes no state."""
-    flat = [tf.split(x, num_micro_batches, layer.p.batch_dim) for x in tf.nest.flatten(inputs)]
-    outputs = []
-    for m in range(num_micro_batches):
-        args = (tf.nest.pack_sequence_as(inputs, [parts[m] for parts in flat]),)
-        with fprop_context.Scope(step=step, micro_batch=m,
-                                 update_collector=fprop_context.UpdateCollector()):
-            for l in layer.Layers():
-                args = base_layer.AsArgs(l.FProp(l.theta, *args))
-        outputs.append(args[0])
-    return tf.nest.map_structure(lambda *xs: tf.concat(xs, layer.p.batch_dim), *outputs)
-
-
-def OutputsAndGrads(fn, layer, inputs):
-    """(outputs, d loss / d [float inputs + trainable variables]) with a GradientTape."""
-    float_inputs = FloatLeaves(inputs)
-    with tf.GradientTape() as tape:
-        tape.watch(float_inputs)
-        outputs = fn(inputs)
-        loss = Loss(outputs)
-    return outputs, tape.gradient(loss, float_inputs + list(layer.trainable_variables))
-
-
 def RunV1(build):
     """Builds `build()` -> (pipeline_fetches, reference_fetches) in a v1 graph and runs both."""
     graph = tf.Graph()
@@ -81,11 +47,11 @@ def V1OutputsAndGrads(make_layer, make_inputs, num_micro_batches_ref=1):
     def Build():
         layer = make_layer()
         inputs = make_inputs()
-        xs = FloatLeaves(inputs) + list(layer.trainable_variables)
+        xs = test_utils.FloatLeaves(inputs) + list(layer.trainable_variables)
         y = layer(inputs)
-        y_ref = Reference(layer, inputs, num_micro_batches_ref)
-        return ([y, tf.compat.v1.gradients(Loss(y), xs)],
-                [y_ref, tf.compat.v1.gradients(Loss(y_ref), xs)])
+        y_ref = test_utils.Unpartitioned(layer, inputs, num_micro_batches_ref)
+        return ([y, tf.compat.v1.gradients(test_utils.SquareLoss(y), xs)],
+                [y_ref, tf.compat.v1.gradients(test_utils.SquareLoss(y_ref), xs)])
     return RunV1(Build)
 
 
@@ -103,8 +69,8 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
     def testTfFunctionMatchesUnpartitioned(self, k, m, mode):
         layer = PipelineParams(k, m, mode).Instantiate()
         x = RandomInputs()
-        got = tf.function(lambda x: OutputsAndGrads(layer, layer, x))(x)
-        want = OutputsAndGrads(lambda x: Reference(layer, x), layer, x)
+        got = tf.function(lambda x: test_utils.OutputsAndGrads(layer, layer, x))(x)
+        want = test_utils.OutputsAndGrads(lambda x: test_utils.Unpartitioned(layer, x), layer, x)
         self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
 
     @parameterized.parameters(*GRID)
@@ -117,8 +83,8 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
     def testEagerMatchesUnpartitioned(self, k, m, mode):
         layer = PipelineParams(k, m, mode).Instantiate()
         x = RandomInputs()
-        got = OutputsAndGrads(layer, layer, x)
-        want = OutputsAndGrads(lambda x: Reference(layer, x), layer, x)
+        got = test_utils.OutputsAndGrads(layer, layer, x)
+        want = test_utils.OutputsAndGrads(lambda x: test_utils.Unpartitioned(layer, x), layer, x)
         self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
 
     def testExplicitCellsMatchUnpartitioned(self):
@@ -128,16 +94,45 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
             devices=DEVICES[:3]).Instantiate()
         self.assertEqual([len(c.sequence) for c in layer.cells], [1, 4, 1])
         x = RandomInputs()
-        got = tf.function(lambda x: OutputsAndGrads(layer, layer, x))(x)
-        want = OutputsAndGrads(lambda x: Reference(layer, x), layer, x)
+        got = tf.function(lambda x: test_utils.OutputsAndGrads(layer, layer, x))(x)
+        want = test_utils.OutputsAndGrads(lambda x: test_utils.Unpartitioned(layer, x), layer, x)
         self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+
+    def testBeforeLayersRunAheadOnTheFirstDevice(self):
+        stack = DenseStack(4)
+        layer = PipelineParams(2, 4, layers=stack[1:]).Set(
+            before_tpl=[stack[0].Copy().Set(name='before')]).Instantiate()
+        self.assertEqual([l.p.name for l in layer.Layers()][0], 'before')
+        self.assertEqual(layer.Layers()[0].vars.w.device, layer.Layers()[1].vars.w.device)
+        x = RandomInputs()
+        got = tf.function(lambda x: test_utils.OutputsAndGrads(layer, layer, x))(x)
+        want = test_utils.OutputsAndGrads(lambda x: test_utils.Unpartitioned(layer, x), layer, x)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+
+    def testMicroBatchSizeSetsTheNumberOfMicroBatches(self):
+        layer = PipelineParams(2, None).Set(micro_batch_size=4).Instantiate()
+        x = RandomInputs()
+        got = tf.function(lambda x: test_utils.OutputsAndGrads(layer, layer, x))(x)
+        want = test_utils.OutputsAndGrads(lambda x: test_utils.Unpartitioned(layer, x), layer, x)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+        graph = tf.function(layer).get_concrete_function(x).graph
+        forward_calls = [op for op in graph.get_operations()
+                         if CellScope(op.name) == (0, 'fwd') and op.type.endswith('PartitionedCall')]
+        self.assertLen(forward_calls, BATCH // 4)
+
+    def testDevicesMayBeAFunctionOfTheStage(self):
+        layer = PipelineParams(3, 1).Set(devices=lambda k: DEVICES[2 - k]).Instantiate()
+        self.assertEqual(layer.devices, [DEVICES[2], DEVICES[1], DEVICES[0]])
+        for k, cell in enumerate(layer.cells):
+            for v in cell.variables:
+                self.assertEqual(tf.DeviceSpec.from_string(v.device).device_index, 2 - k)
 
     def testInferenceMatchesUnpartitioned(self):
         layer = PipelineParams(4, 4).Instantiate()
         x = RandomInputs()
         with fprop_context.Scope(training=False):
             got = tf.function(layer)(x)
-            want = Reference(layer, x)
+            want = test_utils.Unpartitioned(layer, x)
         self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
 
 
@@ -184,8 +179,8 @@ class StructuredInputTest(tf.test.TestCase, parameterized.TestCase):
     def testNestedMapInputsInTfFunction(self, batch_dim, mode):
         layer = self._Layer(batch_dim, mode)
         inputs = self._Inputs(batch_dim)
-        got = tf.function(lambda x: OutputsAndGrads(layer, layer, x))(inputs)
-        want = OutputsAndGrads(lambda x: Reference(layer, x), layer, inputs)
+        got = tf.function(lambda x: test_utils.OutputsAndGrads(layer, layer, x))(inputs)
+        want = test_utils.OutputsAndGrads(lambda x: test_utils.Unpartitioned(layer, x), layer, inputs)
         self.assertIsInstance(got[0], NestedMap)
         self.assertAllEqual(got[0].ids, tf.fill(got[0].ids.shape, 4))
         self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
@@ -212,8 +207,8 @@ class DropoutTest(tf.test.TestCase, parameterized.TestCase):
         layer = self._Layer(mode)
         x = RandomInputs()
         with fprop_context.Scope(step=3):
-            got = tf.function(lambda x: OutputsAndGrads(layer, layer, x))(x)
-        want = OutputsAndGrads(lambda x: Reference(layer, x, 4, step=3), layer, x)
+            got = tf.function(lambda x: test_utils.OutputsAndGrads(layer, layer, x))(x)
+        want = test_utils.OutputsAndGrads(lambda x: test_utils.Unpartitioned(layer, x, 4, step=3), layer, x)
         self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
         # The masks really drop: a different step gives a different output.
         with fprop_context.Scope(step=4):
@@ -260,9 +255,9 @@ class BatchNormTest(tf.test.TestCase, parameterized.TestCase):
     def testTrainingMatchesPerMicroBatchReferenceAndUpdatesOnce(self, mode, m):
         layer = self._Layer(mode, m)
         x = RandomInputs() * 3.0 + 1.0
-        want = OutputsAndGrads(lambda x: Reference(layer, x, m), layer, x)
+        want = test_utils.OutputsAndGrads(lambda x: test_utils.Unpartitioned(layer, x, m), layer, x)
         expected = self._ExpectedMovingStats(layer, x, m)
-        got = tf.function(lambda x: OutputsAndGrads(layer, layer, x))(x)
+        got = tf.function(lambda x: test_utils.OutputsAndGrads(layer, layer, x))(x)
         self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
         for l in layer.Layers():
             if l.path in expected:
@@ -293,7 +288,7 @@ class PlacementTest(tf.test.TestCase, parameterized.TestCase):
         with graph.as_default():
             layer = PipelineParams(k_cells, m, mode).Instantiate()
             y = layer(RandomInputs())
-            grads = tf.compat.v1.gradients(Loss(y), list(layer.trainable_variables))
+            grads = tf.compat.v1.gradients(test_utils.SquareLoss(y), list(layer.trainable_variables))
             self.assertNotIn(None, grads)
         library = {f.signature.name: f for f in graph.as_graph_def().library.function}
         devices = [tf.DeviceSpec.from_string(d) for d in layer.devices]
@@ -325,7 +320,7 @@ class PlacementTest(tf.test.TestCase, parameterized.TestCase):
             layer = PipelineParams(4, 4, 'always').Instantiate()
             y = layer(RandomInputs())
             train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
-                Loss(y), var_list=list(layer.trainable_variables))
+                test_utils.SquareLoss(y), var_list=list(layer.trainable_variables))
             config = tf.compat.v1.ConfigProto(device_count={'CPU': len(DEVICES)})
             with tf.compat.v1.Session(graph=graph, config=config) as sess:
                 sess.run(tf.compat.v1.global_variables_initializer())
@@ -389,7 +384,7 @@ class MemoryTest(tf.test.TestCase, parameterized.TestCase):
         x_value = np.random.RandomState(0).normal(size=shape).astype(np.float32)
         if api == 'function':
             layer = p.Instantiate()
-            step = tf.function(lambda x: tf.gradients(Loss(layer(x)), layer.trainable_variables))
+            step = tf.function(lambda x: tf.gradients(test_utils.SquareLoss(layer(x)), layer.trainable_variables))
             step(x_value)  # Trace and warm up.
             tf.config.experimental.reset_memory_stats('CPU:0')
             step(x_value)
@@ -398,7 +393,7 @@ class MemoryTest(tf.test.TestCase, parameterized.TestCase):
         with graph.as_default():
             layer = p.Instantiate()
             x = tf.compat.v1.placeholder(tf.float32, shape)
-            grads = tf.compat.v1.gradients(Loss(layer(x)), list(layer.trainable_variables))
+            grads = tf.compat.v1.gradients(test_utils.SquareLoss(layer(x)), list(layer.trainable_variables))
             config = tf.compat.v1.ConfigProto(device_count={'CPU': len(DEVICES)})
             with tf.compat.v1.Session(graph=graph, config=config) as sess:
                 sess.run(tf.compat.v1.global_variables_initializer())
@@ -426,6 +421,12 @@ class BadInputTest(tf.test.TestCase):
         layer = PipelineParams(2, 32).Set(input_shapes=None, partition_method='uniform').Instantiate()
         with self.assertRaisesRegex(ValueError, r'num_micro_batches \(32\) is larger than the '
                                     r'batch size \(16\)'):
+            layer(RandomInputs())
+
+    def testBothMicroBatchSettings(self):
+        layer = PipelineParams(2, 4).Set(micro_batch_size=4).Instantiate()
+        with self.assertRaisesRegex(ValueError, 'Set exactly one of num_micro_batches and '
+                                    'micro_batch_size, got 4 and 4'):
             layer(RandomInputs())
 
     def testMoreCellsThanLayers(self):

@@ -30,8 +30,10 @@ def BatchSize(inputs, batch_dim: int) -> int | None:
 
 def NumMicroBatches(batch_size: int, num_micro_batches: int | None,
                     micro_batch_size: int | None) -> int:
-    """M from either M or the micro-batch size, checked against the batch size."""
-    if (num_micro_batches is None) == (micro_batch_size is None):
+    """M from either M or the micro-batch size (neither: M = 1), checked against the batch."""
+    if num_micro_batches is None and micro_batch_size is None:
+        num_micro_batches = 1
+    if num_micro_batches is not None and micro_batch_size is not None:
         raise ValueError('Set exactly one of num_micro_batches and micro_batch_size, got '
                          f'{num_micro_batches} and {micro_batch_size}.')
     if micro_batch_size is not None:

@@ -80,9 +80,12 @@ class PipeliningLayer(BaseLayer):
                  'A flat list of layer Params, partitioned into num_cells cells automatically.')
         p.Define('num_cells', 1, 'K, the number of cells when partitioning layer_tpl.')
         p.Define('before_tpl', [], 'Layer Params run ahead of the pipeline on the first device.')
-        p.Define('num_micro_batches', 1, 'M, the number of micro-batches per mini-batch.')
+        p.Define('num_micro_batches', None,
+                 'M, the number of micro-batches per mini-batch; None: 1, unless '
+                 'micro_batch_size is set.')
         p.Define('micro_batch_size', None,
-                 'Size of a micro-batch; when set, M = batch size / micro_batch_size.')
+                 'Size of a micro-batch, instead of num_micro_batches: M = batch size / '
+                 'micro_batch_size.')
         p.Define('batch_dim', 0, 'The batch dimension of every input and output.')
         p.Define('devices', None,
                  'Device of each stage: None (logical devices present), a list of device '

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
-
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
 
