@@ -44,6 +44,8 @@ class CellFunctions:
     def __init__(self, cell: base_layer.BaseLayer, device: str):
         self.cell = cell
         self.device = device
+        # Per leaf of the cell's theta, whether it is trainable (and so gets a gradient).
+        self.trainable = [v.trainable for v in tf.nest.flatten(cell.vars)]
         # Layers that report training updates, in the order they report them; set when the
         # training forward is first traced.
         self.update_layers: list | None = None
@@ -75,8 +77,8 @@ class CellFunctions:
         differentiates it.
 
         Returns:
-          (d_theta, d_inputs): d_theta shaped like theta; d_inputs a flat list over the leaves of
-          `inputs`, None where a leaf is not floating point.
+          (d_theta, d_inputs): flat lists over the leaves of theta and `inputs`, None where a
+          theta leaf is not trainable or an input leaf is not floating point.
         """
         with tf.device(self.device):
             with tf.control_dependencies(d_outputs):
@@ -84,7 +86,7 @@ class CellFunctions:
                 inputs = tf.nest.map_structure(
                     lambda x: tf.identity(x) if x is not None else None, inputs)
             outputs, _ = self._Run(theta, inputs, step, micro_batch, training=True)
-            return Differentiate(outputs, theta, inputs, d_outputs)
+            return Differentiate(outputs, theta, inputs, d_outputs, self.trainable)
 
     def Forward(self, theta, inputs, step, micro_batch, training: bool = True):
         """(outputs, update stats) of the cell on one micro-batch; one call op on the device."""
@@ -92,31 +94,37 @@ class CellFunctions:
             return self._forward[training](theta, inputs, step, micro_batch)
 
     def Backward(self, theta, inputs, step, micro_batch, d_outputs):
-        """(d_theta, flat d_inputs) for one micro-batch, recomputing the forward."""
+        """(flat d_theta, flat d_inputs) for one micro-batch, recomputing the forward."""
         with tf.device(self.device):
             return self._backward(theta, inputs, step, micro_batch, d_outputs)
 
 
-def Differentiate(outputs, theta, inputs, d_outputs, tape=None):
-    """Gradients of `outputs` w.r.t. theta and the float leaves of `inputs`.
+def Differentiate(outputs, theta, inputs, d_outputs, trainable, tape=None):
+    """Gradients of `outputs` w.r.t. the trainable leaves of theta and the float leaves of
+    `inputs`.
 
-    `d_outputs` lists the incoming gradients of the float leaves of `outputs`.
-
-    Uses `tape` when given (eager mode), else tf.gradients (graph mode, colocated with the ops).
+    Args:
+      outputs, theta, inputs: the forward computation's outputs, theta and inputs.
+      d_outputs: the incoming gradients of the float leaves of `outputs`.
+      trainable: per leaf of theta (flattened), whether it is a trainable variable's value;
+        the others (batch norm's moving statistics) get no gradient.
+      tape: a tape that recorded the forward (eager mode); else tf.gradients (graph mode).
 
     Returns:
-      (d_theta shaped like theta, flat d_inputs with None for non-float leaves).
+      (flat d_theta with None for non-trainable leaves, flat d_inputs with None for non-float
+      leaves).
     """
     ys = FloatLeaves(outputs)
     dys = list(d_outputs)
-    theta_flat = tf.nest.flatten(theta)
+    sources = [t for t, keep in zip(tf.nest.flatten(theta), trainable) if keep]
     xs = FloatLeaves(inputs)
     if tape is not None:
-        grads = tape.gradient(ys, theta_flat + xs, output_gradients=dys,
+        grads = tape.gradient(ys, sources + xs, output_gradients=dys,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
     else:
-        grads = tf.gradients(ys, theta_flat + xs, grad_ys=dys,
+        grads = tf.gradients(ys, sources + xs, grad_ys=dys,
                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    d_theta = tf.nest.pack_sequence_as(theta, grads[:len(theta_flat)])
-    return d_theta, WithFloatLeaves(inputs, grads[len(theta_flat):])
+    theta_grads = iter(grads[:len(sources)])
+    d_theta = [next(theta_grads) if keep else None for keep in trainable]
+    return d_theta, WithFloatLeaves(inputs, grads[len(sources):])
 

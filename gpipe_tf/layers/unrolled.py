@@ -107,7 +107,8 @@ class UnrolledSchedule:
           d_outputs: like the outputs; None for leaves that are not floating point.
 
         Returns:
-          (per cell the flat list of its theta's gradients, d_inputs like the inputs).
+          (per cell the flat list of its theta's gradients, None for non-trainable leaves;
+          d_inputs like the inputs).
         """
         m_count, batch_dim = self._num_micro_batches, self._batch_dim
         with tf.device(self._devices[-1]):
@@ -119,7 +120,8 @@ class UnrolledSchedule:
                 # A device works on one micro-batch at a time: the backward of the next
                 # micro-batch waits for the last one's gradient to be summed, so at most one
                 # micro-batch's weight gradient per cell is alive.
-                with tf.control_dependencies(d_thetas[k] or []), tf.name_scope(f'cell_{k}_bwd'):
+                previous = [g for g in d_thetas[k] or [] if g is not None]
+                with tf.control_dependencies(previous), tf.name_scope(f'cell_{k}_bwd'):
                     if self._recomputes[k]:
                         d_theta, d_x = self._functions[k].Backward(
                             self._thetas[k], self._inputs[k][m], self._step,
@@ -128,13 +130,13 @@ class UnrolledSchedule:
                         with tf.device(self._devices[k]):
                             d_theta, d_x = recompute.Differentiate(
                                 self._outputs[k][m], self._thetas[k], self._inputs[k][m], d_y,
+                                self._functions[k].trainable,
                                 tape=self._tape if tf.executing_eagerly() else None)
                 # A running sum in schedule order, freed as it goes, instead of one add_n
                 # that keeps all M gradients alive.
                 with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_grad_sum'):
-                    d_theta = tf.nest.flatten(d_theta)
                     d_thetas[k] = d_theta if d_thetas[k] is None else [
-                        a + b for a, b in zip(d_thetas[k], d_theta)]
+                        None if a is None else a + b for a, b in zip(d_thetas[k], d_theta)]
                 d_acts[m] = tf.nest.pack_sequence_as(self._inputs[k][m], d_x)
         with tf.device(self._devices[0]):
             return d_thetas, microbatch.Concat(d_acts, batch_dim)
