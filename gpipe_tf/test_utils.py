@@ -39,8 +39,9 @@ def ConfigureVirtualCpus(num_devices: int = NUM_VIRTUAL_CPUS) -> list[str]:
 def MaxRelativeError(actual, expected) -> float:
     """max |actual - expected| / max |expected| over all tensors of two like-structured nests."""
     worst = 0.0
+    dense = lambda x: tf.convert_to_tensor(x) if isinstance(x, tf.IndexedSlices) else x
     for a, e in zip(tf.nest.flatten(actual), tf.nest.flatten(expected)):
-        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        a, e = np.asarray(dense(a), np.float64), np.asarray(dense(e), np.float64)
         if a.shape != e.shape:
             raise ValueError(f'Shapes differ: {a.shape} vs {e.shape}.')
         scale = max(np.abs(e).max(initial=0.0), 1e-30)

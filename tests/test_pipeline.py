@@ -10,6 +10,7 @@ from absl.testing import parameterized
 from gpipe_tf import test_utils
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import basic
+from gpipe_tf.layers import embedding
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import normalization
 from gpipe_tf.layers import pipeline
@@ -126,6 +127,20 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         for k, cell in enumerate(layer.cells):
             for v in cell.variables:
                 self.assertEqual(tf.DeviceSpec.from_string(v.device).device_index, 2 - k)
+
+    def testSparseEmbeddingGradientsAreSummedOverMicroBatches(self):
+        layers = [embedding.EmbeddingLayer.Params().Set(vocab_size=50, embedding_dim=DIM)]
+        layers += DenseStack(3)
+        layer = pipeline.PipeliningLayer.Params().Set(
+            name='pipe', layer_tpl=layers, num_cells=2, num_micro_batches=4,
+            input_shapes=[BATCH, 5], devices=DEVICES[:2]).Instantiate()
+        ids = tf.random.stateless_uniform([BATCH, 5], [3, 4], maxval=50, dtype=tf.int32)
+        got = tf.function(lambda x: test_utils.OutputsAndGrads(layer, layer, x))(ids)
+        want = test_utils.OutputsAndGrads(lambda x: test_utils.Unpartitioned(layer, x), layer,
+                                          ids)
+        got = tf.nest.map_structure(tf.convert_to_tensor, got)
+        want = tf.nest.map_structure(tf.convert_to_tensor, want)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
 
     def testInferenceMatchesUnpartitioned(self):
         layer = PipelineParams(4, 4).Instantiate()

@@ -234,7 +234,9 @@ class TransformerLayer(BaseLayer):
         p = super().Params()
         p.Define('model_dim', 0, 'Size D of vec\'s last dimension.')
         p.Define('hidden_dim', 0, 'Size of the feed-forward network\'s hidden layer.')
-        p.Define('num_heads', 1, 'Number of attention heads; must divide model_dim.')
+        p.Define('num_heads', 1, 'Number of attention heads.')
+        p.Define('dim_per_head', None,
+                 'Size of each attention head; None means model_dim // num_heads.')
         p.Define('causal', False, 'Whether self-attention is causal (decoder-only LM style).')
         p.Define('has_cross_attention', False,
                  'Whether the block attends to encoder_vec after self-attention (decoder).')
@@ -270,8 +272,8 @@ class TransformerLayer(BaseLayer):
 
         def Attention(causal):
             return MultiHeadAttentionLayer.Params().Set(
-                model_dim=p.model_dim, num_heads=p.num_heads, causal=causal,
-                atten_dropout_keep_prob=p.atten_dropout_keep_prob, dtype=p.dtype,
+                model_dim=p.model_dim, num_heads=p.num_heads, dim_per_head=p.dim_per_head,
+                causal=causal, atten_dropout_keep_prob=p.atten_dropout_keep_prob, dtype=p.dtype,
                 params_init=p.params_init.Copy())
 
         def Dropout(keep_prob):

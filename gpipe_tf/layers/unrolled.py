@@ -133,8 +133,10 @@ class UnrolledSchedule:
                                 self._functions[k].trainable,
                                 tape=self._tape if tf.executing_eagerly() else None)
                 # A running sum in schedule order, freed as it goes, instead of one add_n
-                # that keeps all M gradients alive.
+                # that keeps all M gradients alive. Sparse gradients (an embedding's gather)
+                # are made dense: summed over micro-batches they mostly are.
                 with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_grad_sum'):
+                    d_theta = [None if g is None else tf.convert_to_tensor(g) for g in d_theta]
                     d_thetas[k] = d_theta if d_thetas[k] is None else [
                         None if a is None else a + b for a, b in zip(d_thetas[k], d_theta)]
                 d_acts[m] = tf.nest.pack_sequence_as(self._inputs[k][m], d_x)

@@ -1,0 +1,1 @@
+"""Registered image-classification models (AmoebaNet); see `gpipe_tf.model_registry`."""

@@ -1,0 +1,175 @@
+"""Transformer language models of the GPipe paper, and a tiny one that trains on a CPU.
+
+Transformer-L (GPipe Table 1): model dim 2048, feed-forward 8192, 32 heads of 64, vocabulary 32k
+(32000: 2 x 32000 x 2048 embedding and softmax weights plus L layers of 50,356,224 parameters give
+the table's 282.2M at L=3), sequence length 1024, batch 32, scaled by the number of layers L:
+
+  key                 L     partitions K  paper's column  parameters (ours)   paper
+  lm.TransformerL_3      3    1           Naive-1            282,176,768      282.2M
+  lm.TransformerL_13    13    1           Pipeline-1         785,739,008      785.8M
+  lm.TransformerL_103  103    8           Pipeline-8       5,317,799,168      5.3B
+  lm.TransformerL_415  415   32           Pipeline-32     21,028,941,056     21.0B
+  lm.TransformerL_1663 1663 128           Pipeline-128    83,873,508,608     83.9B
+  lm.Transformer48      48    8           Table 2          2,548,206,848      (not given)
+
+Naive-1 is the model without GPipe: one cell, one micro-batch, no re-materialization. The
+Pipeline-K columns re-materialize with M = 32 micro-batches (the paper does not give M; 32
+micro-batches of one sequence each, at batch 32, is Lingvo's GPipe Transformer LM setting).
+Transformer-48 (Table 2's throughput model) is not described beyond its 48 layers; we take
+Transformer-L's dimensions, as the paper uses that family for its Transformer experiments, and
+K = 8, M = 32 (Table 2's largest setting). The paper does not state dropout or logit clipping for
+these models; we use Lingvo's GPipe LM dropout (0.1 on residuals and attention) and clip logits at
+20 (Lingvo's value for the multilingual models of §5).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from gpipe_tf import hyperparams
+from gpipe_tf import model_registry
+from gpipe_tf.layers import pipeline
+from gpipe_tf.layers import transformer_model
+from gpipe_tf.nested_map import NestedMap
+
+
+def LmInputParams() -> hyperparams.Params:
+    """Input params of a token stream: a stand-in until Params-driven tf.data inputs exist.
+
+    It describes the data; `SyntheticBatch` draws batches of a synthetic language from it.
+    """
+    p = hyperparams.Params()
+    p.Define('batch_size', 32, 'Sequences per mini-batch.')
+    p.Define('max_length', 1024, 'Tokens per sequence (padded to this length).')
+    p.Define('vocab_size', 32000, 'Number of tokens; id 0 is padding.')
+    p.Define('seed', 0, 'Seed the synthetic batches are drawn from.')
+    return p
+
+
+def SyntheticBatch(p: hyperparams.Params, step: int = 0) -> NestedMap:
+    """A batch of arithmetic sequences: token t+1 = token t + stride (mod the vocabulary, never
+    0), stride 1..3 per sequence, so a model can predict every token after the second.
+
+    Returns:
+      NestedMap(ids, paddings, labels, weights), each [batch_size, max_length]; labels are the
+      next tokens; lengths are random in [max_length / 2, max_length], padded with id 0.
+    """
+    rng = np.random.RandomState([p.seed, step])
+    batch, length, vocab = p.batch_size, p.max_length, p.vocab_size
+    start = rng.randint(0, vocab - 1, size=[batch, 1])
+    stride = rng.randint(1, 4, size=[batch, 1])
+    tokens = 1 + (start + stride * np.arange(length + 1)) % (vocab - 1)
+    lengths = rng.randint(max(length // 2, 1), length + 1, size=[batch, 1])
+    real = np.arange(length) < lengths
+    return NestedMap(
+        ids=tf.constant(np.where(real, tokens[:, :-1], 0), tf.int32),
+        paddings=tf.constant(1.0 - real, tf.float32),
+        labels=tf.constant(np.where(real, tokens[:, 1:], 0), tf.int32),
+        weights=tf.constant(real, tf.float32))
+
+
+class TransformerLm:
+    """A decoder-only Transformer LM pipelined with GPipe; subclasses set the sizes below."""
+
+    VOCAB_SIZE = 32000
+    MODEL_DIM = 2048
+    HIDDEN_DIM = 8192
+    NUM_HEADS = 32
+    DIM_PER_HEAD = 64
+    NUM_LAYERS = 3
+    MAX_LENGTH = 1024
+    BATCH_SIZE = 32
+    DROPOUT_KEEP_PROB = 0.9
+    LOGITS_CLIP = 20.0
+    NUM_CELLS = 1
+    NUM_MICRO_BATCHES = 32
+    RECOMPUTE = 'always'
+
+    def ModelParams(self) -> hyperparams.Params:
+        """The model's hyperparameters (transformer_model.LmParams())."""
+        return transformer_model.LmParams().Set(
+            vocab_size=self.VOCAB_SIZE, model_dim=self.MODEL_DIM, hidden_dim=self.HIDDEN_DIM,
+            num_heads=self.NUM_HEADS, dim_per_head=self.DIM_PER_HEAD, num_layers=self.NUM_LAYERS,
+            max_length=self.MAX_LENGTH, residual_dropout_keep_prob=self.DROPOUT_KEEP_PROB,
+            atten_dropout_keep_prob=self.DROPOUT_KEEP_PROB, logits_clip=self.LOGITS_CLIP)
+
+    def Task(self) -> hyperparams.Params:
+        return pipeline.PipeliningLayer.Params().Set(
+            name='lm', layer_tpl=transformer_model.LmLayers(self.ModelParams()),
+            num_cells=self.NUM_CELLS, num_micro_batches=self.NUM_MICRO_BATCHES,
+            recompute=self.RECOMPUTE,
+            input_shapes=transformer_model.LmInputShapes(self.BATCH_SIZE, self.MAX_LENGTH))
+
+    def _Input(self) -> hyperparams.Params:
+        return LmInputParams().Set(batch_size=self.BATCH_SIZE, max_length=self.MAX_LENGTH,
+                                   vocab_size=self.VOCAB_SIZE)
+
+    def Train(self) -> hyperparams.Params:
+        return self._Input().Set(seed=1)
+
+    def Test(self) -> hyperparams.Params:
+        return self._Input().Set(seed=2)
+
+
+@model_registry.RegisterSingleTaskModel
+class TransformerL_3(TransformerLm):  # pylint: disable=invalid-name
+    """Transformer-L, L=3 (GPipe Table 1, Naive-1: 282.2M parameters, no GPipe)."""
+    NUM_LAYERS = 3
+    NUM_CELLS = 1
+    NUM_MICRO_BATCHES = 1
+    RECOMPUTE = 'never'
+
+
+@model_registry.RegisterSingleTaskModel
+class TransformerL_13(TransformerLm):  # pylint: disable=invalid-name
+    """Transformer-L, L=13 (GPipe Table 1, Pipeline-1: 785.8M parameters on one accelerator)."""
+    NUM_LAYERS = 13
+    NUM_CELLS = 1
+
+
+@model_registry.RegisterSingleTaskModel
+class TransformerL_103(TransformerLm):  # pylint: disable=invalid-name
+    """Transformer-L, L=103 (GPipe Table 1, Pipeline-8: 5.3B parameters)."""
+    NUM_LAYERS = 103
+    NUM_CELLS = 8
+
+
+@model_registry.RegisterSingleTaskModel
+class TransformerL_415(TransformerLm):  # pylint: disable=invalid-name
+    """Transformer-L, L=415 (GPipe Table 1, Pipeline-32: 21.0B parameters)."""
+    NUM_LAYERS = 415
+    NUM_CELLS = 32
+
+
+@model_registry.RegisterSingleTaskModel
+class TransformerL_1663(TransformerLm):  # pylint: disable=invalid-name
+    """Transformer-L, L=1663 (GPipe Table 1, Pipeline-128: 83.9B parameters)."""
+    NUM_LAYERS = 1663
+    NUM_CELLS = 128
+
+
+@model_registry.RegisterSingleTaskModel
+class Transformer48(TransformerLm):
+    """Transformer-48 (GPipe Table 2's throughput model): Transformer-L's dimensions, 48 layers
+    (2.55B parameters; the paper gives no count), K=8, M=32."""
+    NUM_LAYERS = 48
+    NUM_CELLS = 8
+
+
+@model_registry.RegisterSingleTaskModel
+class TransformerLTiny(TransformerLm):
+    """A byte-level Transformer-L in miniature that trains on a 2-core CPU in minutes: model dim
+    64, feed-forward 256, 4 heads of 16, 4 layers, vocabulary 256, length 32, batch 16, pipelined
+    over K=2 cells and M=4 micro-batches. No dropout, so runs are reproducible."""
+    VOCAB_SIZE = 256
+    MODEL_DIM = 64
+    HIDDEN_DIM = 256
+    NUM_HEADS = 4
+    DIM_PER_HEAD = 16
+    NUM_LAYERS = 4
+    MAX_LENGTH = 32
+    BATCH_SIZE = 16
+    DROPOUT_KEEP_PROB = 1.0
+    NUM_CELLS = 2
+    NUM_MICRO_BATCHES = 4
