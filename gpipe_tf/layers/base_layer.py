@@ -133,19 +133,20 @@ class LayerMeta:
     activation_bytes: int = 0
 
 
-def _FlattenShapes(shapes) -> list[tf.TensorShape]:
+def FlattenShapes(shapes) -> list[tf.TensorShape]:
+    """The TensorShapes of a TensorShape, or of a NestedMap / tuple of them, in tf.nest order."""
     if isinstance(shapes, tf.TensorShape):
         return [shapes]
     if isinstance(shapes, dict):
-        return [s for k in sorted(shapes) for s in _FlattenShapes(shapes[k])]
+        return [s for k in sorted(shapes) for s in FlattenShapes(shapes[k])]
     if isinstance(shapes, (list, tuple)):
-        return [s for item in shapes for s in _FlattenShapes(item)]
+        return [s for item in shapes for s in FlattenShapes(item)]
     raise TypeError(f'Expected TensorShapes, got {shapes!r}.')
 
 
 def OutputBytes(shapes, dtype: tf.DType) -> int:
     """Bytes of activations of `shapes` (TensorShape, or NestedMap/tuple of them)."""
-    return sum(int(s.num_elements()) for s in _FlattenShapes(shapes)) * tf.as_dtype(dtype).size
+    return sum(int(s.num_elements()) for s in FlattenShapes(shapes)) * tf.as_dtype(dtype).size
 
 
 def AsArgs(outputs) -> tuple:

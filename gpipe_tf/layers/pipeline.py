@@ -109,7 +109,7 @@ class PipeliningLayer(BaseLayer):
         p = self.p
         if p.recompute not in RECOMPUTE_MODES:
             raise ValueError(f'recompute must be one of {RECOMPUTE_MODES}, got {p.recompute!r}.')
-        cell_layers = self._CellLayerParams()
+        cell_layers, self._cell_metas = self.PlanCells(p)
         self._num_cells = len(cell_layers)
         self._devices = StageDevices(p.devices, self._num_cells, p.round_robin)
         with tf.device(self._devices[0]):
@@ -122,28 +122,40 @@ class PipeliningLayer(BaseLayer):
                     f'cell_{k}', sequential.SequentialLayer.Params().Set(sub=layers)))
         self._functions = [recompute.CellFunctions(cell, device)
                            for cell, device in zip(self._cells, self._devices)]
-        self._cell_metas = self._CheckCellsFit(cell_layers)
         logging.info('%s partition:\n%s', self.path, self.PartitionReport())
 
     # ---- construction ---------------------------------------------------------------------
-    def _InputShapes(self) -> tuple | None:
-        shapes = self.p.input_shapes
+    @classmethod
+    def PlanCells(cls, p) -> tuple[list[list], list[LayerMeta] | None]:
+        """From Params alone: each cell's layer Params, and each cell's FPropMeta (None without
+        input_shapes). No variable is built, no TF op created.
+
+        Raises:
+          ValueError: for inconsistent cells, partitions or shapes (see Params).
+        """
+        cells = cls._CellLayerParams(p)
+        return cells, cls._CheckCellsFit(p, cells)
+
+    @staticmethod
+    def _InputShapes(p) -> tuple | None:
+        shapes = p.input_shapes
         if shapes is None:
             return None
         if isinstance(shapes, dict) or (shapes and isinstance(shapes[0], int)):
             return (_ToShapes(shapes),)
         return tuple(_ToShapes(s) for s in shapes)
 
-    def _BodyInputShapes(self) -> tuple | None:
-        shapes = self._InputShapes()
-        if shapes is None or not self.p.before_tpl:
+    @classmethod
+    def _BodyInputShapes(cls, p) -> tuple | None:
+        shapes = cls._InputShapes(p)
+        if shapes is None or not p.before_tpl:
             return shapes
-        meta, _ = sequential.ChainMeta(self.p.before_tpl, *shapes)
+        meta, _ = sequential.ChainMeta(p.before_tpl, *shapes)
         return base_layer.AsArgs(meta.out_shapes)
 
-    def _CellLayerParams(self) -> list[list]:
+    @classmethod
+    def _CellLayerParams(cls, p) -> list[list]:
         """Names the layers and splits them into cells."""
-        p = self.p
         if (p.cell_tpl is None) == (p.layer_tpl is None):
             raise ValueError('Set exactly one of cell_tpl (explicit cells) and layer_tpl (layers '
                              'to partition into num_cells).')
@@ -158,11 +170,11 @@ class PipeliningLayer(BaseLayer):
                 index += len(cell)
             return named
         layers = [lp.Copy().Set(name=_LayerName(lp, i)) for i, lp in enumerate(p.layer_tpl)]
-        boundaries = self._Boundaries(layers)
+        boundaries = cls._Boundaries(p, layers)
         return [layers[boundaries[k]:boundaries[k + 1]] for k in range(len(boundaries) - 1)]
 
-    def _Boundaries(self, layers: list) -> list[int]:
-        p = self.p
+    @classmethod
+    def _Boundaries(cls, p, layers: list) -> list[int]:
         num_layers, num_cells = len(layers), p.num_cells
         if num_cells > num_layers:
             raise ValueError(f'num_cells ({num_cells}) is larger than the number of layers '
@@ -175,7 +187,7 @@ class PipeliningLayer(BaseLayer):
         if method not in PARTITION_METHODS:
             raise ValueError(f'partition_method must be one of {PARTITION_METHODS} or a list of '
                              f'boundaries, got {method!r}.')
-        shapes = self._BodyInputShapes()
+        shapes = cls._BodyInputShapes(p)
         if shapes is None:
             raise ValueError(f'partition_method={method!r} needs input_shapes (the shapes of '
                              'one mini-batch of inputs) to estimate layer costs.')
@@ -183,9 +195,10 @@ class PipeliningLayer(BaseLayer):
         costs = [m.flops if method == 'flops' else m.num_params for m in metas]
         return partition.OptimalBoundaries(costs, num_cells)
 
-    def _CheckCellsFit(self, cell_layers: list) -> list[LayerMeta] | None:
+    @classmethod
+    def _CheckCellsFit(cls, p, cell_layers: list) -> list[LayerMeta] | None:
         """FPropMeta of every cell, checking each cell's output fits the next cell's input."""
-        shapes = self._BodyInputShapes()
+        shapes = cls._BodyInputShapes(p)
         if shapes is None:
             return None
         metas = []
@@ -194,10 +207,10 @@ class PipeliningLayer(BaseLayer):
                 meta, _ = sequential.ChainMeta(layers, *shapes)
             except ValueError as e:
                 if k == 0:
-                    raise ValueError(f'{self.path}: cell 0 ({_Names(layers)}) does not accept '
+                    raise ValueError(f'{p.name}: cell 0 ({_Names(layers)}) does not accept '
                                      f'the pipeline input {shapes}: {e}') from None
                 raise ValueError(
-                    f'{self.path}: cell {k - 1} ({_Names(cell_layers[k - 1])}) outputs '
+                    f'{p.name}: cell {k - 1} ({_Names(cell_layers[k - 1])}) outputs '
                     f'{shapes}, which cell {k} ({_Names(layers)}) cannot take: {e}') from None
             metas.append(meta)
             shapes = base_layer.AsArgs(meta.out_shapes)
