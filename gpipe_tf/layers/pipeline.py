@@ -137,7 +137,8 @@ class PipeliningLayer(BaseLayer):
         return cells, cls._CheckCellsFit(p, cells)
 
     @staticmethod
-    def _InputShapes(p) -> tuple | None:
+    def InputShapes(p) -> tuple | None:
+        """`p.input_shapes` as a tuple of TensorShapes (NestedMaps of them), or None."""
         shapes = p.input_shapes
         if shapes is None:
             return None
@@ -147,7 +148,7 @@ class PipeliningLayer(BaseLayer):
 
     @classmethod
     def _BodyInputShapes(cls, p) -> tuple | None:
-        shapes = cls._InputShapes(p)
+        shapes = cls.InputShapes(p)
         if shapes is None or not p.before_tpl:
             return shapes
         meta, _ = sequential.ChainMeta(p.before_tpl, *shapes)

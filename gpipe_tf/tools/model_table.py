@@ -55,7 +55,7 @@ def Row(key: str) -> ModelRow:
         raise ValueError(f'{key}: expected PipeliningLayer Params with input_shapes, got '
                          f'{p.cls.__name__}.')
     cells, metas = p.cls.PlanCells(p)
-    shapes = p.cls._InputShapes(p)  # pylint: disable=protected-access
+    shapes = p.cls.InputShapes(p)
     m = p.num_micro_batches or 1
     cell_inputs = [base_layer.OutputBytes(shapes, p.dtype)]
     cell_inputs += [base_layer.OutputBytes(meta.out_shapes, p.dtype) for meta in metas[:-1]]
