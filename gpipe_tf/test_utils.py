@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
+from gpipe_tf.layers import recompute
 
 # Tests split the CPU into this many logical devices, enough for K = 8 cells.
 NUM_VIRTUAL_CPUS = 8
@@ -49,8 +50,7 @@ def MaxRelativeError(actual, expected) -> float:
     return worst
 
 
-def FloatLeaves(structure) -> list:
-    return [x for x in tf.nest.flatten(structure) if x is not None and x.dtype.is_floating]
+FloatLeaves = recompute.FloatLeaves
 
 
 def SquareLoss(outputs) -> tf.Tensor:

@@ -26,6 +26,11 @@ def FloatLeaves(structure) -> list:
     return [x for x in tf.nest.flatten(structure) if IsFloat(x)]
 
 
+def Identity(structure):
+    """`tf.identity` of every tensor of a nest (None leaves stay None)."""
+    return tf.nest.map_structure(lambda x: tf.identity(x) if x is not None else None, structure)
+
+
 def WithFloatLeaves(structure, float_values) -> list:
     """The flat leaves of `structure` with its float leaves replaced by `float_values` and the
     others by None."""
@@ -82,9 +87,8 @@ class CellFunctions:
         """
         with tf.device(self.device):
             with tf.control_dependencies(d_outputs):
-                theta = tf.nest.map_structure(tf.identity, theta)
-                inputs = tf.nest.map_structure(
-                    lambda x: tf.identity(x) if x is not None else None, inputs)
+                theta = Identity(theta)
+                inputs = Identity(inputs)
             outputs, _ = self._Run(theta, inputs, step, micro_batch, training=True)
             return Differentiate(outputs, theta, inputs, d_outputs, self.trainable)
 

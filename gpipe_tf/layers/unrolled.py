@@ -16,10 +16,6 @@ from gpipe_tf.layers import recompute
 from gpipe_tf.layers import schedule
 
 
-def _Identity(structure):
-    return tf.nest.map_structure(lambda x: tf.identity(x) if x is not None else None, structure)
-
-
 def _SumStats(per_micro_batch: list) -> list:
     """Sums each layer's training statistics over the micro-batches."""
     if not per_micro_batch or not per_micro_batch[0]:
@@ -86,8 +82,8 @@ class UnrolledSchedule:
                     # also differentiate the op that produced them (the previous cell's call).
                     with self._tape, tf.device(self._devices[k]):
                         if m == 0:
-                            self._thetas[k] = tf.nest.map_structure(tf.identity, thetas[k])
-                        self._inputs[k][m] = _Identity(acts[k][m])
+                            self._thetas[k] = recompute.Identity(thetas[k])
+                        self._inputs[k][m] = recompute.Identity(acts[k][m])
                         self._tape.watch(tf.nest.flatten(self._thetas[k]) +
                                          recompute.FloatLeaves(self._inputs[k][m]))
                         acts[k + 1][m], stats[k][m] = fn.Forward(
