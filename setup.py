@@ -15,9 +15,13 @@ setuptools.setup(
         'tensorflow>=2.21,<2.22',
         'absl-py',
         'numpy',
+        'tensorboard>=2.21,<2.22',  # tf.summary's implementation; no longer a TF dependency.
+        'sacrebleu',  # BLEU of the translation models.
+        'scikit-learn',  # The digits dataset (DigitsInput).
     ],
     extras_require={
         'test': ['pytest'],
     },
+    entry_points={'console_scripts': ['gpipe-train = gpipe_tf.trainer:Run']},
     license='Apache-2.0',
 )

@@ -56,7 +56,7 @@ def InputShapes(p):
 
 
 def NumParams(model):
-    p = model_registry.GetClass(Key(model))().Task()
+    p = model_registry.GetClass(Key(model))().Pipeline()
     return p.cls.FPropMeta(p, InputShapes(p)).num_params
 
 
@@ -87,7 +87,7 @@ class PaperSizeTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.named_parameters(*Named(PAPER))
     def testNumCellsIsThePapersPartitionCount(self, model):
-        self.assertEqual(model_registry.GetClass(Key(model))().Task().num_cells, PAPER[model][1])
+        self.assertEqual(model_registry.GetClass(Key(model))().Pipeline().num_cells, PAPER[model][1])
 
     def testEveryModelIsRegistered(self):
         models = model_registry.ListModels()
@@ -95,7 +95,7 @@ class PaperSizeTest(tf.test.TestCase, parameterized.TestCase):
             self.assertIn(Key(model), models)
 
     def testRegisteredParamsRoundTripThroughText(self):
-        p = amoebanet_params.AmoebaNetD_18_208().Task()
+        p = amoebanet_params.AmoebaNetD_18_208().Pipeline()
         q = pipeline.PipeliningLayer.Params().FromText(p.ToText())
         self.assertEqual(q, p)
         self.assertEqual(q.ToText(), p.ToText())
@@ -233,15 +233,16 @@ class CellTest(tf.test.TestCase):
         return dict(zip([lp.name for lp in p.layer_tpl],
                         sequential.ChainMeta(p.layer_tpl, InputShapes(p))[1]))
 
+    # The small network's stem is a stride-2 3x3 VALID convolution: 28 x 28 -> 13 x 13.
     def testNormalCellConcatenatesFourStatesAtItsInputsSize(self):
         metas = self._Metas()
-        self.assertEqual(metas['normal_0'].out_shapes.cur.as_list(), [8, 26, 26, 4 * 16])
-        self.assertEqual(metas['normal_0'].out_shapes.prev.as_list(), [8, 26, 26, 16])
+        self.assertEqual(metas['normal_0'].out_shapes.cur.as_list(), [8, 13, 13, 4 * 16])
+        self.assertEqual(metas['normal_0'].out_shapes.prev.as_list(), [8, 13, 13, 16])
 
     def testReductionCellHalvesTheSizeAndConcatenatesThreeStates(self):
         metas = self._Metas()
-        self.assertEqual(metas['reduction_0'].out_shapes.cur.as_list(), [8, 13, 13, 3 * 32])
-        self.assertEqual(metas['reduction_1'].out_shapes.cur.as_list(), [8, 7, 7, 3 * 64])
+        self.assertEqual(metas['reduction_0'].out_shapes.cur.as_list(), [8, 7, 7, 3 * 32])
+        self.assertEqual(metas['reduction_1'].out_shapes.cur.as_list(), [8, 4, 4, 3 * 64])
 
     def testDropPathMasksAreAFunctionOfTheStep(self):
         cell = SmallParams().layer_tpl[1].Copy().Set(drop_path_keep_prob=0.5).Instantiate()

@@ -14,6 +14,7 @@ from gpipe_tf import hyperparams
 from gpipe_tf import model_registry
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import pipeline
+from gpipe_tf.tasks import classifier
 from gpipe_tf.params import examples
 
 EXAMPLE = 'examples.PipelinedMLP'
@@ -147,7 +148,7 @@ class GetParamsTest(RegistryTestCase):
     def test_task_params_are_returned_with_the_input_added(self):
         p = model_registry.GetParams(EXAMPLE, 'Train')
         task = examples.PipelinedMLP().Task()
-        task.Define('input', examples.PipelinedMLP().Train(), '')
+        task.input = examples.PipelinedMLP().Train()
         self.assertEqual(p, task)
 
     def test_dataset_name_is_case_insensitive(self):
@@ -156,10 +157,10 @@ class GetParamsTest(RegistryTestCase):
 
     def test_each_call_returns_an_independent_copy(self):
         first = model_registry.GetParams(EXAMPLE, 'Train')
-        first.layer_tpl[0].output_dim = 99
+        first.model.layer_tpl[0].output_dim = 99
         first.input.batch_size = 1
         second = model_registry.GetParams(EXAMPLE, 'Train')
-        self.assertEqual(second.layer_tpl[0].output_dim, 64)
+        self.assertEqual(second.model.layer_tpl[0].output_dim, 64)
         self.assertEqual(second.input.batch_size, 64)
         self.assertFalse(second.frozen)
 
@@ -274,37 +275,39 @@ class ImportAllParamsTest(RegistryTestCase):
 
 class ExampleModelTest(tf.test.TestCase):
 
-    def test_task_is_a_pipelined_stack_of_dense_layers(self):
+    def test_task_is_a_classifier_over_a_pipelined_stack_of_dense_layers(self):
         p = model_registry.GetParams(EXAMPLE, 'Train')
-        self.assertIs(p.cls, pipeline.PipeliningLayer)
-        self.assertEqual(p.name, 'mlp')
-        self.assertEqual((p.num_cells, p.num_micro_batches), (4, 8))
-        self.assertEqual([s.cls for s in p.layer_tpl], [basic.DenseLayer] * 4)
-        self.assertEqual([(s.input_dim, s.output_dim) for s in p.layer_tpl],
+        self.assertIs(p.cls, classifier.ClassifierTask)
+        model = p.model
+        self.assertIs(model.cls, pipeline.PipeliningLayer)
+        self.assertEqual((model.num_cells, model.num_micro_batches), (4, 8))
+        self.assertEqual([s.cls for s in model.layer_tpl], [basic.DenseLayer] * 4)
+        self.assertEqual([(s.input_dim, s.output_dim) for s in model.layer_tpl],
                          [(16, 64), (64, 64), (64, 64), (64, 10)])
 
     def test_task_and_input_shapes_agree(self):
         for dataset in model_registry.GetDatasets(EXAMPLE):
             with self.subTest(dataset=dataset):
                 p = model_registry.GetParams(EXAMPLE, dataset)
-                self.assertEqual(p.input.input_dim, p.layer_tpl[0].input_dim)
-                self.assertEqual(p.input.num_classes, p.layer_tpl[-1].output_dim)
+                self.assertEqual(p.input.image_size ** 2 * p.input.num_channels,
+                                 p.model.layer_tpl[0].input_dim)
+                self.assertEqual(p.input.num_classes, p.model.layer_tpl[-1].output_dim)
 
-    def test_example_instantiates_and_runs_a_forward_pass(self):
+    def test_example_instantiates_and_computes_metrics_on_its_input(self):
         for dataset in model_registry.GetDatasets(EXAMPLE):
             with self.subTest(dataset=dataset):
                 p = model_registry.GetParams(EXAMPLE, dataset)
-                mlp = p.Instantiate()
-                features = tf.random.stateless_normal(
-                        [p.input.batch_size, p.input.input_dim], seed=[p.input.seed, 0])
-                logits = mlp.FProp(mlp.theta, features)
-                self.assertEqual(logits.shape, [p.input.batch_size, p.input.num_classes])
-                self.assertAllInRange(logits, -1e3, 1e3)
+                task = p.Instantiate()
+                batch = next(iter(p.input.Instantiate().EvalDataset()))
+                metrics = task.FPropTower(batch)
+                loss, weight = metrics.loss
+                self.assertEqual(float(weight), p.input.batch_size)
+                self.assertBetween(float(loss), 0.5, 10.0)
+                self.assertBetween(float(metrics.accuracy[0]), 0.0, 1.0)
 
     def test_params_text_round_trips(self):
         p = model_registry.GetParams(EXAMPLE, 'Train')
-        fresh = pipeline.PipeliningLayer.Params()
-        fresh.Define('input', examples.SyntheticInputParams(), '')
+        fresh = classifier.ClassifierTask.Params()
         self.assertEqual(fresh.FromText(p.ToText()), p)
 
 

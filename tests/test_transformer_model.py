@@ -82,7 +82,7 @@ class PaperSizeTest(tf.test.TestCase, parameterized.TestCase):
         start = time.perf_counter()
         with graph.as_default():
             counts = {key: transformer_model.PipelineMeta(
-                model_registry.GetParams(key, 'Train')).num_params for key in PAPER_MODELS}
+                model_registry.GetParams(key, 'Train').model).num_params for key in PAPER_MODELS}
         elapsed = time.perf_counter() - start
         self.assertEmpty(graph.get_operations(), 'FPropMeta created TF ops')
         self.assertLess(elapsed, 30.0)
@@ -96,12 +96,12 @@ class PaperSizeTest(tf.test.TestCase, parameterized.TestCase):
     def testPartitionsFollowThePaper(self):
         for key, num_cells in PAPER_PARTITIONS.items():
             with self.subTest(key=key):
-                self.assertEqual(model_registry.GetParams(key, 'Train').num_cells, num_cells)
-        naive = model_registry.GetParams('lm.TransformerL_3', 'Train')
+                self.assertEqual(model_registry.GetParams(key, 'Train').model.num_cells, num_cells)
+        naive = model_registry.GetParams('lm.TransformerL_3', 'Train').model
         self.assertEqual((naive.num_micro_batches, naive.recompute), (1, 'never'))
 
     def testDeepModelsScaleFfnInitByTheNumberOfLayers(self):
-        layers = model_registry.GetParams('mt.multilingual.T_64_16384_32', 'Train').layer_tpl
+        layers = model_registry.GetParams('mt.multilingual.T_64_16384_32', 'Train').model.layer_tpl
         blocks = [p for p in layers if p.cls is attention.TransformerLayer]
         self.assertLen(blocks, 128)
         self.assertEqual({p.ffn_init_scale for p in blocks}, {1.0 / 128})
@@ -113,7 +113,7 @@ def TinyTask(key, **overrides):
     cls = model_registry.GetClass(key)
     if overrides:
         cls = type(cls.__name__, (cls,), overrides)
-    task = cls().Task()
+    task = cls().Pipeline()
     task.devices = DEVICES[:task.num_cells]
     return task, cls().Train()
 
@@ -177,13 +177,15 @@ class TinyModelTest(tf.test.TestCase, parameterized.TestCase):
                     self.assertEqual(value.shape.as_list(), meta.out_shapes[name].as_list(),
                                      f'{l.path}: {name}')
         batch, length = input_params.batch_size, input_params.max_length
-        self.assertEqual(sorted(args), ['correct', 'per_example_loss', 'weight'])
+        self.assertEqual(sorted(args), ['correct', 'per_example_loss', 'predictions', 'weight'])
         for value in args.values():
             self.assertEqual(value.shape.as_list(), [batch, length])
 
     @parameterized.named_parameters(*TINY)
     def testPipelinedGradientsEqualUnpipelined(self, key):
-        task, input_params = TinyTask(key)
+        # Without dropout: the reference runs the whole batch at once (dropout's per-micro-batch
+        # masks are checked below).
+        task, input_params = TinyTask(key, DROPOUT_KEEP_PROB=1.0)
         self.assertGreaterEqual(task.num_cells, 2)
         self.assertGreaterEqual(task.num_micro_batches, 4)
         layer = task.Instantiate()

@@ -290,7 +290,8 @@ class TransformerSoftmaxLayer(BaseLayer):
 
     NestedMap(vec [B,T,D], labels [B,T] int, weights [B,T], ...) ->
     NestedMap(per_example_loss [B,T] (unweighted), weight [B,T] (= weights),
-              correct [B,T] (1.0 where the arg-max token is the label)).
+              correct [B,T] (1.0 where the arg-max token is the label),
+              predictions [B,T] (the arg-max token, labels' dtype; greedy decoding reads it)).
     The projection has its own weights (see the module docstring on sharing).
     """
 
@@ -329,7 +330,7 @@ class TransformerSoftmaxLayer(BaseLayer):
         predictions = tf.argmax(out.logits, axis=-1, output_type=inputs.labels.dtype)
         correct = tf.cast(tf.equal(predictions, inputs.labels), x.dtype)
         return NestedMap(per_example_loss=out.per_example_loss, weight=inputs.weights,
-                         correct=correct)
+                         correct=correct, predictions=predictions)
 
     @classmethod
     def FPropMeta(cls, p, input_shapes) -> LayerMeta:
@@ -343,7 +344,8 @@ class TransformerSoftmaxLayer(BaseLayer):
         softmax_meta = softmax.cls.FPropMeta(softmax, NestedMap(
             features=ln_meta.out_shapes, labels=shapes.labels, weights=shapes.weights))
         examples = softmax_meta.out_shapes.per_example_loss
-        out = NestedMap(per_example_loss=examples, weight=shapes.weights, correct=examples)
+        out = NestedMap(per_example_loss=examples, weight=shapes.weights, correct=examples,
+                        predictions=examples)
         argmax = LayerMeta(out, _ARGMAX_FLOPS_PER_LOGIT * examples.num_elements() * p.vocab_size,
                            0, base_layer.OutputBytes(examples, p.dtype))
         return _SumMetas(out, [ln_meta, softmax_meta, argmax])

@@ -24,49 +24,26 @@ these models; we use Lingvo's GPipe LM dropout (0.1 on residuals and attention) 
 
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 
 from gpipe_tf import hyperparams
+from gpipe_tf import learning_rate
 from gpipe_tf import model_registry
+from gpipe_tf import optimizer
+from gpipe_tf.input import synthetic_text
 from gpipe_tf.layers import pipeline
 from gpipe_tf.layers import transformer_model
 from gpipe_tf.nested_map import NestedMap
-
-
-def LmInputParams() -> hyperparams.Params:
-    """Input params of a token stream: a stand-in until Params-driven tf.data inputs exist.
-
-    It describes the data; `SyntheticBatch` draws batches of a synthetic language from it.
-    """
-    p = hyperparams.Params()
-    p.Define('batch_size', 32, 'Sequences per mini-batch.')
-    p.Define('max_length', 1024, 'Tokens per sequence (padded to this length).')
-    p.Define('vocab_size', 32000, 'Number of tokens; id 0 is padding.')
-    p.Define('seed', 0, 'Seed the synthetic batches are drawn from.')
-    return p
+from gpipe_tf.tasks import sequence
 
 
 def SyntheticBatch(p: hyperparams.Params, step: int = 0) -> NestedMap:
-    """A batch of arithmetic sequences: token t+1 = token t + stride (mod the vocabulary, never
-    0), stride 1..3 per sequence, so a model can predict every token after the second.
-
-    Returns:
-      NestedMap(ids, paddings, labels, weights), each [batch_size, max_length]; labels are the
-      next tokens; lengths are random in [max_length / 2, max_length], padded with id 0.
-    """
-    rng = np.random.RandomState([p.seed, step])
-    batch, length, vocab = p.batch_size, p.max_length, p.vocab_size
-    start = rng.randint(0, vocab - 1, size=[batch, 1])
-    stride = rng.randint(1, 4, size=[batch, 1])
-    tokens = 1 + (start + stride * np.arange(length + 1)) % (vocab - 1)
-    lengths = rng.randint(max(length // 2, 1), length + 1, size=[batch, 1])
-    real = np.arange(length) < lengths
-    return NestedMap(
-        ids=tf.constant(np.where(real, tokens[:, :-1], 0), tf.int32),
-        paddings=tf.constant(1.0 - real, tf.float32),
-        labels=tf.constant(np.where(real, tokens[:, 1:], 0), tf.int32),
-        weights=tf.constant(real, tf.float32))
+    """A batch of the synthetic LM input `p` (SyntheticLmInput Params) as tensors:
+    NestedMap(ids, paddings, labels, weights) [batch_size, max_length] (weights per token)."""
+    seqs = synthetic_text.ArithmeticSequences(p.batch_size, p.max_length, p.vocab_size,
+                                              [p.seed, step])
+    return NestedMap(ids=tf.constant(seqs.ids), paddings=tf.constant(seqs.paddings),
+                     labels=tf.constant(seqs.labels), weights=tf.constant(seqs.token_weights))
 
 
 class TransformerLm:
@@ -94,22 +71,35 @@ class TransformerLm:
             max_length=self.MAX_LENGTH, residual_dropout_keep_prob=self.DROPOUT_KEEP_PROB,
             atten_dropout_keep_prob=self.DROPOUT_KEEP_PROB, logits_clip=self.LOGITS_CLIP)
 
-    def Task(self) -> hyperparams.Params:
+    def Pipeline(self) -> hyperparams.Params:
+        """The PipeliningLayer Params: embedding, L Transformer layers, softmax over K cells."""
         return pipeline.PipeliningLayer.Params().Set(
             name='lm', layer_tpl=transformer_model.LmLayers(self.ModelParams()),
             num_cells=self.NUM_CELLS, num_micro_batches=self.NUM_MICRO_BATCHES,
             recompute=self.RECOMPUTE,
             input_shapes=transformer_model.LmInputShapes(self.BATCH_SIZE, self.MAX_LENGTH))
 
+    def Task(self) -> hyperparams.Params:
+        """An LM task; RMSProp as the paper trained its Table 1 Transformers (its learning rate
+        is not stated: Lingvo's 1e-3-scale setting, with warm-up)."""
+        p = sequence.SequenceTask.Params().Set(name=self.__class__.__name__,
+                                               model=self.Pipeline(), translation=False)
+        p.train.Set(optimizer=optimizer.RMSProp.Params().Set(momentum=0.0, epsilon=1e-6),
+                    learning_rate=1e-3,
+                    lr_schedule=learning_rate.Constant.Params().Set(warmup_steps=1000),
+                    clip_gradient_norm_to_value=1.0)
+        return p
+
     def _Input(self) -> hyperparams.Params:
-        return LmInputParams().Set(batch_size=self.BATCH_SIZE, max_length=self.MAX_LENGTH,
-                                   vocab_size=self.VOCAB_SIZE)
+        """Synthetic token sequences of the model's shape (see synthetic_text)."""
+        return synthetic_text.SyntheticLmInput.Params().Set(
+            batch_size=self.BATCH_SIZE, max_length=self.MAX_LENGTH, vocab_size=self.VOCAB_SIZE)
 
     def Train(self) -> hyperparams.Params:
         return self._Input().Set(seed=1)
 
     def Test(self) -> hyperparams.Params:
-        return self._Input().Set(seed=2)
+        return self._Input().Set(seed=2, shuffle=False)
 
 
 @model_registry.RegisterSingleTaskModel
@@ -173,3 +163,11 @@ class TransformerLTiny(TransformerLm):
     DROPOUT_KEEP_PROB = 1.0
     NUM_CELLS = 2
     NUM_MICRO_BATCHES = 4
+
+    def Task(self) -> hyperparams.Params:
+        p = super().Task()
+        p.train.Set(optimizer=optimizer.Adam.Params(), learning_rate=3e-3,
+                    lr_schedule=learning_rate.Constant.Params().Set(warmup_steps=20),
+                    max_steps=300, save_interval_steps=100, summary_interval_steps=10,
+                    eval_interval_steps=100)
+        return p

@@ -48,9 +48,12 @@ def Row(key: str) -> ModelRow:
     """The table row of registered model `key`.
 
     Raises:
-      ValueError: if the model's task is not a PipeliningLayer with input_shapes.
+      ValueError: if the model's task (or its `model`) is not a PipeliningLayer with
+        input_shapes.
     """
     p = model_registry.GetParams(key, model_registry.GetDatasets(key)[0])
+    if 'model' in p:  # Task Params: the pipeline is their model.
+        p = p.model
     if not issubclass(p.cls, pipeline.PipeliningLayer) or p.input_shapes is None:
         raise ValueError(f'{key}: expected PipeliningLayer Params with input_shapes, got '
                          f'{p.cls.__name__}.')

@@ -1,0 +1,119 @@
+"""Tasks: a model (a PipeliningLayer over a flat layer list) plus what training needs around it.
+
+A task turns an input batch into the model's inputs, reduces the model's outputs to metrics
+(`loss` is the one minimised), and holds the training recipe in `p.train`: optimizer, learning
+rate and schedule, gradient clipping, weight decay, and the trainer's step and interval settings.
+
+    p = model_registry.GetParams('image.amoebanet.AmoebaNetD_Small', 'Train')
+    task = p.Instantiate()                       # p.model is the PipeliningLayer
+    metrics = task.FPropTower(batch)             # NestedMap name -> (value, weight)
+
+Metrics are (value, weight) pairs: a mean over `weight` items (examples or tokens), so that
+evaluation combines batches, including the padding batch at the end, by weighted averages.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from gpipe_tf import hyperparams
+from gpipe_tf import learning_rate
+from gpipe_tf import optimizer
+from gpipe_tf.layers import base_layer
+from gpipe_tf.nested_map import NestedMap
+
+
+def TrainParams() -> hyperparams.Params:
+    """The training recipe and the trainer's settings, `task.train`."""
+    p = hyperparams.Params()
+    p.Define('optimizer', optimizer.Adam.Params(), 'Optimizer Params (gpipe_tf.optimizer).')
+    p.Define('learning_rate', 1e-3, 'Base learning rate; the schedule multiplies it.')
+    p.Define('lr_schedule', learning_rate.Constant.Params(),
+             'Learning-rate multiplier schedule (gpipe_tf.learning_rate).')
+    p.Define('clip_gradient_norm_to_value', 0.0,
+             'Clip gradients to this global norm; 0 disables clipping.')
+    p.Define('weight_decay', 0.0, 'L2 penalty: weight_decay * 0.5 * sum of squares of every '
+             'trainable variable of rank >= 2 (weights, not biases or norms) joins the loss.')
+    p.Define('max_steps', 1000, 'Training stops after this many steps.')
+    p.Define('save_interval_steps', 500, 'Steps between checkpoints (and one at exit).')
+    p.Define('save_max_to_keep', 3, 'Checkpoints kept; older ones are deleted.')
+    p.Define('summary_interval_steps', 50, 'Steps between TensorBoard summaries.')
+    p.Define('eval_interval_steps', 500, 'Steps between evaluations in train_and_eval mode.')
+    p.Define('eval_dataset', 'Test', 'Dataset evaluated in eval and train_and_eval modes.')
+    p.Define('progress_interval_seconds', 5.0, 'Seconds between console progress lines.')
+    return p
+
+
+class BaseTask(base_layer.BaseLayer):
+    """A model with its input, metrics and training recipe. Subclasses define `ModelInputs`
+    and `ComputeMetrics` (and `Decode` where the task can decode)."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('model', None, 'Params of the model: a PipeliningLayer (or any layer whose '
+                 'FProp takes the NestedMap that ModelInputs returns).')
+        p.Define('input', None, 'Params of the input generator (gpipe_tf.input).')
+        p.Define('train', TrainParams(), 'Training recipe and trainer settings.')
+        return p
+
+    def __init__(self, params):
+        params = SyncInputShapes(params.Copy())
+        super().__init__(params)
+        if self.p.model is None:
+            raise ValueError(f'{self.path}: task Params need a model (p.model is None).')
+        self.CreateChild('model', self.p.model)
+
+    def ModelInputs(self, batch: NestedMap):
+        """The model's input from an input batch."""
+        raise NotImplementedError(f'{type(self).__name__}.ModelInputs')
+
+    def ComputeMetrics(self, batch: NestedMap, outputs) -> NestedMap:
+        """NestedMap name -> (value, weight) from the model's outputs; must include `loss`."""
+        raise NotImplementedError(f'{type(self).__name__}.ComputeMetrics')
+
+    def FPropTower(self, batch: NestedMap) -> NestedMap:
+        """Runs the model on `batch` and returns its metrics (see the module docstring)."""
+        return self.ComputeMetrics(batch, self.model(self.ModelInputs(batch)))
+
+    def RegularizationLoss(self) -> tf.Tensor:
+        """weight_decay * 0.5 * sum of squares of the trainable variables of rank >= 2."""
+        decay = self.p.train.weight_decay
+        weights = [v for v in self.trainable_variables if v.shape.rank >= 2]
+        if not decay or not weights:
+            return tf.constant(0.0)
+        terms = []
+        for v in weights:
+            with tf.device(v.device):
+                terms.append(tf.nn.l2_loss(v))
+        return decay * tf.add_n(terms)
+
+
+def SyncInputShapes(p: hyperparams.Params) -> hyperparams.Params:
+    """Sets the batch dimension of `p.model.input_shapes` (the shapes the partitioner plans
+    with) to `p.input.batch_size`, so that changing the input's batch size is one override.
+    Returns `p` (modified in place)."""
+    model, data = p.model, p.input
+    if (model is None or data is None or 'input_shapes' not in model or
+            model.input_shapes is None or 'batch_size' not in data):
+        return p
+    batch_dim = model.batch_dim if 'batch_dim' in model else 0
+
+    def Fix(shape):
+        if isinstance(shape, dict):
+            return {k: Fix(v) for k, v in shape.items()}
+        if isinstance(shape, (list, tuple)) and shape and isinstance(shape[0], (list, tuple, dict)):
+            return type(shape)(Fix(s) for s in shape)
+        shape = list(shape)
+        if len(shape) > batch_dim:
+            shape[batch_dim] = data.batch_size
+        return shape
+
+    model.input_shapes = Fix(model.input_shapes)
+    return p
+
+
+def WeightedMean(values: tf.Tensor, weights: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """(sum(values * weights) / sum(weights), sum(weights)); 0 when the weights sum to 0."""
+    total = tf.reduce_sum(weights)
+    return tf.math.divide_no_nan(tf.reduce_sum(values * weights), total), total

@@ -1,0 +1,91 @@
+"""Sequence tasks over the Transformer stacks of `gpipe_tf.layers.transformer_model`:
+translation (encoder-decoder, one model for many language pairs) and language modelling.
+
+Metrics are per target token: `loss` (label-smoothed cross-entropy, what is minimised),
+`accuracy` (arg-max token equals the label); `num_tokens` counts the real tokens.
+`Decode` translates greedily: the model is run once per target position on the growing prefix
+(the decoder is causal, so positions after t do not change position t's prediction).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from gpipe_tf.layers import fprop_context
+from gpipe_tf.layers import transformer_model
+from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.tasks import base_task
+
+
+class SequenceTask(base_task.BaseTask):
+    """A translation (`translation=True`) or language-model task."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('translation', True, 'Encoder-decoder translation; False: decoder-only LM.')
+        p.Define('bos_id', 1, 'Token that starts every target (decoding feeds it first).')
+        p.Define('eos_id', 2, 'Token that ends a target (decoding stops there).')
+        return p
+
+    def __init__(self, params):
+        super().__init__(params)
+        self._decode_step = None
+
+    def _Keys(self):
+        if self.p.translation:
+            return transformer_model.MT_INPUT_KEYS
+        return transformer_model.LM_INPUT_KEYS
+
+    def ModelInputs(self, batch):
+        if not self.p.translation:
+            # The LM's token weights travel as `token_weights`: `weights` is per example.
+            batch = NestedMap(batch, weights=batch.get('token_weights'))
+        missing = [k for k in self._Keys() if batch.get(k) is None]
+        if missing:
+            raise ValueError(f'{self.path}: the input batch lacks {missing}; it has '
+                             f'{sorted(batch.keys())}.')
+        return NestedMap({k: batch[k] for k in self._Keys()})
+
+    def ComputeMetrics(self, batch, outputs):
+        weights = outputs.weight * tf.cast(batch.weights, outputs.weight.dtype)[:, None]
+        loss, num_tokens = base_task.WeightedMean(outputs.per_example_loss, weights)
+        accuracy, _ = base_task.WeightedMean(outputs.correct, weights)
+        return NestedMap(loss=(loss, num_tokens), accuracy=(accuracy, num_tokens),
+                         num_tokens=(num_tokens, tf.constant(1.0)))
+
+    def _Predictions(self, src_ids, src_paddings, tgt_ids):
+        zeros = tf.zeros(tf.shape(tgt_ids), tf.float32)
+        with fprop_context.Scope(training=False):
+            outputs = self.model(NestedMap(
+                src_ids=src_ids, src_paddings=src_paddings, tgt_ids=tgt_ids,
+                tgt_paddings=zeros, tgt_labels=tf.zeros_like(tgt_ids), tgt_weights=zeros))
+        return tf.cast(outputs.predictions, tf.int32)
+
+    def Decode(self, src_ids, src_paddings, max_steps: int | None = None) -> np.ndarray:
+        """Greedy translations [B, T] (numpy int32) of source batches `src_ids`/`src_paddings`
+        ([B, T], B the model's batch size): each row holds the predicted target tokens up to and
+        including the first `eos_id`, then 0. Runs eagerly: one traced forward per position.
+        """
+        if not self.p.translation:
+            raise ValueError(f'{self.path}: Decode translates; this task is a language model.')
+        if self._decode_step is None:
+            self._decode_step = tf.function(self._Predictions)
+        src_ids = tf.convert_to_tensor(src_ids, tf.int32)
+        src_paddings = tf.convert_to_tensor(src_paddings, tf.float32)
+        batch_size, length = src_ids.shape
+        tgt_ids = np.zeros([batch_size, length], np.int32)
+        tgt_ids[:, 0] = self.p.bos_id
+        decoded = np.zeros([batch_size, length], np.int32)
+        done = np.zeros([batch_size], bool)
+        for t in range(min(max_steps or length, length)):
+            token = self._decode_step(src_ids, src_paddings, tf.constant(tgt_ids)).numpy()[:, t]
+            token = np.where(done, 0, token)
+            decoded[:, t] = token
+            if t + 1 < length:
+                tgt_ids[:, t + 1] = token
+            done |= token == self.p.eos_id
+            if done.all():
+                break
+        return decoded

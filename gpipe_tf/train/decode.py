@@ -1,0 +1,109 @@
+"""Decoding with a trained task: classify image files, or translate sentences.
+
+Inputs are padded to the model's batch size (the pipeline splits a fixed batch into M
+micro-batches) and run in inference mode.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from gpipe_tf.input import image as image_input
+from gpipe_tf.tasks import classifier
+from gpipe_tf.tasks import sequence
+
+
+def _Batches(rows: np.ndarray, batch_size: int):
+    """(padded batch, number of real rows) chunks of `rows`."""
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        pad = np.zeros((batch_size - len(chunk),) + chunk.shape[1:], chunk.dtype)
+        yield np.concatenate([chunk, pad]), len(chunk)
+
+
+def LoadImage(path: str, image_size: int, num_channels: int, mean: float, std: float):
+    """An image file (PNG, JPEG, GIF, BMP) as the model's input: [size, size, channels] float32,
+    scaled to [0, 1] and normalised like the training data.
+
+    Raises:
+      FileNotFoundError: for a missing file; ValueError: for a file that is not an image.
+    """
+    if not tf.io.gfile.exists(path):
+        raise FileNotFoundError(f'decode: no image file {path!r}.')
+    try:
+        pixels = tf.io.decode_image(tf.io.read_file(path), channels=num_channels,
+                                    expand_animations=False)
+    except tf.errors.InvalidArgumentError as e:
+        raise ValueError(f'decode: {path!r} is not a PNG, JPEG, GIF or BMP image '
+                         f'({e.message}).') from None
+    pixels = tf.image.resize(tf.cast(pixels, tf.float32) / 255.0, [image_size, image_size])
+    return ((pixels - mean) / std).numpy()
+
+
+def ClassifyImages(task, task_params, paths: list[str]) -> list[tuple[str, str]]:
+    """(path, 'label (probability)') for each image file."""
+    data = task_params.input
+    shapes = task_params.model.input_shapes
+    size = data.image_size if 'image_size' in data else shapes['images'][1]
+    channels = data.num_channels if 'num_channels' in data else shapes['images'][3]
+    mean = data.mean if 'mean' in data else 0.0
+    std = data.std if 'std' in data else 1.0
+    names = image_input.ClassNames(data)
+    images = np.stack([LoadImage(p, size, channels, mean, std) for p in paths])
+    predict = tf.function(task.Predict)
+    results = []
+    for batch, count in _Batches(images, data.batch_size):
+        probs = predict(tf.constant(batch)).numpy()[:count]
+        for probabilities in probs:
+            label = int(np.argmax(probabilities))
+            name = names[label] if names else str(label)
+            results.append(f'{name} ({probabilities[label]:.3f})')
+    return list(zip(paths, results))
+
+
+def Translate(task, task_params, sentences: list[str], target_language: str
+              ) -> list[tuple[str, str]]:
+    """(sentence, translation into `target_language`) for each sentence."""
+    if not target_language:
+        raise ValueError('decode: translation needs --target_language (e.g. de).')
+    data = task_params.input.Instantiate()
+    encoded = data.EncodeSources(sentences, target_language)
+    results = []
+    batch_size = task_params.input.batch_size
+    for (ids, count), (paddings, _) in zip(_Batches(encoded.src_ids, batch_size),
+                                           _Batches(encoded.src_paddings, batch_size)):
+        paddings[count:] = 1.0
+        decoded = task.Decode(ids, paddings)
+        results += [data.vocab.Decode(row) for row in decoded[:count]]
+    return list(zip(sentences, results))
+
+
+def Decode(task, task_params, lines: list[str], target_language: str | None):
+    """Classifies (image tasks) or translates (translation tasks) `lines`."""
+    if isinstance(task, classifier.ClassifierTask):
+        return ClassifyImages(task, task_params, lines)
+    if isinstance(task, sequence.SequenceTask) and task.p.translation:
+        return Translate(task, task_params, lines, target_language)
+    raise ValueError(f'decode: {type(task).__name__} cannot decode (image classification and '
+                     'translation tasks can).')
+
+
+def EvaluateBleu(task, input_params, max_sentences: int | None = None) -> tuple[float, list]:
+    """Corpus BLEU (sacrebleu) of greedy translations of a split: (bleu, [(src, hyp, ref)])."""
+    from gpipe_tf.input import text  # pylint: disable=g-import-not-at-top
+    data = input_params.Instantiate()
+    rows = data.Sentences()[:max_sentences]
+    examples = data.Examples()
+    count = len(rows)
+    batch_size = input_params.batch_size
+    hypotheses = []
+    for (ids, real), (paddings, _) in zip(
+            _Batches(examples.src_ids[:count], batch_size),
+            _Batches(examples.src_paddings[:count], batch_size)):
+        paddings[real:] = 1.0
+        decoded = task.Decode(ids, paddings)
+        hypotheses += [data.vocab.Decode(row) for row in decoded[:real]]
+    references = [row[3] for row in rows]
+    bleu = text.Bleu(hypotheses, references)
+    return bleu, [(row[2], h, row[3]) for row, h in zip(rows, hypotheses)]

@@ -1,0 +1,40 @@
+"""Devices a local run places its cells on: `--run_locally=cpu|gpu|tpu`."""
+
+from __future__ import annotations
+
+from gpipe_tf import test_utils
+
+RUN_LOCALLY = ('cpu', 'gpu', 'tpu')
+
+
+def LocalDevices(run_locally: str, num_devices: int) -> list[str]:
+    """Sets up and returns the local devices; call before TensorFlow runs any op.
+
+    Args:
+      run_locally: 'cpu' splits the CPU into `num_devices` virtual devices; 'gpu' uses the GPUs
+        present (memory growth on; `num_devices` of them, 0 meaning all); 'tpu' is not available
+        on a local machine.
+
+    Raises:
+      ValueError: for an unknown kind or a bad count; RuntimeError: when the hardware is absent.
+    """
+    if run_locally not in RUN_LOCALLY:
+        raise ValueError(f'--run_locally must be one of {RUN_LOCALLY}, got {run_locally!r}.')
+    if num_devices < 0:
+        raise ValueError(f'--num_devices must be >= 0, got {num_devices}.')
+    if run_locally == 'cpu':
+        return test_utils.ConfigureVirtualCpus(max(num_devices, 1))
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    if run_locally == 'tpu':
+        raise RuntimeError('--run_locally=tpu: no TPU is attached to this machine (found '
+                           f'{[d.name for d in tf.config.list_physical_devices()]}).')
+    gpus = tf.config.list_physical_devices('GPU')
+    if not gpus:
+        raise RuntimeError('--run_locally=gpu: TensorFlow sees no GPU on this machine (devices: '
+                           f'{[d.name for d in tf.config.list_physical_devices()]}).')
+    for gpu in gpus:
+        tf.config.experimental.set_memory_growth(gpu, True)
+    if num_devices > len(gpus):
+        raise ValueError(f'--num_devices={num_devices} but only {len(gpus)} GPUs are present.')
+    names = [d.name for d in tf.config.list_logical_devices('GPU')]
+    return names[:num_devices] if num_devices else names

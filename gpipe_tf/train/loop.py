@@ -1,0 +1,137 @@
+"""The training loop: steps, checkpoints, TensorBoard scalars, console progress, evaluation.
+
+Works on either training program of `gpipe_tf.train.program`. A checkpoint is written every
+`save_interval_steps`, at the end, and when the run is interrupted (Ctrl-C or SIGTERM), so no
+finished step is lost; a restart with the same logdir resumes from the latest one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import tensorflow as tf
+from absl import logging
+
+
+def FormatDuration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f'{hours}:{minutes:02d}:{seconds:02d}' if hours else f'{minutes}:{seconds:02d}'
+
+
+class Progress:
+    """One console line every `interval` seconds: step, loss, examples/sec, ETA."""
+
+    def __init__(self, first_step: int, max_steps: int, batch_size: int, interval: float,
+                 printer=print):
+        self._first, self._max, self._batch = first_step, max_steps, batch_size
+        self._interval, self._print = interval, printer
+        self._start = self._last = None
+
+    def Update(self, step: int, metrics: dict, force: bool = False) -> None:
+        now = time.time()
+        if self._start is None:  # The first step includes tracing: time from after it.
+            self._start = self._last = now
+            self._start_step = step
+            self._Print(step, metrics, None)
+            return
+        if not force and now - self._last < self._interval:
+            return
+        self._last = now
+        done = step - self._start_step
+        rate = done / (now - self._start) if now > self._start else math.nan
+        self._Print(step, metrics, rate)
+
+    def _Print(self, step: int, metrics: dict, steps_per_sec) -> None:
+        parts = [f'step {step:6d}/{self._max}', f'loss {metrics["loss"]:.4f}']
+        for name in ('accuracy',):
+            if name in metrics:
+                parts.append(f'{name} {metrics[name]:.3f}')
+        if steps_per_sec:
+            parts.append(f'{steps_per_sec * self._batch:,.0f} examples/sec')
+            parts.append(f'ETA {FormatDuration((self._max - step) / steps_per_sec)}')
+        self._print('  '.join(parts), flush=True)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _RaiseInterrupted(signum, frame):
+    del frame
+    raise _Interrupted(signal.Signals(signum).name)
+
+
+def WriteScalars(writer, step: int, metrics: dict, prefix: str = '') -> None:
+    with writer.as_default():
+        for name, value in metrics.items():
+            tf.summary.scalar(prefix + name, value, step=step)
+    writer.flush()
+
+
+def Evaluate(program, input_params, writer, step: int, name: str, printer=print) -> dict:
+    start = time.time()
+    metrics = program.Evaluate(input_params)
+    WriteScalars(writer, step, metrics)
+    text = '  '.join(f'{k} {v:.4f}' for k, v in sorted(metrics.items()))
+    printer(f'eval {name} at step {step}: {text}  ({time.time() - start:.1f} s)', flush=True)
+    return metrics
+
+
+def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
+          printer=print) -> dict:
+    """Trains `program` until `max_steps`; returns the last step's metrics (and `eval_*`).
+
+    Args:
+      eval_params: input Params evaluated every `eval_interval_steps` and at the end (the
+        train_and_eval mode), or None.
+    """
+    train = task_params.train
+    step = program.Restore()
+    if step:
+        printer(f'resumed from {program.manager.latest_checkpoint} at step {step}', flush=True)
+    if step >= max_steps:
+        printer(f'already at step {step} >= max_steps {max_steps}; nothing to train.',
+                flush=True)
+    writer = tf.summary.create_file_writer(os.path.join(logdir, 'train'))
+    eval_writer = (tf.summary.create_file_writer(os.path.join(logdir, 'eval'))
+                   if eval_params is not None else None)
+    batch_size = task_params.input.batch_size
+    progress = Progress(step, max_steps, batch_size, train.progress_interval_seconds, printer)
+    previous = signal.signal(signal.SIGTERM, _RaiseInterrupted)
+    metrics, last_saved = {}, step
+    try:
+        while step < max_steps:
+            start = time.time()
+            metrics = program.Step()
+            elapsed = time.time() - start
+            step += 1
+            progress.Update(step, metrics, force=step == max_steps)
+            if step % train.summary_interval_steps == 0 or step == max_steps:
+                WriteScalars(writer, step, dict(
+                    metrics, learning_rate=program.LearningRate(), step_time=elapsed,
+                    examples_per_sec=batch_size / elapsed))
+            if step % train.save_interval_steps == 0:
+                program.Save()
+                last_saved = step
+            if (eval_writer is not None and train.eval_interval_steps and
+                    step % train.eval_interval_steps == 0 and step < max_steps):
+                Evaluate(program, eval_params, eval_writer, step, 'during training', printer)
+    except (KeyboardInterrupt, _Interrupted) as error:
+        logging.warning('Interrupted at step %d (%r); saving a checkpoint.', step, error)
+        if step != last_saved:
+            printer(f'interrupted: saved {program.Save()} at step {step}', flush=True)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if step != last_saved:
+        program.Save()
+    printer(f'checkpoint {program.manager.latest_checkpoint} at step {step}', flush=True)
+    if eval_writer is not None:
+        evaluation = Evaluate(program, eval_params, eval_writer, step, 'final', printer)
+        metrics = dict(metrics, **{f'eval_{k}': v for k, v in evaluation.items()})
+    return metrics

@@ -1,0 +1,215 @@
+"""Training and evaluation programs: the task, optimizer, global step and checkpoints, run as
+a `tf.function` (`EagerProgram`, the default) or as a v1 graph in a Session (`GraphProgram`).
+
+Both expose the same small interface to the loop in `gpipe_tf.train.loop`:
+`Restore() -> step`, `Step() -> {metric: float}`, `Save()`, `Evaluate(input) -> {metric: float}`,
+`LearningRate() -> float`. Checkpoints are `tf.train.Checkpoint`s of (task, optimizer,
+global_step) under `<logdir>/train`, kept by a `tf.train.CheckpointManager`. The training data
+restarts at the restored step (see `gpipe_tf.input.base_input`), so a resumed run sees the same
+batches as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from gpipe_tf.layers import fprop_context
+from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.train import update
+
+STEP_KEY = 'global_step/.ATTRIBUTES/VARIABLE_VALUE'
+
+
+def CheckpointDir(logdir: str) -> str:
+    return os.path.join(logdir, 'train')
+
+
+def LatestStep(logdir: str) -> int:
+    """The global step of the latest checkpoint under `logdir` (0 when there is none)."""
+    path = tf.train.latest_checkpoint(CheckpointDir(logdir))
+    if not path:
+        return 0
+    return int(tf.train.load_checkpoint(path).get_tensor(STEP_KEY))
+
+
+def _Floats(metrics) -> dict:
+    return {k: float(np.asarray(v)) for k, v in metrics.items()}
+
+
+class MetricSums:
+    """Weighted sums of (value, weight) metrics over evaluation batches."""
+
+    def __init__(self):
+        self._sums, self._weights = {}, {}
+
+    def Add(self, metrics: dict) -> None:
+        for name, (value, weight) in metrics.items():
+            value, weight = float(np.asarray(value)), float(np.asarray(weight))
+            self._sums[name] = self._sums.get(name, 0.0) + value * weight
+            self._weights[name] = self._weights.get(name, 0.0) + weight
+
+    def Means(self) -> dict:
+        return {k: (self._sums[k] / self._weights[k] if self._weights[k] else 0.0)
+                for k in self._sums}
+
+
+class EagerProgram:
+    """Training in a `tf.function` (eager outer loop)."""
+
+    def __init__(self, task_params, logdir: str):
+        self.task_params = task_params
+        self.logdir = logdir
+        self.task = task_params.Instantiate()
+        train = task_params.train
+        self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
+        self._learning_rate = update.LearningRateFn(train, self.global_step)
+        self.optimizer = train.optimizer.Instantiate().Create(self._learning_rate)
+        self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.optimizer,
+                                              global_step=self.global_step)
+        self.manager = tf.train.CheckpointManager(
+            self.checkpoint, CheckpointDir(logdir), max_to_keep=train.save_max_to_keep)
+        self._iterator = None
+        self._train_step = tf.function(self._TrainStep)
+        self._eval_step = tf.function(self._EvalStep)
+
+    def Restore(self, training: bool = True) -> int:
+        """Restores the latest checkpoint, if any; returns the step training resumes at.
+        With `training` False (eval, decode) the optimizer's slots are not needed."""
+        path = self.manager.latest_checkpoint
+        if path:
+            status = self.checkpoint.restore(path).assert_existing_objects_matched()
+            if not training:
+                status.expect_partial()
+        step = int(self.global_step.numpy())
+        dataset = self.task_params.input.Instantiate().TrainDataset(start_step=step)
+        self._iterator = iter(dataset)
+        return step
+
+    def _TrainStep(self, batch):
+        with tf.GradientTape() as tape:
+            with fprop_context.Scope(training=True, step=self.global_step):
+                metrics = self.task.FPropTower(batch)
+            _, metrics = update.Update(
+                self.task, self.optimizer, self.global_step, metrics,
+                lambda loss, variables: tape.gradient(loss, variables))
+        return {k: v[0] for k, v in metrics.items()}
+
+    def Step(self) -> dict:
+        """Runs one training step; returns its metrics as floats."""
+        return _Floats(self._train_step(next(self._iterator)))
+
+    def _EvalStep(self, batch):
+        with fprop_context.Scope(training=False, step=self.global_step):
+            return dict(self.task.FPropTower(batch))
+
+    def Evaluate(self, input_params) -> dict:
+        """Weighted means of the task's metrics over one pass of `input_params`' data."""
+        sums = MetricSums()
+        for batch in input_params.Instantiate().EvalDataset():
+            sums.Add(self._eval_step(batch))
+        return sums.Means()
+
+    def LearningRate(self) -> float:
+        return float(self._learning_rate())
+
+    def CurrentStep(self) -> int:
+        return int(self.global_step.numpy())
+
+    def Save(self) -> str:
+        return self.manager.save(checkpoint_number=self.global_step)
+
+
+class GraphProgram:
+    """Training in a tf.compat.v1 graph run by a Session (`--graph_mode=v1`)."""
+
+    def __init__(self, task_params, logdir: str, session_config=None):
+        self.task_params = task_params
+        self.logdir = logdir
+        self.graph = tf.Graph()
+        self._session_config = session_config
+        self._eval_graphs = {}
+        with self.graph.as_default():
+            # Op determinism requires a graph seed; gpipe_tf's randomness is stateless, seeded
+            # from Params, so the value does not matter.
+            tf.compat.v1.set_random_seed(0)
+            self.task = task_params.Instantiate()
+            train = task_params.train
+            self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                           name='global_step')
+            self._learning_rate = update.LearningRateFn(train, self.global_step)()
+            self.optimizer = train.optimizer.Instantiate().Create(self._learning_rate)
+            self.checkpoint = tf.compat.v1.train.Checkpoint(
+                task=self.task, optimizer=self.optimizer, global_step=self.global_step)
+            self._start_step = LatestStep(logdir)
+            dataset = task_params.input.Instantiate().TrainDataset(start_step=self._start_step)
+            batch = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
+            with fprop_context.Scope(training=True, step=self.global_step):
+                metrics = self.task.FPropTower(NestedMap(batch))
+            train_op, metrics = update.Update(
+                self.task, self.optimizer, self.global_step, metrics,
+                # No colocate_gradients_with_ops: the pipeline's custom gradient places each
+                # cell's backward on its device, and colocating with the one gradient op of
+                # the whole pipeline would contradict that.
+                lambda loss, variables: tf.compat.v1.gradients(loss, variables))
+            updates = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+            self._train_op = tf.group([train_op] + updates)
+            self._metrics = {k: v[0] for k, v in metrics.items()}
+            self._eval_metrics = None
+            self.session = tf.compat.v1.Session(graph=self.graph, config=session_config)
+            self.manager = tf.train.CheckpointManager(
+                self.checkpoint, CheckpointDir(logdir), max_to_keep=train.save_max_to_keep)
+
+    def Restore(self, training: bool = True) -> int:
+        del training  # The graph holds every variable: the checkpoint restores them all.
+        with self.graph.as_default(), self.session.as_default():
+            path = self.manager.latest_checkpoint
+            if path:
+                self.checkpoint.restore(path).assert_existing_objects_matched().run_restore_ops(
+                    self.session)
+                # Slot and other variables the checkpoint does not hold start from their
+                # initialisers.
+                self.session.run(tf.compat.v1.variables_initializer(
+                    [v for v in tf.compat.v1.global_variables()
+                     if not self.session.run(tf.compat.v1.is_variable_initialized(v))]))
+            else:
+                self.session.run(tf.compat.v1.global_variables_initializer())
+            step = int(self.session.run(self.global_step))
+        if step != self._start_step:
+            raise RuntimeError(f'Checkpoint step {step} differs from the step the input was '
+                               f'built for ({self._start_step}).')
+        return step
+
+    def Step(self) -> dict:
+        metrics, _ = self.session.run([self._metrics, self._train_op])
+        return _Floats(metrics)
+
+    def Evaluate(self, input_params) -> dict:
+        key = input_params.ToText()
+        with self.graph.as_default():
+            if key not in self._eval_graphs:
+                dataset = input_params.Instantiate().EvalDataset()
+                iterator = tf.compat.v1.data.make_initializable_iterator(dataset)
+                with fprop_context.Scope(training=False, step=self.global_step):
+                    metrics = self.task.FPropTower(NestedMap(iterator.get_next()))
+                self._eval_graphs[key] = (iterator.initializer, dict(metrics))
+        initializer, metrics = self._eval_graphs[key]
+        self.session.run(initializer)
+        sums = MetricSums()
+        while True:
+            try:
+                sums.Add(self.session.run(metrics))
+            except tf.errors.OutOfRangeError:
+                return sums.Means()
+
+    def LearningRate(self) -> float:
+        return float(self.session.run(self._learning_rate))
+
+    def CurrentStep(self) -> int:
+        return int(self.session.run(self.global_step))
+
+    def Save(self) -> str:
+        with self.graph.as_default(), self.session.as_default():
+            return self.manager.save(checkpoint_number=self.CurrentStep())

@@ -1,0 +1,51 @@
+"""One synchronous update from a task's loss: regularisation, gradients, clipping, apply.
+
+Shared by the two training programs (`tf.function` and v1 graph). The pipeline's gradients are
+the sum over its micro-batches (PipeliningLayer's custom gradient), so this applies the one
+update per mini-batch that GPipe prescribes.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from gpipe_tf.nested_map import NestedMap
+
+
+def LearningRateFn(train_params, global_step: tf.Variable):
+    """A callable giving the learning rate at `global_step` (base rate times the schedule)."""
+    schedule = train_params.lr_schedule.Instantiate()
+    base = float(train_params.learning_rate)
+    return lambda: base * schedule.Value(global_step)
+
+
+def ClipGradients(grads: list, clip_norm: float) -> tuple[list, tf.Tensor]:
+    """Clips to a global norm (0: no clipping); returns (grads, the global norm before)."""
+    norm = tf.linalg.global_norm(grads)
+    if clip_norm:
+        grads, _ = tf.clip_by_global_norm(grads, clip_norm, use_norm=norm)
+    return grads, norm
+
+
+def Update(task, optimizer, global_step: tf.Variable, metrics: NestedMap, grads_fn):
+    """Builds the update; returns (train_op or None in eager, metrics with `total_loss`,
+    `grad_norm` added).
+
+    Args:
+      grads_fn: (total_loss, variables) -> gradients (a tape's or tf.compat.v1.gradients).
+    """
+    variables = task.trainable_variables
+    loss, weight = metrics.loss
+    total_loss = loss + task.RegularizationLoss()
+    grads = grads_fn(total_loss, variables)
+    missing = [v.name for v, g in zip(variables, grads) if g is None]
+    if missing:
+        raise ValueError(f'The loss does not depend on trainable variables {missing[:5]}'
+                         f'{" ..." if len(missing) > 5 else ""}; every trainable variable needs '
+                         'a gradient.')
+    grads, norm = ClipGradients(grads, task.p.train.clip_gradient_norm_to_value)
+    train_op = optimizer.apply_gradients(zip(grads, variables), global_step=global_step)
+    out = NestedMap(metrics)
+    out.total_loss = (total_loss, weight)
+    out.grad_norm = (norm, tf.constant(1.0))
+    return train_op, out

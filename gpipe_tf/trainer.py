@@ -1,0 +1,250 @@
+r"""The gpipe_tf trainer: `python -m gpipe_tf.trainer --model=<registry key> ...`
+(also installed as `gpipe-train`).
+
+    gpipe-train --model=image.amoebanet.AmoebaNetD_Small --logdir=/tmp/amoeba \
+        --run_locally=cpu --num_devices=4 --mode=train_and_eval
+
+Modes: `train`, `eval` (the latest checkpoint on `task.train.eval_dataset`), `train_and_eval`,
+`inspect_params` (prints the Params text and writes `<logdir>/params.txt`), `inspect_model`
+(the partition table from Params alone: per cell its layers, device, FLOPs, parameters and
+estimated activation memory), and `decode` (classify image files / translate sentences, given
+with `--decode_input` or in a file with `--decode_input_file`).
+Restarting with the same `--logdir` resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+
+from gpipe_tf.train import devices as devices_lib
+
+MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model', 'decode')
+
+flags.DEFINE_string('model', None, 'Registry key of the model, e.g. '
+                    'image.amoebanet.AmoebaNetD_Small (see --list_models).')
+flags.DEFINE_bool('list_models', False, 'Print the registered models and exit.')
+flags.DEFINE_string('logdir', None, 'Checkpoints, summaries and params.txt go here '
+                    '(default: /tmp/gpipe_tf/<model>).')
+flags.DEFINE_enum('mode', 'train', MODES, 'What to do.')
+flags.DEFINE_integer('max_steps', None, 'Train until this global step (default: the '
+                     'model\'s train.max_steps).')
+flags.DEFINE_string('model_params_override', None, 'Params text applied to the task Params, '
+                    'lines separated by ";", e.g. "train.learning_rate : 0.01; input.seed : 3".')
+flags.DEFINE_string('model_params_file_override', None, 'A file of Params text applied to the '
+                    'task Params (before --model_params_override).')
+flags.DEFINE_enum('run_locally', 'cpu', list(devices_lib.RUN_LOCALLY), 'Local devices: cpu '
+                  '(--num_devices virtual CPUs), gpu (the GPUs present) or tpu.')
+flags.DEFINE_integer('num_devices', None, 'Devices to use (default: one per cell, K).')
+flags.DEFINE_integer('worker_split_size', None, 'Override K, the number of cells.')
+flags.DEFINE_integer('num_micro_batches', None, 'Override M, the number of micro-batches.')
+flags.DEFINE_enum('graph_mode', 'tf_function', ['tf_function', 'v1'], 'Run the training step '
+                  'in a tf.function, or in a tf.compat.v1 graph with a Session.')
+flags.DEFINE_integer('seed', None, 'Seed of initialisation and data order (default: Params).')
+flags.DEFINE_list('decode_input', [], 'decode mode: image files, or sentences to translate.')
+flags.DEFINE_string('decode_input_file', None, 'decode mode: a file with one image path or '
+                    'one sentence per line.')
+flags.DEFINE_string('target_language', None, 'decode mode, translation: language to '
+                    'translate into (e.g. de).')
+FLAGS = flags.FLAGS
+
+
+def TaskParams(model: str, dataset: str = 'Train'):
+    """The task Params of `model` with the command line's overrides applied."""
+    from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.tasks import base_task  # pylint: disable=g-import-not-at-top
+    p = model_registry.GetParams(model, dataset)
+    if FLAGS.model_params_file_override:
+        path = FLAGS.model_params_file_override
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f'--model_params_file_override: no file {path!r}.')
+        with open(path, encoding='utf-8') as f:
+            p.FromText(f.read())
+    if FLAGS.model_params_override:
+        p.FromText('\n'.join(line.strip() for line in FLAGS.model_params_override.split(';')
+                             if line.strip()))
+    if 'model' not in p or 'train' not in p:
+        raise ValueError(f'{model}: the trainer needs task Params (gpipe_tf.tasks) with `model` '
+                         f'and `train`; got {p.cls.__name__}.')
+    if FLAGS.worker_split_size is not None:
+        p.model.num_cells = FLAGS.worker_split_size
+    if FLAGS.num_micro_batches is not None:
+        p.model.num_micro_batches = FLAGS.num_micro_batches
+    if FLAGS.max_steps is not None:
+        p.train.max_steps = FLAGS.max_steps
+    if FLAGS.seed is not None:
+        p.random_seed = FLAGS.seed
+        p.model.random_seed = FLAGS.seed
+        p.input.seed = FLAGS.seed
+    return base_task.SyncInputShapes(p)
+
+
+def _NumCells(p) -> int:
+    return len(p.model.cls.PlanCells(p.model)[0]) if 'num_cells' in p.model else 1
+
+
+def _SetUpDevices(p) -> list[str]:
+    count = FLAGS.num_devices if FLAGS.num_devices is not None else _NumCells(p)
+    devices = devices_lib.LocalDevices(FLAGS.run_locally, count)
+    devices = devices[:count] if count else devices
+    if 'devices' in p.model:
+        p.model.devices = devices
+    return devices
+
+
+def InspectModel(p) -> str:
+    """The partition table of the task's pipeline from Params alone."""
+    from gpipe_tf.layers import partition  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.layers import pipeline  # pylint: disable=g-import-not-at-top
+    model = p.model
+    cells, metas = model.cls.PlanCells(model)
+    stages = pipeline.StageDevices(model.devices, len(cells), model.round_robin)
+    rows = [partition.ReportRow(cell=k, device=stages[k], layers=[l.name for l in cell],
+                                flops=metas[k].flops if metas else None,
+                                num_params=metas[k].num_params if metas else None,
+                                activation_bytes=metas[k].activation_bytes if metas else None)
+            for k, cell in enumerate(cells)]
+    m = model.num_micro_batches or 1
+    head = (f'{FLAGS.model}: K={len(cells)} cells, M={m} micro-batches, '
+            f'recompute={model.recompute}, batch {p.input.batch_size}. FLOPs and activation '
+            'bytes are per mini-batch; with re-materialization a cell keeps about 1/M of its '
+            'activations at a time.')
+    return head + '\n' + partition.FormatReport(rows)
+
+
+def _Logdir() -> str:
+    return FLAGS.logdir or os.path.join('/tmp/gpipe_tf', FLAGS.model)
+
+
+def _Program(p, logdir):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
+    tf.config.experimental.enable_op_determinism()
+    if FLAGS.graph_mode == 'v1':
+        return program.GraphProgram(p, logdir)
+    return program.EagerProgram(p, logdir)
+
+
+def RunTrain(p, logdir, with_eval: bool) -> dict:
+    from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
+    eval_params = TaskParams(FLAGS.model, p.train.eval_dataset).input if with_eval else None
+    prog = _Program(p, logdir)
+    print(f'training {FLAGS.model} in {logdir}: K={len(prog.task.model.devices)} cells on '
+          f'{prog.task.model.devices}, M={p.model.num_micro_batches or 1}, batch '
+          f'{p.input.batch_size}, {FLAGS.graph_mode}', flush=True)
+    metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params)
+    if with_eval and _Translates(prog.task) and FLAGS.graph_mode != 'v1':
+        metrics['eval_bleu'] = ReportBleu(prog, eval_params, p.train.eval_dataset, logdir)
+    if 'eval_accuracy' in metrics:
+        print(f'final {p.train.eval_dataset.lower()} accuracy {metrics["eval_accuracy"]:.4f}',
+              flush=True)
+    print(f'logdir: {logdir}', flush=True)
+    return metrics
+
+
+def _Translates(task) -> bool:
+    return bool(task.p.get('translation')) if 'translation' in task.p else False
+
+
+def ReportBleu(prog, eval_params, name: str, logdir: str, num_samples: int = 5) -> float:
+    """Greedy-decodes `eval_params`' data, prints its BLEU and a few translations, and writes
+    the BLEU and every translation (`<logdir>/decode_<step>.tsv`)."""
+    import time  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.train import decode  # pylint: disable=g-import-not-at-top
+    start = time.time()
+    bleu, rows = decode.EvaluateBleu(prog.task, eval_params)
+    step = prog.CurrentStep()
+    path = os.path.join(logdir, f'decode_{name.lower()}_{step}.tsv')
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write('source\thypothesis\treference\n')
+        f.writelines('\t'.join(row) + '\n' for row in rows)
+    with tf.summary.create_file_writer(os.path.join(logdir, 'eval')).as_default():
+        tf.summary.scalar('bleu', bleu, step=step)
+    print(f'{name} BLEU {bleu:.2f} on {len(rows)} sentences, greedy decoding '
+          f'({time.time() - start:.0f} s; translations in {path})', flush=True)
+    for source, hypothesis, reference in rows[:num_samples]:
+        print(f'  {source!r} -> {hypothesis!r} (reference {reference!r})', flush=True)
+    return bleu
+
+
+def RunEval(p, logdir) -> dict:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
+    prog = _Program(p, logdir)
+    if not prog.manager.latest_checkpoint:
+        raise FileNotFoundError(f'eval: no checkpoint under {os.path.join(logdir, "train")}; '
+                                'train first (--mode=train).')
+    step = prog.Restore(training=False)
+    eval_params = TaskParams(FLAGS.model, p.train.eval_dataset).input
+    writer = tf.summary.create_file_writer(os.path.join(logdir, 'eval'))
+    return loop.Evaluate(prog, eval_params, writer, step, p.train.eval_dataset)
+
+
+def _DecodeLines() -> list[str]:
+    lines = list(FLAGS.decode_input)
+    if FLAGS.decode_input_file:
+        with open(FLAGS.decode_input_file, encoding='utf-8') as f:
+            lines += [line.rstrip('\n') for line in f if line.strip()]
+    if not lines:
+        raise ValueError('decode: give --decode_input (comma-separated) or --decode_input_file.')
+    return lines
+
+
+def RunDecode(p, logdir) -> list[str]:
+    from gpipe_tf.train import decode  # pylint: disable=g-import-not-at-top
+    prog = _Program(p, logdir)
+    if not prog.manager.latest_checkpoint:
+        raise FileNotFoundError(f'decode: no checkpoint under {os.path.join(logdir, "train")}; '
+                                'train first.')
+    prog.Restore(training=False)
+    results = decode.Decode(prog.task, p, _DecodeLines(), FLAGS.target_language)
+    for source, result in results:
+        print(f'{source}\t{result}', flush=True)
+    return results
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+    if FLAGS.list_models:
+        from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
+        print('\n'.join(model_registry.ListModels()))
+        return
+    if not FLAGS.model:
+        raise app.UsageError('--model is required (see --list_models).')
+    p = TaskParams(FLAGS.model)
+    logdir = _Logdir()
+    if FLAGS.mode == 'inspect_params':
+        text = p.ToText()
+        os.makedirs(logdir, exist_ok=True)
+        with open(os.path.join(logdir, 'params.txt'), 'w', encoding='utf-8') as f:
+            f.write(text)
+        print(text, end='')
+        print(f'# written to {os.path.join(logdir, "params.txt")}', file=sys.stderr)
+        return
+    _SetUpDevices(p)
+    if FLAGS.mode == 'inspect_model':
+        print(InspectModel(p))
+        return
+    os.makedirs(logdir, exist_ok=True)
+    with open(os.path.join(logdir, 'params.txt'), 'w', encoding='utf-8') as f:
+        f.write(p.ToText())
+    if FLAGS.mode in ('train', 'train_and_eval'):
+        RunTrain(p, logdir, with_eval=FLAGS.mode == 'train_and_eval')
+    elif FLAGS.mode == 'eval':
+        RunEval(p, logdir)
+    else:
+        RunDecode(p, logdir)
+
+
+def Run():
+    """Entry point of the `gpipe-train` console script."""
+    app.run(main)
+
+
+if __name__ == '__main__':
+    Run()

@@ -1,0 +1,268 @@
+"""The trainer binary, run as users run it (subprocesses): train, checkpoint, resume after
+SIGKILL with the same losses, SIGTERM saves, v1 graph mode, eval, inspect modes, decode and
+clear errors."""
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from gpipe_tf import hyperparams
+from gpipe_tf import test_utils
+from gpipe_tf.tasks import classifier
+
+DEVICES = test_utils.ConfigureVirtualCpus()
+MLP = 'examples.PipelinedMLP'
+# Every step's loss goes to TensorBoard; checkpoints every 4 steps.
+FAST = 'train.summary_interval_steps : 1; train.save_interval_steps : 4'
+TIMEOUT = 300
+
+
+def Command(*flags):
+    return [sys.executable, '-m', 'gpipe_tf.trainer'] + list(flags)
+
+
+def Run(*flags, check=True):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+    result = subprocess.run(Command(*flags), capture_output=True, text=True, timeout=TIMEOUT,
+                            env=env)
+    if check and result.returncode != 0:
+        raise AssertionError(f'trainer failed ({result.returncode}):\n{result.stdout}\n'
+                             f'{result.stderr[-3000:]}')
+    return result
+
+
+def Scalars(logdir, tag, files=None):
+    """{step: value} of scalar `tag` in the event files under <logdir>/train (later files win)."""
+    values = {}
+    for path in files or sorted(glob.glob(os.path.join(logdir, 'train', 'events.*'))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.tag == tag:
+                    values[event.step] = float(tf.make_ndarray(value.tensor))
+    return values
+
+
+def EventFiles(logdir):
+    return set(glob.glob(os.path.join(logdir, 'train', 'events.*')))
+
+
+def CheckpointSteps(logdir):
+    return sorted(int(p.split('-')[-1].split('.')[0])
+                  for p in glob.glob(os.path.join(logdir, 'train', 'ckpt-*.index')))
+
+
+class TrainerTestCase(tf.test.TestCase):
+
+    def LogDir(self):
+        path = tempfile.mkdtemp(prefix='trainer_test_')
+        self.addCleanup(shutil.rmtree, path, ignore_errors=True)
+        return path
+
+
+class TrainAndResumeTest(TrainerTestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.reference_dir = tempfile.mkdtemp(prefix='trainer_reference_')
+        cls.reference_output = Run(f'--model={MLP}', f'--logdir={cls.reference_dir}',
+                                   '--max_steps=24', f'--model_params_override={FAST}').stdout
+        cls.reference = Scalars(cls.reference_dir, 'loss')
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.reference_dir, ignore_errors=True)
+        super().tearDownClass()
+
+    def testTrainsWritesCheckpointsAndProgress(self):
+        self.assertEqual(sorted(self.reference), list(range(1, 25)))
+        self.assertLess(np.mean([self.reference[s] for s in range(21, 25)]),
+                        np.mean([self.reference[s] for s in range(1, 5)]))
+        self.assertEqual(CheckpointSteps(self.reference_dir)[-3:], [16, 20, 24])  # keep 3
+        self.assertRegex(self.reference_output, r'step\s+24/24\s+loss \d+\.\d+')
+        for tag in ('learning_rate', 'examples_per_sec', 'step_time', 'accuracy', 'grad_norm'):
+            self.assertLen(Scalars(self.reference_dir, tag), 24, tag)
+
+    def testSigkillThenRestartResumesWithTheSameLosses(self):
+        logdir = self.LogDir()
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+        process = subprocess.Popen(
+            Command(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=100000',
+                    f'--model_params_override={FAST}'),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        try:
+            deadline = time.time() + TIMEOUT
+            while not CheckpointSteps(logdir) and time.time() < deadline:
+                self.assertIsNone(process.poll(), 'the trainer exited early')
+                time.sleep(0.05)
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        self.assertEqual(process.returncode, -signal.SIGKILL)
+        saved = CheckpointSteps(logdir)[-1]
+        self.assertLessEqual(saved, 16, 'the run was not killed mid-run')
+        before = EventFiles(logdir)
+        output = Run(f'--model={MLP}', f'--logdir={logdir}', f'--max_steps={saved + 8}',
+                     f'--model_params_override={FAST}').stdout
+        self.assertIn(f'resumed from {os.path.join(logdir, "train", f"ckpt-{saved}")} at step '
+                      f'{saved}', output)
+        resumed = Scalars(logdir, 'loss', sorted(EventFiles(logdir) - before))
+        self.assertEqual(sorted(resumed), list(range(saved + 1, saved + 9)))
+        for step, loss in resumed.items():
+            self.assertAllClose(loss, self.reference[step], rtol=1e-6, atol=0,
+                                msg=f'step {step}')
+
+    def testSigtermSavesTheStepItStoppedAt(self):
+        logdir = self.LogDir()
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+        process = subprocess.Popen(
+            Command(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=100000',
+                    '--model_params_override=train.summary_interval_steps : 1; '
+                    'train.save_interval_steps : 1000'),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        try:
+            deadline = time.time() + TIMEOUT
+            while len(Scalars(logdir, 'loss')) < 3 and time.time() < deadline:
+                self.assertIsNone(process.poll(), 'the trainer exited early')
+                time.sleep(0.1)
+            process.send_signal(signal.SIGTERM)
+            output, _ = process.communicate(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        self.assertNotEqual(process.returncode, 0)
+        self.assertRegex(output, r'interrupted: saved .*ckpt-\d+ at step \d+')
+        self.assertGreaterEqual(CheckpointSteps(logdir)[-1], 3)
+
+    def testV1GraphModeGivesTheSameLossesAndResumes(self):
+        logdir = self.LogDir()
+        Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=8', '--graph_mode=v1',
+            f'--model_params_override={FAST}')
+        output = Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=12',
+                     '--graph_mode=v1', f'--model_params_override={FAST}').stdout
+        self.assertIn('at step 8', output)
+        losses = Scalars(logdir, 'loss')
+        self.assertEqual(sorted(losses), list(range(1, 13)))
+        for step, loss in losses.items():
+            self.assertAllClose(loss, self.reference[step], rtol=1e-5, msg=f'step {step}')
+
+    def testEvalModeEvaluatesTheLatestCheckpoint(self):
+        output = Run(f'--model={MLP}', f'--logdir={self.reference_dir}', '--mode=eval').stdout
+        self.assertRegex(output, r'eval Test at step 24: accuracy 0\.\d+\s+log_loss \d')
+
+    def testSeedFlagChangesInitialisationAndDataOrder(self):
+        logdir = self.LogDir()
+        Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=2', '--seed=7',
+            f'--model_params_override={FAST}')
+        self.assertNotAlmostEqual(Scalars(logdir, 'loss')[1], self.reference[1], places=6)
+
+
+class ModesTest(TrainerTestCase):
+
+    def testListModels(self):
+        output = Run('--list_models').stdout
+        self.assertIn('image.amoebanet.AmoebaNetD_Small', output.split())
+        self.assertIn('mt.multilingual.TransformerTiny', output.split())
+
+    def testInspectParamsPrintsAndWritesLoadableParams(self):
+        logdir = self.LogDir()
+        output = Run(f'--model={MLP}', f'--logdir={logdir}', '--mode=inspect_params',
+                     '--model_params_override=train.learning_rate : 0.125').stdout
+        with open(os.path.join(logdir, 'params.txt'), encoding='utf-8') as f:
+            text = f.read()
+        self.assertEqual(output, text)
+        p = classifier.ClassifierTask.Params().FromText(text)
+        self.assertEqual(p.train.learning_rate, 0.125)
+        self.assertEqual(p.model.num_cells, 4)
+
+    def testOverridesFromAFileThenTheFlag(self):
+        logdir = self.LogDir()
+        override = os.path.join(logdir, 'override.txt')
+        with open(override, 'w', encoding='utf-8') as f:
+            f.write('train.learning_rate : 0.5\ninput.batch_size : 32\n')
+        output = Run(f'--model={MLP}', f'--logdir={logdir}', '--mode=inspect_params',
+                     f'--model_params_file_override={override}',
+                     '--model_params_override=train.learning_rate : 0.25',
+                     '--worker_split_size=2', '--num_micro_batches=4').stdout
+        p = hyperparams.Params()
+        p = classifier.ClassifierTask.Params().FromText(output)
+        self.assertEqual(p.train.learning_rate, 0.25)
+        self.assertEqual((p.model.num_cells, p.model.num_micro_batches), (2, 4))
+        self.assertEqual(p.model.input_shapes, [32, 16])  # Follows the input's batch size.
+
+    def testInspectModelPrintsOneRowPerCell(self):
+        output = Run('--model=image.amoebanet.AmoebaNetD_Small', '--mode=inspect_model',
+                     '--worker_split_size=3').stdout
+        rows = [line for line in output.splitlines() if line[:1].isdigit()]
+        self.assertLen(rows, 3)
+        self.assertIn('/device:CPU:2', rows[2])
+        self.assertIn('stem', rows[0])
+        self.assertIn('head', rows[2])
+
+
+class DecodeTest(TrainerTestCase):
+
+    def testClassifiesImageFiles(self):
+        logdir = self.LogDir()
+        Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=1')
+        paths = []
+        for i in range(3):
+            path = os.path.join(logdir, f'image_{i}.png')
+            pixels = tf.cast(tf.random.stateless_uniform([4, 4, 1], [i, 0], 0, 255), tf.uint8)
+            tf.io.write_file(path, tf.io.encode_png(pixels))
+            paths.append(path)
+        output = Run(f'--model={MLP}', f'--logdir={logdir}', '--mode=decode',
+                     f'--decode_input={",".join(paths)}').stdout
+        lines = output.strip().splitlines()
+        self.assertLen(lines, 3)
+        for path, line in zip(paths, lines):
+            self.assertRegex(line, rf'^{path}\t\d \(0\.\d+\)$')
+
+
+class ErrorsTest(TrainerTestCase):
+
+    def AssertFails(self, pattern, *flags):
+        result = Run(*flags, check=False)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertRegex(result.stdout + result.stderr, pattern)
+
+    def testMissingModel(self):
+        self.AssertFails(r'--model is required')
+
+    def testUnknownModelSuggestsCloseNames(self):
+        self.AssertFails(r'PipelinedMLP', '--model=examples.PipelinedMLQ',
+                         '--mode=inspect_params')
+
+    def testMalformedOverrideNamesTheLine(self):
+        self.AssertFails(r"Line 1 \('train.no_such_field : 1'\)", f'--model={MLP}',
+                         '--mode=inspect_params', '--model_params_override=train.no_such_field : 1')
+
+    def testEvalWithoutCheckpoint(self):
+        logdir = self.LogDir()
+        self.AssertFails(r'no checkpoint under .*train first', f'--model={MLP}',
+                         f'--logdir={logdir}', '--mode=eval')
+
+    def testGpuWithoutGpu(self):
+        if tf.config.list_physical_devices('GPU'):
+            self.skipTest('this machine has a GPU')
+        self.AssertFails(r'--run_locally=gpu: TensorFlow sees no GPU', f'--model={MLP}',
+                         '--run_locally=gpu', '--mode=inspect_model')
+
+    def testMissingFashionMnistNamesThePath(self):
+        self.AssertFails(r'/no/such/dir', '--model=image.amoebanet.AmoebaNetD_Small',
+                         '--max_steps=1', f'--logdir={self.LogDir()}',
+                         '--model_params_override=input.data_dir : /no/such/dir')
+
+
+if __name__ == '__main__':
+    tf.test.main()
