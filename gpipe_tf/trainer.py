@@ -62,10 +62,10 @@ def TaskParams(model: str, dataset: str = 'Train'):
         if not os.path.isfile(path):
             raise FileNotFoundError(f'--model_params_file_override: no file {path!r}.')
         with open(path, encoding='utf-8') as f:
-            p.FromText(f.read())
+            ApplyOverride(p, f.read(), f'--model_params_file_override={path}')
     if FLAGS.model_params_override:
-        p.FromText('\n'.join(line.strip() for line in FLAGS.model_params_override.split(';')
-                             if line.strip()))
+        ApplyOverride(p, '\n'.join(line.strip() for line in FLAGS.model_params_override.split(';')
+                                   if line.strip()), '--model_params_override')
     if 'model' not in p or 'train' not in p:
         raise ValueError(f'{model}: the trainer needs task Params (gpipe_tf.tasks) with `model` '
                          f'and `train`; got {p.cls.__name__}.')
@@ -82,21 +82,63 @@ def TaskParams(model: str, dataset: str = 'Train'):
     return base_task.SyncInputShapes(p)
 
 
+def _Kind(value) -> str:
+    if isinstance(value, bool):
+        return 'bool'
+    if isinstance(value, (int, float)):
+        return 'number'
+    if isinstance(value, str):
+        return 'str'
+    return 'other'
+
+
+def ApplyOverride(p, text: str, source: str):
+    """Applies Params `text` to `p`; a value of another kind than the one it replaces (a string
+    for a number, a number for a bool, a float for an int) is a ValueError naming the key."""
+    before = p.Copy()
+    try:
+        p.FromText(text)
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f'{source}: {e}') from None
+    for line in text.splitlines():
+        key = line.split(' : ', 1)[0].strip()
+        if not key or key.startswith('#') or ' : ' not in line:
+            continue
+        try:
+            old = before.Get(key)
+        except (AttributeError, KeyError, IndexError, ValueError):
+            continue  # A new list entry or field that FromText created.
+        new = p.Get(key)
+        if old is None or new is None or _Kind(old) == 'other':
+            continue
+        if _Kind(old) != _Kind(new) or (isinstance(old, int) and not isinstance(old, bool) and
+                                         isinstance(new, float)):
+            raise ValueError(f'{source}: {key} is {old!r} ({type(old).__name__}); the override '
+                             f'gives {new!r} ({type(new).__name__}).')
+    return p
+
+
 def _NumCells(p) -> int:
     return len(p.model.cls.PlanCells(p.model)[0]) if 'num_cells' in p.model else 1
 
 
-def _SetUpDevices(p) -> list[str]:
+def _SetUpDevices(p, plan_only: bool = False) -> list[str]:
+    """Configures the local devices and puts them in the pipeline's Params; with `plan_only`,
+    only names them (`inspect_model` builds nothing, so K may exceed the devices present)."""
     count = FLAGS.num_devices if FLAGS.num_devices is not None else _NumCells(p)
-    devices = devices_lib.LocalDevices(FLAGS.run_locally, count)
+    if plan_only and FLAGS.run_locally == 'cpu':
+        devices = [f'/job:localhost/replica:0/task:0/device:CPU:{i}' for i in range(count)]
+    else:
+        devices = devices_lib.LocalDevices(FLAGS.run_locally, count)
     devices = devices[:count] if count else devices
     if 'devices' in p.model:
         p.model.devices = devices
     return devices
 
 
-def InspectModel(p) -> str:
-    """The partition table of the task's pipeline from Params alone."""
+def InspectModel(p, name: str) -> str:
+    """The partition table of task Params `p`'s pipeline from Params alone (no variables, no
+    TF ops)."""
     from gpipe_tf.layers import partition  # pylint: disable=g-import-not-at-top
     from gpipe_tf.layers import pipeline  # pylint: disable=g-import-not-at-top
     model = p.model
@@ -108,7 +150,7 @@ def InspectModel(p) -> str:
                                 activation_bytes=metas[k].activation_bytes if metas else None)
             for k, cell in enumerate(cells)]
     m = model.num_micro_batches or 1
-    head = (f'{FLAGS.model}: K={len(cells)} cells, M={m} micro-batches, '
+    head = (f'{name}: K={len(cells)} cells, M={m} micro-batches, '
             f'recompute={model.recompute}, batch {p.input.batch_size}. FLOPs and activation '
             'bytes are per mini-batch; with re-materialization a cell keeps about 1/M of its '
             'activations at a time.')
@@ -226,9 +268,9 @@ def main(argv):
         print(text, end='')
         print(f'# written to {os.path.join(logdir, "params.txt")}', file=sys.stderr)
         return
-    _SetUpDevices(p)
+    _SetUpDevices(p, plan_only=FLAGS.mode == 'inspect_model')
     if FLAGS.mode == 'inspect_model':
-        print(InspectModel(p))
+        print(InspectModel(p, FLAGS.model))
         return
     os.makedirs(logdir, exist_ok=True)
     with open(os.path.join(logdir, 'params.txt'), 'w', encoding='utf-8') as f:

@@ -3,6 +3,7 @@ SIGKILL with the same losses, SIGTERM saves, v1 graph mode, eval, inspect modes,
 clear errors."""
 
 import glob
+import re
 import os
 import shutil
 import signal
@@ -14,8 +15,10 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from gpipe_tf import hyperparams
+from gpipe_tf import model_registry
 from gpipe_tf import test_utils
+from gpipe_tf import trainer
+from gpipe_tf.tasks import base_task
 from gpipe_tf.tasks import classifier
 
 DEVICES = test_utils.ConfigureVirtualCpus()
@@ -167,6 +170,25 @@ class TrainAndResumeTest(TrainerTestCase):
         self.assertNotAlmostEqual(Scalars(logdir, 'loss')[1], self.reference[1], places=6)
 
 
+class NonFiniteLossTest(TrainerTestCase):
+
+    def testNanLossStopsNamingTheStepAndKeepsTheLastGoodCheckpoint(self):
+        logdir = self.LogDir()
+        # A learning rate of 1e38 sends the weights to ~1e38 at step 1: step 2's loss is not
+        # finite.
+        result = Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=50',
+                     '--model_params_override=train.learning_rate : 1e38; '
+                     'train.save_interval_steps : 1; train.clip_gradient_norm_to_value : 0.0',
+                     check=False)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertRegex(result.stderr, r'The loss is (nan|inf) at step \d+: training stopped')
+        found = re.search(r'at step (\d+): training stopped\. The last good checkpoint is '
+                          r'\S+ckpt-(\d+)', result.stderr)
+        bad_step, good_step = int(found.group(1)), int(found.group(2))
+        self.assertEqual(good_step, bad_step - 1)
+        self.assertEqual(CheckpointSteps(logdir)[-1], good_step)
+
+
 class ModesTest(TrainerTestCase):
 
     def testListModels(self):
@@ -194,11 +216,27 @@ class ModesTest(TrainerTestCase):
                      f'--model_params_file_override={override}',
                      '--model_params_override=train.learning_rate : 0.25',
                      '--worker_split_size=2', '--num_micro_batches=4').stdout
-        p = hyperparams.Params()
         p = classifier.ClassifierTask.Params().FromText(output)
         self.assertEqual(p.train.learning_rate, 0.25)
         self.assertEqual((p.model.num_cells, p.model.num_micro_batches), (2, 4))
         self.assertEqual(p.model.input_shapes, [32, 16])  # Follows the input's batch size.
+
+    def testInspectModelWorksForEveryRegisteredModelWithoutBuildingIt(self):
+        graph = tf.Graph()
+        with graph.as_default():
+            for key in model_registry.ListModels():
+                with self.subTest(model=key):
+                    p = base_task.SyncInputShapes(model_registry.GetParams(key, 'Train'))
+                    table = trainer.InspectModel(p, key)
+                    rows = [line for line in table.splitlines() if line[:1].isdigit()]
+                    self.assertLen(rows, p.model.num_cells)
+        self.assertEmpty(graph.get_operations())
+
+    def testInspectModelOfAPaperSizeModelOnMoreCellsThanDevices(self):
+        output = Run('--model=lm.TransformerL_1663', '--mode=inspect_model').stdout
+        rows = [line for line in output.splitlines() if line[:1].isdigit()]
+        self.assertLen(rows, 128)
+        self.assertIn('device:CPU:127', rows[-1])
 
     def testInspectModelPrintsOneRowPerCell(self):
         output = Run('--model=image.amoebanet.AmoebaNetD_Small', '--mode=inspect_model',
@@ -229,6 +267,27 @@ class DecodeTest(TrainerTestCase):
             self.assertRegex(line, rf'^{path}\t\d \(0\.\d+\)$')
 
 
+class SmallConfigsTrainTest(TrainerTestCase):
+
+    def _TrainsTwoSteps(self, model, *flags):
+        logdir = self.LogDir()
+        output = Run(f'--model={model}', f'--logdir={logdir}', '--max_steps=2',
+                     '--model_params_override=train.summary_interval_steps : 1', *flags).stdout
+        self.assertRegex(output, r'step\s+2/2\s+loss \d+\.\d+')
+        self.assertEqual(CheckpointSteps(logdir), [2])
+
+    def testAmoebaNetSmallOnFashionMnist(self):
+        if not os.path.isdir('/usr/share/datasets/fashion-mnist'):
+            self.skipTest('Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)')
+        self._TrainsTwoSteps('image.amoebanet.AmoebaNetD_Small')
+
+    def testMultilingualTransformerTinyOnTheShippedCorpus(self):
+        self._TrainsTwoSteps('mt.multilingual.TransformerTiny')
+
+    def testLanguageModelTiny(self):
+        self._TrainsTwoSteps('lm.TransformerLTiny')
+
+
 class ErrorsTest(TrainerTestCase):
 
     def AssertFails(self, pattern, *flags):
@@ -246,6 +305,15 @@ class ErrorsTest(TrainerTestCase):
     def testMalformedOverrideNamesTheLine(self):
         self.AssertFails(r"Line 1 \('train.no_such_field : 1'\)", f'--model={MLP}',
                          '--mode=inspect_params', '--model_params_override=train.no_such_field : 1')
+
+    def testOverrideOfTheWrongKindIsAnErrorBeforeTraining(self):
+        logdir = self.LogDir()
+        result = Run(f'--model={MLP}', f'--logdir={logdir}',
+                     '--model_params_override=train.max_steps : 1.5', check=False)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn('train.max_steps is 600 (int); the override gives 1.5 (float)',
+                      result.stderr)
+        self.assertNotIn('step', result.stdout)
 
     def testEvalWithoutCheckpoint(self):
         logdir = self.LogDir()

@@ -61,6 +61,10 @@ class _Interrupted(Exception):
     pass
 
 
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite: training stops and keeps the last good checkpoint."""
+
+
 def _RaiseInterrupted(signum, frame):
     del frame
     raise _Interrupted(signal.Signals(signum).name)
@@ -110,6 +114,12 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
             metrics = program.Step()
             elapsed = time.time() - start
             step += 1
+            if not math.isfinite(metrics['loss']):
+                # This step's update is applied already: it is not saved.
+                raise NonFiniteLossError(
+                    f'The loss is {metrics["loss"]} at step {step}: training stopped. The last '
+                    f'good checkpoint is {program.manager.latest_checkpoint}; lower the learning '
+                    'rate or clip gradients (train.clip_gradient_norm_to_value) and restart.')
             progress.Update(step, metrics, force=step == max_steps)
             if step % train.summary_interval_steps == 0 or step == max_steps:
                 WriteScalars(writer, step, dict(
