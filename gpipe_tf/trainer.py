@@ -43,6 +43,8 @@ flags.DEFINE_integer('worker_split_size', None, 'Override K, the number of cells
 flags.DEFINE_integer('num_micro_batches', None, 'Override M, the number of micro-batches.')
 flags.DEFINE_enum('graph_mode', 'tf_function', ['tf_function', 'v1'], 'Run the training step '
                   'in a tf.function, or in a tf.compat.v1 graph with a Session.')
+flags.DEFINE_string('data_dir', None, 'Directory of the dataset\'s files, for inputs that '
+                    'read one (Fashion-MNIST\'s IDX files; default: the input Params\').')
 flags.DEFINE_integer('seed', None, 'Seed of initialisation and data order (default: Params).')
 flags.DEFINE_list('decode_input', [], 'decode mode: image files, or sentences to translate.')
 flags.DEFINE_string('decode_input_file', None, 'decode mode: a file with one image path or '
@@ -75,6 +77,11 @@ def TaskParams(model: str, dataset: str = 'Train'):
         p.model.num_micro_batches = FLAGS.num_micro_batches
     if FLAGS.max_steps is not None:
         p.train.max_steps = FLAGS.max_steps
+    if FLAGS.data_dir is not None:
+        if 'data_dir' not in p.input:
+            raise ValueError(f'--data_dir: the input of {model} ({p.input.cls.__name__}) reads '
+                             'no data directory.')
+        p.input.data_dir = FLAGS.data_dir
     if FLAGS.seed is not None:
         p.random_seed = FLAGS.seed
         p.model.random_seed = FLAGS.seed
@@ -188,7 +195,7 @@ def RunTrain(p, logdir, with_eval: bool) -> dict:
 
 
 def _Translates(task) -> bool:
-    return bool(task.p.get('translation')) if 'translation' in task.p else False
+    return 'translation' in task.p and bool(task.p.translation)
 
 
 def ReportBleu(prog, eval_params, name: str, logdir: str, num_samples: int = 5) -> float:

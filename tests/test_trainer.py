@@ -267,6 +267,29 @@ class DecodeTest(TrainerTestCase):
             self.assertRegex(line, rf'^{path}\t\d \(0\.\d+\)$')
 
 
+class TranslateTest(TrainerTestCase):
+
+    def testTranslatesSentencesAndNeedsATargetLanguage(self):
+        logdir = self.LogDir()
+        Run('--model=mt.multilingual.TransformerTiny', f'--logdir={logdir}', '--max_steps=1')
+        output = Run('--model=mt.multilingual.TransformerTiny', f'--logdir={logdir}',
+                     '--mode=decode', '--target_language=de',
+                     '--decode_input=Enter a valid date.,Add user').stdout
+        lines = output.rstrip('\n').split('\n')
+        self.assertLen(lines, 2)
+        self.assertTrue(lines[0].startswith('Enter a valid date.\t'), lines[0])
+        self.assertTrue(lines[1].startswith('Add user\t'), lines[1])
+        result = Run('--model=mt.multilingual.TransformerTiny', f'--logdir={logdir}',
+                     '--mode=decode', '--decode_input=Add user', check=False)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn('translation needs --target_language', result.stderr)
+        result = Run('--model=mt.multilingual.TransformerTiny', f'--logdir={logdir}',
+                     '--mode=decode', '--target_language=xx', '--decode_input=Add user',
+                     check=False)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertRegex(result.stderr, r"xx.*de")
+
+
 class SmallConfigsTrainTest(TrainerTestCase):
 
     def _TrainsTwoSteps(self, model, *flags):
@@ -328,8 +351,11 @@ class ErrorsTest(TrainerTestCase):
 
     def testMissingFashionMnistNamesThePath(self):
         self.AssertFails(r'/no/such/dir', '--model=image.amoebanet.AmoebaNetD_Small',
-                         '--max_steps=1', f'--logdir={self.LogDir()}',
-                         '--model_params_override=input.data_dir : /no/such/dir')
+                         '--max_steps=1', f'--logdir={self.LogDir()}', '--data_dir=/no/such/dir')
+
+    def testDataDirForAnInputWithoutOne(self):
+        self.AssertFails(r'--data_dir: the input of examples.PipelinedMLP \(SyntheticImageInput\)',
+                         f'--model={MLP}', '--mode=inspect_params', '--data_dir=/tmp')
 
 
 if __name__ == '__main__':
