@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from gpipe_tf.input import image as image_input
+from gpipe_tf.input import vocabulary
 from gpipe_tf.tasks import classifier
 from gpipe_tf.tasks import sequence
 
@@ -20,6 +21,13 @@ def _Batches(rows: np.ndarray, batch_size: int):
         chunk = rows[start:start + batch_size]
         pad = np.zeros((batch_size - len(chunk),) + chunk.shape[1:], chunk.dtype)
         yield np.concatenate([chunk, pad]), len(chunk)
+
+
+def _Text(vocab, ids) -> str:
+    """Decoded text of `ids`; ids the model's softmax has beyond the vocabulary (it may be
+    larger, as TransformerTiny's 256 over a 188-token vocabulary) read as <unk>."""
+    ids = np.where(np.asarray(ids) < vocab.size, ids, vocabulary.UNK_ID)
+    return vocab.Decode(ids)
 
 
 def LoadImage(path: str, image_size: int, num_channels: int, mean: float, std: float):
@@ -75,7 +83,7 @@ def Translate(task, task_params, sentences: list[str], target_language: str
                                            _Batches(encoded.src_paddings, batch_size)):
         paddings[count:] = 1.0
         decoded = task.Decode(ids, paddings)
-        results += [data.vocab.Decode(row) for row in decoded[:count]]
+        results += [_Text(data.vocab, row) for row in decoded[:count]]
     return list(zip(sentences, results))
 
 
@@ -103,7 +111,7 @@ def EvaluateBleu(task, input_params, max_sentences: int | None = None) -> tuple[
             _Batches(examples.src_paddings[:count], batch_size)):
         paddings[real:] = 1.0
         decoded = task.Decode(ids, paddings)
-        hypotheses += [data.vocab.Decode(row) for row in decoded[:real]]
+        hypotheses += [_Text(data.vocab, row) for row in decoded[:real]]
     references = [row[3] for row in rows]
     bleu = text.Bleu(hypotheses, references)
     return bleu, [(row[2], h, row[3]) for row, h in zip(rows, hypotheses)]
