@@ -70,6 +70,17 @@ def ClassifyImages(task, task_params, paths: list[str]) -> list[tuple[str, str]]
     return list(zip(paths, results))
 
 
+def _Translations(task, vocab, src_ids, src_paddings, batch_size: int) -> list[str]:
+    """Greedy translations of encoded sources, in model-sized batches (padding rows are all
+    padding)."""
+    texts = []
+    for (ids, count), (paddings, _) in zip(_Batches(src_ids, batch_size),
+                                           _Batches(src_paddings, batch_size)):
+        paddings[count:] = 1.0
+        texts += [_Text(vocab, row) for row in task.Decode(ids, paddings)[:count]]
+    return texts
+
+
 def Translate(task, task_params, sentences: list[str], target_language: str
               ) -> list[tuple[str, str]]:
     """(sentence, translation into `target_language`) for each sentence."""
@@ -77,14 +88,8 @@ def Translate(task, task_params, sentences: list[str], target_language: str
         raise ValueError('decode: translation needs --target_language (e.g. de).')
     data = task_params.input.Instantiate()
     encoded = data.EncodeSources(sentences, target_language)
-    results = []
-    batch_size = task_params.input.batch_size
-    for (ids, count), (paddings, _) in zip(_Batches(encoded.src_ids, batch_size),
-                                           _Batches(encoded.src_paddings, batch_size)):
-        paddings[count:] = 1.0
-        decoded = task.Decode(ids, paddings)
-        results += [_Text(data.vocab, row) for row in decoded[:count]]
-    return list(zip(sentences, results))
+    return list(zip(sentences, _Translations(task, data.vocab, encoded.src_ids,
+                                             encoded.src_paddings, task_params.input.batch_size)))
 
 
 def Decode(task, task_params, lines: list[str], target_language: str | None):
@@ -103,15 +108,8 @@ def EvaluateBleu(task, input_params, max_sentences: int | None = None) -> tuple[
     data = input_params.Instantiate()
     rows = data.Sentences()[:max_sentences]
     examples = data.Examples()
-    count = len(rows)
-    batch_size = input_params.batch_size
-    hypotheses = []
-    for (ids, real), (paddings, _) in zip(
-            _Batches(examples.src_ids[:count], batch_size),
-            _Batches(examples.src_paddings[:count], batch_size)):
-        paddings[real:] = 1.0
-        decoded = task.Decode(ids, paddings)
-        hypotheses += [_Text(data.vocab, row) for row in decoded[:real]]
+    hypotheses = _Translations(task, data.vocab, examples.src_ids[:len(rows)],
+                               examples.src_paddings[:len(rows)], input_params.batch_size)
     references = [row[3] for row in rows]
     bleu = text.Bleu(hypotheses, references)
     return bleu, [(row[2], h, row[3]) for row, h in zip(rows, hypotheses)]
