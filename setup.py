@@ -18,6 +18,7 @@ setuptools.setup(
         'tensorboard>=2.21,<2.22',  # tf.summary's implementation; no longer a TF dependency.
         'sacrebleu',  # BLEU of the translation models.
         'scikit-learn',  # The digits dataset (DigitsInput).
+        'matplotlib',  # Timeline, cell cost and memory pictures (gpipe_tf/perf/plot.py).
     ],
     extras_require={
         'test': ['pytest'],

@@ -356,7 +356,7 @@ class PlacementTest(tf.test.TestCase, parameterized.TestCase):
         self.assertGreater(ran, 0)
 
 
-_CELL_SCOPE = re.compile(r'^cell_(\d+)_(fwd|bwd|grad_sum|stats|update|theta)(_\d+)?$')
+_CELL_SCOPE = re.compile(r'^cell_(\d+)_(?:mb_\d+_)?(fwd|bwd|grad_sum|stats|update|theta)(_\d+)?$')
 
 
 def CellScope(name):

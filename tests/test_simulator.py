@@ -5,7 +5,7 @@ import collections
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from gpipe_tf.sim import simulator
+from gpipe_tf.perf import simulator
 
 
 def _Uniform(k, f=1.0, b=2.0, r=None, transfer=0.0):

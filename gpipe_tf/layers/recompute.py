@@ -16,6 +16,9 @@ import tensorflow as tf
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
 
+# The name scope of a backward's re-materialized forward, so a trace tells it from the gradients.
+RECOMPUTE_SCOPE = 'recompute'
+
 
 def IsFloat(x) -> bool:
     return x is not None and x.dtype.is_floating
@@ -86,10 +89,11 @@ class CellFunctions:
           theta leaf is not trainable or an input leaf is not floating point.
         """
         with tf.device(self.device):
-            with tf.control_dependencies(d_outputs):
-                theta = Identity(theta)
-                inputs = Identity(inputs)
-            outputs, _ = self._Run(theta, inputs, step, micro_batch, training=True)
+            with tf.name_scope(RECOMPUTE_SCOPE):
+                with tf.control_dependencies(d_outputs):
+                    theta = Identity(theta)
+                    inputs = Identity(inputs)
+                outputs, _ = self._Run(theta, inputs, step, micro_batch, training=True)
             return Differentiate(outputs, theta, inputs, d_outputs, self.trainable)
 
     def Forward(self, theta, inputs, step, micro_batch, training: bool = True):

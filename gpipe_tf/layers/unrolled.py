@@ -16,6 +16,25 @@ from gpipe_tf.layers import recompute
 from gpipe_tf.layers import schedule
 
 
+def OpScope(cell: int, micro_batch: int, part: str) -> str:
+    """The name scope of one (cell, micro-batch) piece of the schedule: `part` is 'fwd', 'bwd'
+    or 'grad_sum'. Traces read (cell, micro-batch, kind) back from op names through it
+    (`perf/trace.py`); a re-materializing backward's recompute is under a further 'recompute'
+    scope (`recompute.RECOMPUTE_SCOPE`)."""
+    return f'cell_{cell}_mb_{micro_batch}_{part}'
+
+
+def _Done(tensors, device: str) -> list:
+    """Ops that run once `tensors` exist, for control dependencies on them.
+
+    A control dependency on a function call's output waits for the call's stateful ops only,
+    once the call is inlined (measured: a traced step ran a cell's micro-batches out of order),
+    so the wait is on identities of the values themselves.
+    """
+    with tf.device(device), tf.name_scope('done'):
+        return [tf.identity(x) for x in tf.nest.flatten(tensors) if x is not None]
+
+
 def _SumStats(per_micro_batch: list) -> list:
     """Sums each layer's training statistics over the micro-batches."""
     if not per_micro_batch or not per_micro_batch[0]:
@@ -72,7 +91,10 @@ class UnrolledSchedule:
         for tick in schedule.ForwardTicks(m_count, self._num_cells):
             for k, m in tick:
                 fn, mb_id = self._functions[k], self._micro_batch_ids[m]
-                with tf.name_scope(f'cell_{k}_fwd'):
+                # A device works on one micro-batch at a time, in the schedule's order: the
+                # forward of micro-batch m waits for the cell's forward of m - 1.
+                previous = _Done(acts[k + 1][m - 1], self._devices[k]) if m else []
+                with tf.control_dependencies(previous), tf.name_scope(OpScope(k, m, 'fwd')):
                     if not training or self._recomputes[k]:
                         self._inputs[k][m] = acts[k][m]
                         acts[k + 1][m], stats[k][m] = fn.Forward(
@@ -110,14 +132,17 @@ class UnrolledSchedule:
         with tf.device(self._devices[-1]):
             d_acts = microbatch.Split(d_outputs, m_count, batch_dim)
         d_thetas = [None] * self._num_cells  # Per cell, the running gradient sum.
+        d_inputs = [None] * self._num_cells  # Per cell, its last micro-batch's input gradient.
         for tick in schedule.BackwardTicks(m_count, self._num_cells):
             for k, m in tick:
                 d_y = recompute.FloatLeaves(d_acts[m])
                 # A device works on one micro-batch at a time: the backward of the next
-                # micro-batch waits for the last one's gradient to be summed, so at most one
-                # micro-batch's weight gradient per cell is alive.
-                previous = [g for g in d_thetas[k] or [] if g is not None]
-                with tf.control_dependencies(previous), tf.name_scope(f'cell_{k}_bwd'):
+                # micro-batch waits for the last one's weight gradient to be summed, so at most
+                # one micro-batch's weight gradient per cell is alive, and for its input
+                # gradient (cell 0's is left out: nothing may need it, and waiting would force
+                # it to be computed).
+                previous = _Done([d_thetas[k], d_inputs[k] if k else None], self._devices[k])
+                with tf.control_dependencies(previous), tf.name_scope(OpScope(k, m, 'bwd')):
                     if self._recomputes[k]:
                         d_theta, d_x = self._functions[k].Backward(
                             self._thetas[k], self._inputs[k][m], self._step,
@@ -131,10 +156,11 @@ class UnrolledSchedule:
                 # A running sum in schedule order, freed as it goes, instead of one add_n
                 # that keeps all M gradients alive. Sparse gradients (an embedding's gather)
                 # are made dense: summed over micro-batches they mostly are.
-                with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_grad_sum'):
+                with tf.device(self._devices[k]), tf.name_scope(OpScope(k, m, 'grad_sum')):
                     d_theta = [None if g is None else tf.convert_to_tensor(g) for g in d_theta]
                     d_thetas[k] = d_theta if d_thetas[k] is None else [
                         None if a is None else a + b for a, b in zip(d_thetas[k], d_theta)]
+                d_inputs[k] = d_x
                 d_acts[m] = tf.nest.pack_sequence_as(self._inputs[k][m], d_x)
         with tf.device(self._devices[0]):
             return d_thetas, microbatch.Concat(d_acts, batch_dim)

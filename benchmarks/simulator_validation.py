@@ -1,0 +1,179 @@
+r"""Does the schedule simulator predict measured step times? K=2 cells on 2 virtual CPU devices.
+
+    python benchmarks/simulator_validation.py [--micro_batches=1,2,4,8] [--repeats=5]
+
+TensorFlow runs every op on one thread (intra-op 1) with two ops in flight (inter-op 2), so each
+of the two virtual devices is one core of this 2-core machine. The model is a stack of dense
+layers, partitioned into K=2 re-materializing cells. For each M:
+
+  1. per-cell costs are measured in isolation: each cell's forward, and its backward (which
+     recomputes the forward), called alone on one micro-batch under the profiler, which times
+     the forward, recompute and gradient ops apart;
+  2. `simulator.Simulate` predicts the step time from those costs (transfers between virtual
+     devices of one process are free: the runtime hands the tensor over);
+  3. the real train step (loss, pipelined gradients, SGD update) is timed, and one step is traced
+     with TensorFlow's profiler into a measured timeline;
+  4. predicted vs measured step time (the target: within 20%), measured utilisation vs the
+     simulated one and the ideal M/(M+K-1), and PNG Gantt charts of both timelines.
+
+Prints a table as it goes; writes benchmarks/results/simulator_validation.json and the PNGs.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import argparse  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import json
+import statistics
+import time
+
+import tensorflow as tf  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
+from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
+from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
+from gpipe_tf.layers import pipeline  # pylint: disable=g-import-not-at-top
+from gpipe_tf.layers import unrolled  # pylint: disable=g-import-not-at-top
+from gpipe_tf.perf import plot  # pylint: disable=g-import-not-at-top
+from gpipe_tf.perf import simulator  # pylint: disable=g-import-not-at-top
+from gpipe_tf.perf import trace  # pylint: disable=g-import-not-at-top
+
+NUM_CELLS = 2
+TOLERANCE = 0.20
+
+
+def Setup() -> list[str]:
+    """One thread per op, two ops in flight, two virtual devices: each device is one core."""
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(NUM_CELLS)
+    return test_utils.ConfigureVirtualCpus(NUM_CELLS)
+
+
+def Median(fn, repeats: int) -> float:
+    """Median wall seconds of `fn()` (which returns something with .numpy()), after a warm-up."""
+    tf.nest.map_structure(lambda t: t.numpy(), fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tf.nest.map_structure(lambda t: t.numpy(), fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def BoxSeconds(fn, args, repeats: int) -> dict:
+    """Median seconds of each (kind) box of a traced call of `fn(*args)`: the ops' own time,
+    without the call's dispatch, which the pipelined step (one function) does not pay per call."""
+    fn(*args)  # Trace and warm up.
+    seconds = {}
+    for _ in range(repeats):
+        for box in trace.MeasuredTimeline(trace.TraceFunction(fn, *args), NUM_CELLS).intervals:
+            seconds.setdefault(box.kind, []).append(box.end - box.start)
+    return {kind: statistics.median(values) for kind, values in seconds.items()}
+
+
+def BuildPipeline(args, devices, num_micro_batches):
+    layers = [basic.DenseLayer.Params().Set(input_dim=args.width, output_dim=args.width,
+                                            activation='relu') for _ in range(args.layers)]
+    return pipeline.PipeliningLayer.Params().Set(
+        name='pipe', layer_tpl=layers, num_cells=NUM_CELLS, num_micro_batches=num_micro_batches,
+        recompute='always', input_shapes=[args.batch, args.width], devices=devices).Instantiate()
+
+
+def CellCosts(layer, micro_batch_size: int, width: int, repeats: int) -> simulator.CellCosts:
+    """Each cell's forward, recompute and backward on one micro-batch, traced alone (named as
+    the pipeline names them, so the trace tells the recompute from the gradients)."""
+    step, micro_batch = tf.constant(0, tf.int64), tf.constant(0, tf.int64)
+    forward, recompute, backward = [], [], []
+    for k, fn in enumerate(layer.cell_functions):
+        theta = layer.theta[f'cell_{k}']
+        with tf.device(fn.device):
+            x = tf.random.stateless_normal([micro_batch_size, width], [k, 1])
+            dy = [tf.random.stateless_normal([micro_batch_size, width], [k, 2])]
+
+        @tf.function
+        def Forward(x, k=k, fn=fn, theta=theta):
+            with tf.name_scope(unrolled.OpScope(k, 0, 'fwd')):
+                return fn.Forward(theta, x, step, micro_batch)[0]
+
+        @tf.function
+        def Backward(x, dy, k=k, fn=fn, theta=theta):
+            with tf.name_scope(unrolled.OpScope(k, 0, 'bwd')):
+                return [g for g in tf.nest.flatten(fn.Backward(theta, x, step, micro_batch, dy))
+                        if g is not None]
+
+        forward.append(BoxSeconds(Forward, (x,), repeats)['forward'])
+        boxes = BoxSeconds(Backward, (x, dy), repeats)
+        recompute.append(boxes['recompute'])
+        backward.append(boxes['backward'])
+    return simulator.CellCosts(forward=forward, backward=backward, recompute=recompute)
+
+
+def TrainStep(layer, learning_rate=1e-4):
+    variables = layer.trainable_variables
+
+    @tf.function
+    def Step(x):
+        with tf.GradientTape() as tape:
+            # A loss whose gradient needs every output, as real losses do.
+            loss = tf.reduce_mean(tf.square(layer(x)))
+        for v, g in zip(variables, tape.gradient(loss, variables)):
+            v.assign_sub(learning_rate * g)
+        return loss
+    return Step
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--micro_batches', default='1,2,4,8', help='Comma-separated M values.')
+    parser.add_argument('--layers', type=int, default=8, help='Dense layers (L).')
+    parser.add_argument('--width', type=int, default=512, help='Width of each dense layer.')
+    parser.add_argument('--batch', type=int, default=512, help='Mini-batch size (N).')
+    parser.add_argument('--repeats', type=int, default=5, help='Timed runs per measurement.')
+    parser.add_argument('--out', default='benchmarks/results/simulator_validation.json')
+    parser.add_argument('--plot_dir', default='benchmarks/results/timelines',
+                        help='Where the Gantt charts go.')
+    args = parser.parse_args()
+    devices = Setup()
+    print(f'TensorFlow {tf.__version__}, {os.cpu_count()} CPU cores, {NUM_CELLS} virtual devices '
+          f'(intra-op 1, inter-op {NUM_CELLS} threads); {args.layers} dense layers of '
+          f'{args.width}, batch {args.batch}, K={NUM_CELLS}, recompute always')
+    print(f"{'M':>3} {'predicted ms':>13} {'measured ms':>12} {'pred/meas':>10} "
+          f"{'sim util':>9} {'meas util':>10} {'ideal':>6}  within {TOLERANCE:.0%}", flush=True)
+    rows = []
+    x = tf.random.stateless_normal([args.batch, args.width], [1, 2])
+    for m in [int(v) for v in args.micro_batches.split(',')]:
+        layer = BuildPipeline(args, devices, m)
+        costs = CellCosts(layer, args.batch // m, args.width, args.repeats)
+        predicted = simulator.Simulate(costs, m, recompute=True)
+        step = TrainStep(layer)
+        measured_s = Median(lambda: step(x), args.repeats)
+        measured = trace.MeasuredTimeline(trace.TraceFunction(step, x), NUM_CELLS)
+        ideal = simulator.IdealUtilisation(m, NUM_CELLS)
+        ratio = predicted.makespan / measured_s
+        row = dict(k=NUM_CELLS, m=m, layers=args.layers, width=args.width, batch=args.batch,
+                   forward_s=list(costs.forward), recompute_s=list(costs.recompute),
+                   backward_s=list(costs.backward),
+                   predicted_step_s=predicted.makespan, measured_step_s=measured_s,
+                   predicted_over_measured=ratio, within_tolerance=abs(ratio - 1) <= TOLERANCE,
+                   simulated_utilisation=predicted.utilisation,
+                   measured_utilisation=measured.utilisation,
+                   traced_step_s=measured.makespan, ideal_utilisation=ideal)
+        rows.append(row)
+        for name, timeline in (('predicted', predicted), ('measured', measured)):
+            plot.SavePng(plot.TimelineFigure(
+                timeline, title=f'{name}, K={NUM_CELLS} M={m}', ideal_utilisation=ideal),
+                os.path.join(args.plot_dir, f'{name}_k{NUM_CELLS}_m{m}.png'))
+        print(f'{m:3d} {1e3 * predicted.makespan:13.1f} {1e3 * measured_s:12.1f} {ratio:10.2f} '
+              f'{predicted.utilisation:9.1%} {measured.utilisation:10.1%} {ideal:6.1%}  '
+              f"{'yes' if row['within_tolerance'] else 'NO'}", flush=True)
+        os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)
+        with open(args.out, 'w', encoding='utf-8') as f:  # After every row: nothing lost.
+            json.dump({'tensorflow': tf.__version__, 'cpu_cores': os.cpu_count(),
+                       'tolerance': TOLERANCE, 'rows': rows}, f, indent=1)
+    print(f'wrote {args.out} and timelines under {args.plot_dir}')
+
+
+if __name__ == '__main__':
+    main()

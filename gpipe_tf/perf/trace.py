@@ -1,0 +1,168 @@
+"""Measured timelines: when each (cell, micro-batch) forward, recompute and backward really ran.
+
+One training step is traced with TensorFlow's own tools: the profiler
+(`tf.profiler.experimental`, for eager code and `tf.function`s) or a v1 Session's FULL_TRACE
+`RunMetadata`. Every op the pipeline creates is under a `cell_<k>_mb_<m>_<part>` name scope
+(`unrolled.OpScope`), and a re-materializing backward's recompute under a further `recompute`
+scope, so an op's name says which box of the schedule it belongs to. The ops of one box are
+merged into one interval on cell k's device (device k runs cell k, which the placement tests
+check); a device's busy time is the union of its ops' run times, so two ops that overlap on two
+threads count once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import tempfile
+
+import tensorflow as tf
+
+from gpipe_tf.layers import recompute as recompute_lib
+from gpipe_tf.perf import simulator
+
+# `cell_<k>_mb_<m>_<part>` (uniquified `_<n>` when the pipeline is built twice in one graph),
+# anywhere in an op's name (a v1 graph puts it under `gradients/...`).
+_OP_SCOPE = re.compile(r'(?:^|/)cell_(\d+)_mb_(\d+)_(fwd|bwd|grad_sum)(?:_\d+)?/(.*)$')
+# The runtime's send/receive halves (`.../_17`): transfers, not a device's computation.
+_TRANSFER = re.compile(r'/_\d+$')
+# Ops shorter than this fraction of their box's longest op do not stretch the box.
+_SUBSTANTIAL = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class OpEvent:
+    """One op's execution: `name` (the graph node's name), start and end in seconds."""
+    name: str
+    start: float
+    end: float
+
+
+def ClassifyOp(name: str) -> tuple[int, int, str] | None:
+    """(cell, micro-batch, kind) of a pipeline op from its name, kind in `simulator.KINDS`;
+    None for ops outside the schedule (the loss, the update, transfers)."""
+    if _TRANSFER.search(name):
+        return None
+    match = _OP_SCOPE.search(name)
+    if not match:
+        return None
+    cell, micro_batch, part, rest = match.groups()
+    if part == 'fwd':
+        kind = 'forward'
+    elif (part == 'bwd' and re.search(rf'(^|/){recompute_lib.RECOMPUTE_SCOPE}/', rest)
+          and not re.search(r'(^|/)gradients/', rest)):
+        # Gradient ops are named after the forward ops they differentiate, so the recompute
+        # scope reappears under `gradients/`.
+        kind = 'recompute'
+    else:
+        kind = 'backward'
+    return int(cell), int(micro_batch), kind
+
+
+def EventsFromRunMetadata(run_metadata) -> list[OpEvent]:
+    """The op events of a v1 `Session.run` traced with `RunOptions.FULL_TRACE`."""
+    events = []
+    for device in run_metadata.step_stats.dev_stats:
+        for node in device.node_stats:
+            start = node.all_start_micros * 1e-6
+            events.append(OpEvent(node.node_name, start, start + node.all_end_rel_micros * 1e-6))
+    return events
+
+
+def EventsFromProfile(logdir: str) -> list[OpEvent]:
+    """The op events of the newest profile (`*.xplane.pb`) under `logdir`.
+
+    Raises:
+      FileNotFoundError: if `logdir` holds no profile.
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
+    paths = glob.glob(os.path.join(logdir, '**', '*.xplane.pb'), recursive=True)
+    if not paths:
+        raise FileNotFoundError(f'No profile (*.xplane.pb) under {logdir}.')
+    space = xplane_pb2.XSpace()
+    with open(max(paths, key=os.path.getmtime), 'rb') as f:
+        space.ParseFromString(f.read())
+    events = []
+    for plane in space.planes:
+        for line in plane.lines:
+            for event in line.events:
+                # TF op events are named '<node name>:<op type>'.
+                name = plane.event_metadata[event.metadata_id].name
+                if ':' not in name:
+                    continue
+                start = (line.timestamp_ns * 1000 + event.offset_ps) * 1e-12
+                events.append(OpEvent(name.split(':')[0], start, start + event.duration_ps * 1e-12))
+    return events
+
+
+def TraceFunction(fn, *args, logdir: str | None = None) -> list[OpEvent]:
+    """Runs `fn(*args)` once under TensorFlow's profiler and returns its op events.
+
+    Run `fn` once beforehand: a first call would also trace and optimize the function.
+    """
+    logdir = logdir or tempfile.mkdtemp(prefix='gpipe_trace_')
+    tf.profiler.experimental.start(logdir)
+    try:
+        tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, 'numpy') else t, fn(*args))
+    finally:
+        tf.profiler.experimental.stop()
+    return EventsFromProfile(logdir)
+
+
+def TraceSessionRun(session, fetches, feed_dict=None) -> tuple[object, list[OpEvent]]:
+    """(results, op events) of one `session.run(fetches)` with a full trace."""
+    metadata = tf.compat.v1.RunMetadata()
+    results = session.run(
+        fetches, feed_dict=feed_dict, run_metadata=metadata,
+        options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
+    return results, EventsFromRunMetadata(metadata)
+
+
+def _UnionLength(spans: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float('-inf')
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def MeasuredTimeline(events: list[OpEvent], num_cells: int) -> simulator.Timeline:
+    """The schedule's boxes from a step's op events, times relative to the step's first op.
+
+    The makespan runs from the first to the last op of the step (the loss and the update
+    included); a device's busy time is the union of its pipeline ops.
+
+    Raises:
+      ValueError: if no op of the pipeline is among the events, or one names a cell >= K.
+    """
+    ops, spans = {}, [[] for _ in range(num_cells)]
+    for event in events:
+        label = ClassifyOp(event.name)
+        if label is None:
+            continue
+        cell = label[0]
+        if cell >= num_cells:
+            raise ValueError(f'Op {event.name} belongs to cell {cell}, but the pipeline has '
+                             f'{num_cells} cells.')
+        ops.setdefault(label, []).append(event)
+        spans[cell].append((event.start, event.end))
+    if not ops:
+        raise ValueError(f'None of the {len(events)} traced ops is a pipeline op (named under '
+                         'cell_<k>_mb_<m>_<fwd|bwd|grad_sum>): was the right step traced?')
+    origin = min(e.start for e in events)
+    intervals = []
+    for (cell, m, kind), box_ops in ops.items():
+        # A box spans its substantial ops: its constants and shape ops have no inputs to wait
+        # for and run whenever a thread is free, often at the step's very start.
+        longest = max(e.end - e.start for e in box_ops)
+        box_ops = [e for e in box_ops if e.end - e.start >= _SUBSTANTIAL * longest]
+        intervals.append(simulator.Interval(cell, cell, m, kind,
+                                            min(e.start for e in box_ops) - origin,
+                                            max(e.end for e in box_ops) - origin))
+    intervals.sort(key=lambda i: (i.start, i.device))
+    return simulator.Timeline(intervals=intervals,
+                              makespan=max(e.end for e in events) - origin,
+                              busy=[_UnionLength(s) for s in spans])

@@ -1,0 +1,163 @@
+"""Measured timelines: op names read back as schedule boxes, and a traced step of a real pipeline
+runs the GPipe schedule (each device one micro-batch at a time, in order) in both graph modes."""
+
+import os
+import tempfile
+
+import tensorflow as tf
+from absl.testing import parameterized
+
+from gpipe_tf import test_utils
+from gpipe_tf.layers import basic
+from gpipe_tf.layers import pipeline
+from gpipe_tf.perf import plot
+from gpipe_tf.perf import simulator
+from gpipe_tf.perf import trace
+
+DEVICES = test_utils.ConfigureVirtualCpus()
+
+
+class ClassifyOpTest(parameterized.TestCase):
+
+    @parameterized.parameters(
+        ('cell_0_mb_1_fwd/PartitionedCall/MatMul', (0, 1, 'forward')),
+        ('cell_2_mb_10_bwd/PartitionedCall/recompute/MatMul_3', (2, 10, 'recompute')),
+        # Gradient ops are named after the recomputed ops they differentiate.
+        ('cell_2_mb_0_bwd/PartitionedCall/gradients/recompute/MatMul_grad/MatMul', (2, 0,
+                                                                                     'backward')),
+        ('gradients/IdentityN_grad/cell_1_mb_3_bwd/PartitionedCall/gradients/Relu_grad/ReluGrad',
+         (1, 3, 'backward')),
+        ('cell_3_mb_2_bwd/gradients/MatMul_grad/MatMul', (3, 2, 'backward')),
+        ('cell_1_mb_0_grad_sum/add_2', (1, 0, 'backward')),
+        ('cell_1_mb_0_fwd_1/PartitionedCall/MatMul', (1, 0, 'forward')),  # Built twice.
+    )
+    def testPipelineOps(self, name, expected):
+        self.assertEqual(trace.ClassifyOp(name), expected)
+
+    @parameterized.parameters('loss/Mean', 'cell_1_mb_0_fwd/PartitionedCall/MatMul/_17',
+                              'cell_0_theta/Read/ReadVariableOp', 'cell_0_update/AssignAdd')
+    def testOtherOpsAreNotBoxes(self, name):
+        self.assertIsNone(trace.ClassifyOp(name))
+
+
+class MeasuredTimelineTest(tf.test.TestCase):
+
+    def testBoxesSpanTheirSubstantialOpsAndBusyTimeIsAUnion(self):
+        events = [
+            trace.OpEvent('loss/Mean', 0.0, 0.1),
+            trace.OpEvent('cell_0_mb_0_fwd/PartitionedCall/MatMul', 1.0, 2.0),
+            # Two threads of device 0 overlap: busy counts [1, 2.5] once.
+            trace.OpEvent('cell_0_mb_0_fwd/PartitionedCall/MatMul_1', 1.5, 2.5),
+            # A constant run at the start does not stretch its box.
+            trace.OpEvent('cell_1_mb_0_bwd/PartitionedCall/recompute/Const', 0.2, 0.2001),
+            trace.OpEvent('cell_1_mb_0_bwd/PartitionedCall/recompute/MatMul', 3.0, 4.0),
+            trace.OpEvent('cell_1_mb_0_bwd/PartitionedCall/gradients/MatMul_grad/MatMul',
+                          4.0, 6.0),
+            trace.OpEvent('update/AssignSub', 6.0, 7.0),
+        ]
+        timeline = trace.MeasuredTimeline(events, num_cells=2)
+        boxes = {(i.cell, i.micro_batch, i.kind): (i.device, i.start, i.end)
+                 for i in timeline.intervals}
+        self.assertEqual(boxes, {(0, 0, 'forward'): (0, 1.0, 2.5),
+                                 (1, 0, 'recompute'): (1, 3.0, 4.0),
+                                 (1, 0, 'backward'): (1, 4.0, 6.0)})
+        self.assertEqual(timeline.makespan, 7.0)
+        self.assertAllClose(timeline.busy, [1.5, 3.0001])
+
+    def testNoPipelineOpIsAnError(self):
+        with self.assertRaisesRegex(ValueError, 'None of the 1 traced ops'):
+            trace.MeasuredTimeline([trace.OpEvent('loss/Mean', 0, 1)], 2)
+
+    def testCellBeyondKIsAnError(self):
+        with self.assertRaisesRegex(ValueError, 'cell 3, but the pipeline has 2 cells'):
+            trace.MeasuredTimeline([trace.OpEvent('cell_3_mb_0_fwd/MatMul', 0, 1)], 2)
+
+
+K, M, BATCH, DIM = 3, 4, 96, 256
+
+
+def _Pipeline(recompute):
+    layers = [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM, activation='relu')
+              for _ in range(6)]
+    return pipeline.PipeliningLayer.Params().Set(
+        name='pipe', layer_tpl=layers, num_cells=K, num_micro_batches=M, recompute=recompute,
+        input_shapes=[BATCH, DIM], devices=DEVICES[:K])
+
+
+class TracedStepTest(tf.test.TestCase, parameterized.TestCase):
+    """One real step, traced: every (cell, micro-batch, kind) box once, on its cell's device,
+    and each device's boxes in the schedule's order without overlap."""
+
+    def _TraceFunction(self, recompute):
+        layer = _Pipeline(recompute).Instantiate()
+        x = tf.random.stateless_normal([BATCH, DIM], [1, 2])
+
+        @tf.function
+        def Step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(layer(x)))
+            return tape.gradient(loss, layer.trainable_variables)
+
+        Step(x)
+        logdir = tempfile.mkdtemp()
+        return trace.MeasuredTimeline(trace.TraceFunction(Step, x, logdir=logdir), K)
+
+    def _TraceSession(self, recompute):
+        graph = tf.Graph()
+        with graph.as_default():
+            layer = _Pipeline(recompute).Instantiate()
+            x = tf.random.stateless_normal([BATCH, DIM], [1, 2])
+            loss = tf.reduce_mean(tf.square(layer(x)))
+            grads = tf.compat.v1.gradients(loss, list(layer.trainable_variables),
+                                           colocate_gradients_with_ops=False)
+            config = tf.compat.v1.ConfigProto(device_count={'CPU': len(DEVICES)})
+            with tf.compat.v1.Session(graph=graph, config=config) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                sess.run(grads)
+                _, events = trace.TraceSessionRun(sess, grads)
+        return trace.MeasuredTimeline(events, K)
+
+    def _CheckSchedule(self, timeline, recompute):
+        remat = {'always': [True] * K, 'never': [False] * K,
+                 'except_last': [True] * (K - 1) + [False]}[recompute]
+        expected = {(k, m, kind) for k in range(K) for m in range(M)
+                    for kind in (('forward', 'recompute', 'backward') if remat[k]
+                                 else ('forward', 'backward'))}
+        labels = [(i.cell, i.micro_batch, i.kind) for i in timeline.intervals]
+        self.assertCountEqual(labels, expected)
+        for i in timeline.intervals:
+            self.assertEqual(i.device, i.cell)
+        order = {'forward': 0, 'recompute': 1, 'backward': 2}
+        for k in range(K):
+            boxes = sorted((i for i in timeline.intervals if i.cell == k),
+                           key=lambda i: (i.kind != 'forward', i.micro_batch, order[i.kind]))
+            # Forwards of micro-batches 0..M-1, then per micro-batch (recompute,) backward;
+            # each box ends before the next starts.
+            for before, after in zip(boxes, boxes[1:]):
+                self.assertLessEqual(before.end, after.start + 1e-6,
+                                     f'cell {k}: {before} overlaps {after}')
+        self.assertGreater(timeline.utilisation, 0)
+        self.assertLessEqual(timeline.utilisation, 1)
+
+    @parameterized.parameters('always', 'except_last', 'never')
+    def testFunctionStepRunsTheSchedule(self, recompute):
+        self._CheckSchedule(self._TraceFunction(recompute), recompute)
+
+    @parameterized.parameters('always', 'never')
+    def testSessionStepRunsTheSchedule(self, recompute):
+        self._CheckSchedule(self._TraceSession(recompute), recompute)
+
+    def testGanttChartOfATracedStep(self):
+        timeline = self._TraceFunction('always')
+        figure = plot.TimelineFigure(timeline, title='traced',
+                                     ideal_utilisation=simulator.IdealUtilisation(M, K))
+        path = plot.SavePng(figure, os.path.join(tempfile.mkdtemp(), 'timeline.png'))
+        with open(path, 'rb') as f:
+            self.assertEqual(f.read(8), b'\x89PNG\r\n\x1a\n')
+        axes = figure.axes[0]
+        self.assertLen(axes.get_yticklabels(), K)
+        self.assertLen(axes.patches, 3 * K * M)
+
+
+if __name__ == '__main__':
+    tf.test.main()
