@@ -6,8 +6,9 @@ r"""The gpipe_tf trainer: `python -m gpipe_tf.trainer --model=<registry key> ...
 
 Modes: `train`, `eval` (the latest checkpoint on `task.train.eval_dataset`), `train_and_eval`,
 `inspect_params` (prints the Params text and writes `<logdir>/params.txt`), `inspect_model`
-(the partition table from Params alone: per cell its layers, device, FLOPs, parameters and
-estimated activation memory), and `decode` (classify image files / translate sentences, given
+(from Params alone, building nothing: the partition table, per cell its layers, device, FLOPs,
+parameters and estimated activation memory, then the memory plan per device; with `--plot_dir`
+also the plan pictures as PNGs), and `decode` (classify image files / translate sentences, given
 with `--decode_input` or in a file with `--decode_input_file`).
 Restarting with the same `--logdir` resumes from the latest checkpoint.
 """
@@ -45,6 +46,10 @@ flags.DEFINE_enum('graph_mode', 'tf_function', ['tf_function', 'v1'], 'Run the t
                   'in a tf.function, or in a tf.compat.v1 graph with a Session.')
 flags.DEFINE_string('data_dir', None, 'Directory of the dataset\'s files, for inputs that '
                     'read one (Fashion-MNIST\'s IDX files; default: the input Params\').')
+flags.DEFINE_string('plot_dir', None, 'inspect_model: also write the plan pictures here: '
+                    'cell_costs.png, timeline_predicted.png and memory.png.')
+flags.DEFINE_float('device_memory_gb', None, 'inspect_model: an accelerator\'s memory in GiB; '
+                   'the memory plan says which cells fit, and memory.png draws it as a line.')
 flags.DEFINE_integer('seed', None, 'Seed of initialisation and data order (default: Params).')
 flags.DEFINE_list('decode_input', [], 'decode mode: image files, or sentences to translate.')
 flags.DEFINE_string('decode_input_file', None, 'decode mode: a file with one image path or '
@@ -164,6 +169,43 @@ def InspectModel(p, name: str) -> str:
     return head + '\n' + partition.FormatReport(rows)
 
 
+def InspectMemory(p, name: str, device_bytes: float | None = None,
+                  plot_dir: str | None = None) -> str:
+    """The memory plan table of task Params `p`'s pipeline from Params alone; with `plot_dir`,
+    also writes the plan pictures there as PNGs and lists their paths.
+
+    Raises:
+      ValueError: for a model that is not a PipeliningLayer or has no input_shapes.
+    """
+    from gpipe_tf.perf import pictures  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.perf import plot  # pylint: disable=g-import-not-at-top
+    plan = pictures.Plan(p)
+    lines = [f'{name}: planned memory per device, in MiB (slots per parameter: '
+             f'{plan.memory.slots_per_param}).', plan.memory.Format(device_bytes)]
+    if plot_dir:
+        for key, figure in pictures.Figures(plan, name, device_bytes).items():
+            lines.append(f'wrote {plot.SavePng(figure, os.path.join(plot_dir, key + ".png"))}')
+    return '\n'.join(lines)
+
+
+def RunInspectModel(p, name: str) -> None:
+    """Prints the partition table and the memory plan, and writes the pictures (--plot_dir)."""
+    device_bytes = None
+    if FLAGS.device_memory_gb is not None:
+        if not FLAGS.device_memory_gb > 0:
+            raise ValueError(f'--device_memory_gb must be > 0, got {FLAGS.device_memory_gb}.')
+        device_bytes = FLAGS.device_memory_gb * 2**30
+    print(InspectModel(p, name))
+    try:
+        report = InspectMemory(p, name, device_bytes, FLAGS.plot_dir)
+    except ValueError as error:
+        if FLAGS.plot_dir or device_bytes is not None:
+            raise
+        # The partition table is the mode's promise; the memory plan needs more of the Params.
+        report = f'No memory plan: {error}'
+    print(report, flush=True)
+
+
 def _Logdir() -> str:
     return FLAGS.logdir or os.path.join('/tmp/gpipe_tf', FLAGS.model)
 
@@ -277,7 +319,7 @@ def main(argv):
         return
     _SetUpDevices(p, plan_only=FLAGS.mode == 'inspect_model')
     if FLAGS.mode == 'inspect_model':
-        print(InspectModel(p, FLAGS.model))
+        RunInspectModel(p, FLAGS.model)
         return
     os.makedirs(logdir, exist_ok=True)
     with open(os.path.join(logdir, 'params.txt'), 'w', encoding='utf-8') as f:

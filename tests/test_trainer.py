@@ -1,6 +1,6 @@
 """The trainer binary, run as users run it (subprocesses): train, checkpoint, resume after
-SIGKILL with the same losses, SIGTERM saves, v1 graph mode, eval, inspect modes, decode and
-clear errors."""
+SIGKILL with the same losses, SIGTERM saves, v1 graph mode, eval, inspect modes, decode, the
+pipeline pictures (inspect_model's PNGs, training's TensorBoard images) and clear errors."""
 
 import glob
 import re
@@ -18,14 +18,20 @@ import tensorflow as tf
 from gpipe_tf import model_registry
 from gpipe_tf import test_utils
 from gpipe_tf import trainer
+from gpipe_tf.perf import pictures
+from gpipe_tf.perf import trace
 from gpipe_tf.tasks import base_task
 from gpipe_tf.tasks import classifier
+from gpipe_tf.train import loop
+from gpipe_tf.train import program
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 MLP = 'examples.PipelinedMLP'
 # Every step's loss goes to TensorBoard; checkpoints every 4 steps.
 FAST = 'train.summary_interval_steps : 1; train.save_interval_steps : 4'
 TIMEOUT = 300
+PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
+PLAN_PICTURES = ('cell_costs', 'timeline_predicted', 'memory')
 
 
 def Command(*flags):
@@ -51,6 +57,18 @@ def Scalars(logdir, tag, files=None):
                 if value.tag == tag:
                     values[event.step] = float(tf.make_ndarray(value.tensor))
     return values
+
+
+def Images(logdir):
+    """{tag: (step, PNG bytes)} of the image summaries under <logdir>/train."""
+    images = {}
+    for path in sorted(glob.glob(os.path.join(logdir, 'train', 'events.*'))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == 'images':
+                    # tf.summary.image stores [width, height, PNG...].
+                    images[value.tag] = (event.step, tf.make_ndarray(value.tensor)[2])
+    return images
 
 
 def EventFiles(logdir):
@@ -356,6 +374,151 @@ class ErrorsTest(TrainerTestCase):
     def testDataDirForAnInputWithoutOne(self):
         self.AssertFails(r'--data_dir: the input of examples.PipelinedMLP \(SyntheticImageInput\)',
                          f'--model={MLP}', '--mode=inspect_params', '--data_dir=/tmp')
+
+
+class PipelinePicturesTest(TrainerTestCase):
+
+    def AssertPngs(self, plot_dir, output):
+        for key in PLAN_PICTURES:
+            path = os.path.join(plot_dir, f'{key}.png')
+            self.assertIn(f'wrote {path}', output)
+            with open(path, 'rb') as f:
+                data = f.read()
+            self.assertGreater(len(data), len(PNG_SIGNATURE), path)
+            self.assertEqual(data[:8], PNG_SIGNATURE, path)
+
+    def testInspectModelWritesThePlanPicturesAndPrintsTheMemoryPlan(self):
+        plot_dir = os.path.join(self.LogDir(), 'plots')
+        output = Run(f'--model={MLP}', '--mode=inspect_model', f'--plot_dir={plot_dir}',
+                     '--device_memory_gb=16').stdout
+        self.AssertPngs(plot_dir, output)
+        table = output[output.index('planned memory per device'):]
+        rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
+        self.assertLen(rows, 4)
+        self.assertEqual({row[-1] for row in rows}, {'yes'})  # The fits column.
+        self.assertIn('peak per device', table)
+
+    def testInspectModelPrintsTheMemoryPlanWithoutPlotDir(self):
+        output = Run(f'--model={MLP}', '--mode=inspect_model').stdout
+        self.assertIn('planned memory per device', output)
+        self.assertNotIn('wrote', output)
+
+    def testInspectModelPlotsAPaperSizeModelWithoutBuildingIt(self):
+        # K=128 cells of 83.9B parameters: planned and drawn from Params alone.
+        plot_dir = os.path.join(self.LogDir(), 'plots')
+        start = time.time()
+        output = Run('--model=lm.TransformerL_1663', '--mode=inspect_model',
+                     f'--plot_dir={plot_dir}', '--device_memory_gb=16').stdout
+        self.assertLess(time.time() - start, 120)
+        self.AssertPngs(plot_dir, output)
+        self.assertIn('K=128 M=32 batch=32', output)
+
+    def testInspectModelWithPlotDirNeedsInputShapes(self):
+        result = Run(f'--model={MLP}', '--mode=inspect_model', f'--plot_dir={self.LogDir()}',
+                     "--model_params_override=model.partition_method : 'uniform'; "
+                     'model.input_shapes : None', check=False)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn('the plan pictures need model.input_shapes', result.stderr)
+
+    def testDeviceMemoryMustBePositive(self):
+        result = Run(f'--model={MLP}', '--mode=inspect_model', '--device_memory_gb=0',
+                     check=False)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn('--device_memory_gb must be > 0, got 0.0', result.stderr)
+
+    def AssertImages(self, logdir, tags, step):
+        images = Images(logdir)
+        self.assertCountEqual(images, tags)
+        for tag in tags:
+            image_step, png = images[tag]
+            self.assertEqual(image_step, step, tag)
+            self.assertEqual(tf.io.decode_png(png).shape[-1], 4, tag)
+
+    def testTrainingWritesThePicturesToTensorBoardOnce(self):
+        logdir = self.LogDir()
+        output = Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=3',
+                     f'--model_params_override={FAST}').stdout
+        tags = [f'pipeline/{key}' for key in PLAN_PICTURES + ('timeline_measured',)]
+        # The run's second step is traced: its first also traces the step function.
+        self.AssertImages(logdir, tags, step=2)
+        self.assertIn('pipeline pictures at step 2 in TensorBoard', output)
+
+    def testV1GraphModeTracesItsStepToo(self):
+        logdir = self.LogDir()
+        Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=2', '--graph_mode=v1',
+            f'--model_params_override={FAST}')
+        self.AssertImages(logdir, [f'pipeline/{key}' for key in PLAN_PICTURES +
+                                   ('timeline_measured',)], step=2)
+
+    def testTracingChangesNoLoss(self):
+        losses = {}
+        for plot in (True, False):
+            logdir = self.LogDir()
+            Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=4',
+                f'--model_params_override={FAST}; train.plot_pipeline : {plot}')
+            self.assertEqual(bool(Images(logdir)), plot)
+            losses[plot] = Scalars(logdir, 'loss')
+        self.assertEqual(sorted(losses[True]), [1, 2, 3, 4])
+        self.assertEqual(losses[True], losses[False])
+
+    def testAPictureThatCannotBeDrawnIsAWarningNotAnError(self):
+        logdir = self.LogDir()
+        # Without input_shapes there is no plan to draw; the traced step still is.
+        output = Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=2',
+                     "--model_params_override=model.partition_method : 'uniform'; "
+                     'model.input_shapes : None').stdout
+        self.assertRegex(output, r'step\s+2/2\s+loss \d+\.\d+')
+        self.AssertImages(logdir, ['pipeline/timeline_measured'], step=2)
+
+
+class PipelineFiguresTest(tf.test.TestCase):
+    """The pictures' Params side, in this process: nothing is built."""
+
+    def MlpParams(self, **overrides):
+        p = base_task.SyncInputShapes(model_registry.GetParams(MLP, 'Train'))
+        p.model.Set(**overrides)
+        return p
+
+    def testPlanFiguresOfTaskAndPipelineParams(self):
+        p = self.MlpParams()
+        for params in (p, p.model):
+            figures = pictures.PlanFigures(params, MLP, device_bytes=2**20)
+            self.assertCountEqual(figures, PLAN_PICTURES)
+            self.assertIn('nominal 1 TFLOP/s per device',
+                          figures['timeline_predicted'].axes[0].get_title())
+
+    def testPredictedTimelineFollowsTheRecomputeMode(self):
+        for mode, recomputing_cells in (('always', 4), ('except_last', 3), ('never', 0)):
+            with self.subTest(mode=mode):
+                plan = pictures.Plan(self.MlpParams(recompute=mode))
+                kinds = [i.kind for i in pictures.PredictedTimeline(plan).intervals]
+                self.assertEqual(kinds.count('recompute'), recomputing_cells * 8)
+                self.assertEqual(kinds.count('forward'), 4 * 8)
+
+    def testPlanFiguresNeedInputShapes(self):
+        p = self.MlpParams(partition_method='uniform', input_shapes=None)
+        with self.assertRaisesRegex(ValueError, r'need model\.input_shapes'):
+            pictures.PlanFigures(p, MLP)
+
+    def testPlanFiguresNeedAPipeline(self):
+        p = self.MlpParams()
+        p.model = p.model.layer_tpl[0]
+        with self.assertRaisesRegex(ValueError, 'need a PipeliningLayer model; got DenseLayer'):
+            pictures.PlanFigures(p, MLP)
+
+    def testFailedTracingLeavesTheMeasuredTimelineOut(self):
+        p = self.MlpParams()
+        with self.assertLogs('absl', 'WARNING') as logs:
+            figures = loop.PipelineFigures(p, 2, program.StepTrace(error=RuntimeError('busy')))
+        self.assertCountEqual(figures, PLAN_PICTURES)
+        self.assertIn('tracing step 2 failed: busy', '\n'.join(logs.output))
+
+    def testATraceWithoutPipelineOpsLeavesTheMeasuredTimelineOut(self):
+        step_trace = program.StepTrace(events=[trace.OpEvent('loss/Mean', 0.0, 1.0)])
+        with self.assertLogs('absl', 'WARNING') as logs:
+            figures = loop.PipelineFigures(self.MlpParams(), 2, step_trace)
+        self.assertCountEqual(figures, PLAN_PICTURES)
+        self.assertIn('None of the 1 traced ops is a pipeline op', '\n'.join(logs.output))
 
 
 if __name__ == '__main__':

@@ -41,6 +41,9 @@ def TrainParams() -> hyperparams.Params:
     p.Define('eval_interval_steps', 500, 'Steps between evaluations in train_and_eval mode.')
     p.Define('eval_dataset', 'Test', 'Dataset evaluated in eval and train_and_eval modes.')
     p.Define('progress_interval_seconds', 5.0, 'Seconds between console progress lines.')
+    p.Define('plot_pipeline', True, 'Once per run, write pictures of the pipeline to '
+             'TensorBoard (train/pipeline/*): its planned cell costs, timeline and memory, and '
+             'the timeline of one traced step.')
     return p
 
 

@@ -1,8 +1,15 @@
-"""The training loop: steps, checkpoints, TensorBoard scalars, console progress, evaluation.
+"""The training loop: steps, checkpoints, TensorBoard scalars and pictures, console progress,
+evaluation.
 
 Works on either training program of `gpipe_tf.train.program`. A checkpoint is written every
 `save_interval_steps`, at the end, and when the run is interrupted (Ctrl-C or SIGTERM), so no
 finished step is lost; a restart with the same logdir resumes from the latest one.
+
+Once per run (`train.plot_pipeline`), the pipeline's pictures go to TensorBoard as images: the
+plan from Params (`pipeline/cell_costs`, `pipeline/timeline_predicted`, `pipeline/memory`) and
+`pipeline/timeline_measured`, the timeline of one real training step traced as it runs. The
+traced step is the run's second (its first also traces and optimizes the step function and
+creates the optimizer's slots), or its only one.
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ import time
 
 import tensorflow as tf
 from absl import logging
+
+from gpipe_tf.perf import pictures
+from gpipe_tf.perf import plot
 
 
 def FormatDuration(seconds: float) -> str:
@@ -57,8 +67,9 @@ class Progress:
         self._print('  '.join(parts), flush=True)
 
 
-class _Interrupted(Exception):
-    pass
+class _Interrupted(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt: not an Exception, so that code which must not stop
+    training (the pictures) cannot swallow it."""
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -75,6 +86,44 @@ def WriteScalars(writer, step: int, metrics: dict, prefix: str = '') -> None:
         for name, value in metrics.items():
             tf.summary.scalar(prefix + name, value, step=step)
     writer.flush()
+
+
+def PipelineFigures(task_params, step: int, step_trace) -> dict:
+    """The pictures of task Params' pipeline: the plan's and, from `step_trace`
+    (`program.StepTrace` of `step`), the measured timeline. A picture that cannot be drawn is
+    left out with a warning: pictures never stop training."""
+    name = task_params.name
+    figures = {}
+    try:
+        figures.update(pictures.PlanFigures(task_params, name))
+    except Exception as error:  # pylint: disable=broad-except
+        logging.warning('No plan pictures of %s: %s', name, error)
+    if step_trace.events is None:
+        logging.warning('No measured timeline of %s: tracing step %d failed: %s', name, step,
+                        step_trace.error)
+        return figures
+    try:
+        num_cells, num_micro_batches = pictures.CellsAndMicroBatches(task_params)
+        figures['timeline_measured'] = pictures.MeasuredTimelineFigure(
+            step_trace.events, num_cells, num_micro_batches, f'{name}\nmeasured step {step}')
+    except Exception as error:  # pylint: disable=broad-except
+        logging.warning('No measured timeline of %s: %s', name, error)
+    return figures
+
+
+def WritePipelinePictures(writer, step: int, task_params, step_trace) -> list[str]:
+    """Writes `PipelineFigures` as TensorBoard images 'pipeline/<name>' at `step`; returns
+    their tags. Failures are warnings, never errors."""
+    tags = []
+    with writer.as_default():
+        for key, figure in PipelineFigures(task_params, step, step_trace).items():
+            try:
+                tf.summary.image(f'pipeline/{key}', plot.ImageArray(figure), step=step)
+                tags.append(f'pipeline/{key}')
+            except Exception as error:  # pylint: disable=broad-except
+                logging.warning('Could not write the picture pipeline/%s: %s', key, error)
+    writer.flush()
+    return tags
 
 
 def Evaluate(program, input_params, writer, step: int, name: str, printer=print) -> dict:
@@ -106,12 +155,16 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
                    if eval_params is not None else None)
     batch_size = task_params.input.batch_size
     progress = Progress(step, max_steps, batch_size, train.progress_interval_seconds, printer)
+    traced_step = min(step + 2, max_steps) if train.plot_pipeline else None
     previous = signal.signal(signal.SIGTERM, _RaiseInterrupted)
     metrics, last_saved = {}, step
     try:
         while step < max_steps:
             start = time.time()
-            metrics = program.Step()
+            if step + 1 == traced_step:
+                metrics, step_trace = program.TracedStep()
+            else:
+                metrics = program.Step()
             elapsed = time.time() - start
             step += 1
             if not math.isfinite(metrics['loss']):
@@ -121,6 +174,11 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
                     f'good checkpoint is {program.manager.latest_checkpoint}; lower the learning '
                     'rate or clip gradients (train.clip_gradient_norm_to_value) and restart.')
             progress.Update(step, metrics, force=step == max_steps)
+            if step == traced_step:
+                tags = WritePipelinePictures(writer, step, task_params, step_trace)
+                if tags:
+                    printer(f'pipeline pictures at step {step} in TensorBoard: '
+                            f'{", ".join(tags)}', flush=True)
             if step % train.summary_interval_steps == 0 or step == max_steps:
                 WriteScalars(writer, step, dict(
                     metrics, learning_rate=program.LearningRate(), step_time=elapsed,

@@ -3,21 +3,26 @@ a `tf.function` (`EagerProgram`, the default) or as a v1 graph in a Session (`Gr
 
 Both expose the same small interface to the loop in `gpipe_tf.train.loop`:
 `Restore() -> step`, `Step() -> {metric: float}`, `Save()`, `Evaluate(input) -> {metric: float}`,
-`LearningRate() -> float`. Checkpoints are `tf.train.Checkpoint`s of (task, optimizer,
-global_step) under `<logdir>/train`, kept by a `tf.train.CheckpointManager`. The training data
-restarts at the restored step (see `gpipe_tf.input.base_input`), so a resumed run sees the same
-batches as an uninterrupted one.
+`LearningRate() -> float`, and `TracedStep() -> ({metric: float}, StepTrace)`: the very step
+`Step()` would run, with its op events recorded (for the measured timeline). Checkpoints are
+`tf.train.Checkpoint`s of (task, optimizer, global_step) under `<logdir>/train`, kept by a
+`tf.train.CheckpointManager`. The training data restarts at the restored step (see
+`gpipe_tf.input.base_input`), so a resumed run sees the same batches as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import tensorflow as tf
 
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.perf import trace
 from gpipe_tf.train import update
 
 STEP_KEY = 'global_step/.ATTRIBUTES/VARIABLE_VALUE'
@@ -37,6 +42,30 @@ def LatestStep(logdir: str) -> int:
 
 def _Floats(metrics) -> dict:
     return {k: float(np.asarray(v)) for k, v in metrics.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTrace:
+    """The op events of one traced training step, or, if tracing failed, why (the step itself
+    ran either way).
+
+    Attributes:
+      events: the step's op events (`trace.OpEvent`), or None.
+      error: what stopped the tracing, or None.
+    """
+    events: list[trace.OpEvent] | None = None
+    error: Exception | None = None
+
+
+def _StopProfiler(logdir: str) -> StepTrace:
+    """Stops the profiler started on `logdir` and reads its events; removes `logdir`."""
+    try:
+        tf.profiler.experimental.stop()
+        return StepTrace(events=trace.EventsFromProfile(logdir))
+    except Exception as error:  # pylint: disable=broad-except
+        return StepTrace(error=error)
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
 
 
 class MetricSums:
@@ -100,6 +129,22 @@ class EagerProgram:
     def Step(self) -> dict:
         """Runs one training step; returns its metrics as floats."""
         return _Floats(self._train_step(next(self._iterator)))
+
+    def TracedStep(self) -> tuple[dict, StepTrace]:
+        """Runs `Step()` under TensorFlow's profiler: the same step on the same batch, so the
+        training is unchanged. Profiler failures go into the StepTrace, never raised."""
+        logdir = tempfile.mkdtemp(prefix='gpipe_step_trace_')
+        try:
+            tf.profiler.experimental.start(logdir)
+        except Exception as error:  # pylint: disable=broad-except
+            # E.g. another profiler session is running: the step runs untraced.
+            shutil.rmtree(logdir, ignore_errors=True)
+            return self.Step(), StepTrace(error=error)
+        try:
+            metrics = self.Step()
+        finally:
+            step_trace = _StopProfiler(logdir)
+        return metrics, step_trace
 
     def _EvalStep(self, batch):
         with fprop_context.Scope(training=False, step=self.global_step):
@@ -185,6 +230,15 @@ class GraphProgram:
     def Step(self) -> dict:
         metrics, _ = self.session.run([self._metrics, self._train_op])
         return _Floats(metrics)
+
+    def TracedStep(self) -> tuple[dict, StepTrace]:
+        """Runs `Step()` with a full trace (`RunOptions.FULL_TRACE`), which times the ops
+        without changing what they compute."""
+        run_metadata = tf.compat.v1.RunMetadata()
+        metrics, _ = self.session.run(
+            [self._metrics, self._train_op], run_metadata=run_metadata,
+            options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
+        return _Floats(metrics), StepTrace(events=trace.EventsFromRunMetadata(run_metadata))
 
     def Evaluate(self, input_params) -> dict:
         key = input_params.ToText()
