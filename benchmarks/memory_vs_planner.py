@@ -50,10 +50,15 @@ def main():
     parser.add_argument('--models', default=','.join(bench.MODELS), help='Comma-separated.')
     parser.add_argument('--quick', action='store_true', help='Fewer configurations.')
     parser.add_argument('--out', default='benchmarks/results/memory_vs_planner.json')
+    parser.add_argument('--plot_dir', default='benchmarks/results/memory',
+                        help='Where the planned memory per device at the largest K and M goes.')
     args = parser.parse_args()
     bench.Setup('shared')
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import memory  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.perf import plot  # pylint: disable=g-import-not-at-top
+    cells = (1, 4) if args.quick else (1, 2, 4)
+    micro_batches = (1, 8) if args.quick else (1, 4, 8)
     rows = []
     print(f"{'model':13s} {'K':>2} {'M':>2} {'recompute':9s} {'planned MiB':>12} "
           f"{'measured MiB':>13} {'planned/measured':>17}", flush=True)
@@ -61,10 +66,13 @@ def main():
         layers, shapes, make_inputs = bench.MODELS[model]()
         inputs = make_inputs()
         for mode in ('always', 'never'):
-            for k in ((1, 4) if args.quick else (1, 2, 4)):
-                for m in ((1, 8) if args.quick else (1, 4, 8)):
+            for k in cells:
+                for m in micro_batches:
                     layer = bench.BuildPipeline(layers, shapes, k, m, mode, bench.DEVICES[:k])
                     plan = memory.PlanMemory(layer.p, slots_per_param=0)
+                    if (k, m) == (cells[-1], micro_batches[-1]):
+                        plot.SavePng(plot.MemoryFigure(plan, title=f'{model}, {mode}'),
+                                     os.path.join(args.plot_dir, f'{model}_k{k}_m{m}_{mode}.png'))
                     measured = MeasuredStepBytes(layer, inputs)
                     ratio = plan.step_bytes / measured
                     rows.append(dict(model=model, k=k, m=m, recompute=mode,

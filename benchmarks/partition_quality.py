@@ -34,6 +34,7 @@ from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import partition  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import pipeline  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import sequential  # pylint: disable=g-import-not-at-top
+from gpipe_tf.perf import plot  # pylint: disable=g-import-not-at-top
 
 # The paper's name of each model -> its registry key.
 MODELS = {
@@ -97,6 +98,8 @@ def main():
                         help=f'Comma-separated models, of {list(MODELS)}.')
     parser.add_argument('--out', default='benchmarks/results/partition_quality.json',
                         help='JSON path.')
+    parser.add_argument('--plot_dir', default='benchmarks/results/partition',
+                        help='Where the per-cell cost charts (ours vs the histogram) go.')
     args = parser.parse_args()
     rows = []
 
@@ -113,9 +116,15 @@ def main():
     for model in args.models.split(','):
         costs = LayerCosts(PipelineParams(model))
         for k in (int(k) for k in args.cells.split(',')):
-            Emit(dict(model=model, registry_key=MODELS[model], num_layers=len(costs), k=k,
-                      total_flops=sum(costs), **Compare(costs, k)))
-    print(f'wrote {args.out}')
+            row = dict(model=model, registry_key=MODELS[model], num_layers=len(costs), k=k,
+                       total_flops=sum(costs), **Compare(costs, k))
+            Emit(row)
+            for name in ('optimal', 'histogram'):
+                plot.SavePng(plot.CellCostFigure(
+                    partition.CellCosts(costs, row[name]['boundaries']), unit='FLOPs',
+                    title=f'{model}, K={k}, {name} partition'),
+                    os.path.join(args.plot_dir, f'{model}_k{k}_{name}.png'))
+    print(f'wrote {args.out} and cost charts under {args.plot_dir}')
 
 
 if __name__ == '__main__':

@@ -4,8 +4,8 @@ For a 16-layer dense stack and a small Transformer stack, on 2 and 4 virtual CPU
   * the un-pipelined train step (the same layers chained on one device, no micro-batches),
   * the pipelined train step per (K, M, recompute mode),
   * peak memory of a step (CPU BFC allocator statistics),
-and, for K=8 and M in {8, 32, 64}, the time to build the layer, trace the train step and run the
-first step.
+and, for K in {2, 4, 8} and M in {8, 32, 64}, the time to build the layer, trace the train step and
+run the first step.
 
     python benchmarks/pipeline_overhead.py [--quick] [--threads=shared|per_device] [--out=...]
 
@@ -153,15 +153,16 @@ def BuildTime(model_name, quick, emit):
     # A batch of 64 so that M=64 micro-batches are possible for every model.
     layers, input_shapes, make_inputs = MODELS[model_name](batch=64)
     inputs = make_inputs()
-    for m in ([8, 32] if quick else [8, 32, 64]):
-        start = time.perf_counter()
-        layer = BuildPipeline(layers, input_shapes, 8, m, 'always', DEVICES[:8])
-        built = time.perf_counter()
-        MakeStep(layer, layer.trainable_variables)(inputs).numpy()
-        done = time.perf_counter()
-        emit(dict(benchmark='build', model=model_name, devices=8, k=8, m=m, recompute='always',
-                  layer_build_s=built - start, trace_and_first_step_s=done - built,
-                  total_s=done - start))
+    for k in ([2, 8] if quick else [2, 4, 8]):
+        for m in ([8, 32] if quick else [8, 32, 64]):
+            start = time.perf_counter()
+            layer = BuildPipeline(layers, input_shapes, k, m, 'always', DEVICES[:k])
+            built = time.perf_counter()
+            MakeStep(layer, layer.trainable_variables)(inputs).numpy()
+            done = time.perf_counter()
+            emit(dict(benchmark='build', model=model_name, devices=k, k=k, m=m,
+                      recompute='always', layer_build_s=built - start,
+                      trace_and_first_step_s=done - built, total_s=done - start))
 
 
 def FormatRow(row):

@@ -44,12 +44,18 @@ def _Kind(patch):
 
 
 def _CellMemory(k, mib=(1, 1, 2, 8, 3), recompute=True):
-    return memory.CellMemory(k, *(n * 2**20 for n in mib), recompute=recompute)
+    parts = [n * 2**20 for n in mib]
+    # The schedule-walk fields do not enter the picture; plausible values.
+    return memory.CellMemory(k, *parts, recompute=recompute, before_backward=sum(parts[:4]),
+                             after_backward=2 * parts[0] + parts[2],
+                             during_backward=(sum(parts[:4]),) * 4,
+                             working_by_micro_batch=(parts[4],) * 4)
 
 
 def _Plan(num_cells, mib=(1, 1, 2, 8, 3)):
     return memory.MemoryPlan(cells=[_CellMemory(k, mib) for k in range(num_cells)],
-                             num_micro_batches=4, batch_size=32, slots_per_param=2)
+                             num_micro_batches=4, batch_size=32, slots_per_param=2,
+                             input_bytes=2**20)
 
 
 class TimelineFigureTest(parameterized.TestCase):

@@ -72,7 +72,9 @@ class CellMemory:
       recompute: whether the cell re-materializes its forward.
       before_backward: bytes it holds from the end of its forward until its backward starts.
       after_backward: bytes it holds once its backward is done (weights, gradients, slots).
-      during_backward: per micro-batch i, the bytes it holds while running i's backward.
+      during_backward: per micro-batch i, the bytes it holds while running i's backward, less
+        the working set.
+      working_by_micro_batch: per micro-batch i, the working set of i's backward.
     """
     cell: int
     params: int
@@ -84,6 +86,7 @@ class CellMemory:
     before_backward: int
     after_backward: int
     during_backward: tuple[int, ...]
+    working_by_micro_batch: tuple[int, ...]
 
     @property
     def total(self) -> int:
@@ -116,23 +119,32 @@ class MemoryPlan:
     def shared_peak_bytes(self) -> int:
         """Peak when every cell shares one memory (virtual devices on one host), walking the
         backward schedule: at tick t cell k runs micro-batch t - (K - 1 - k); cells whose
-        backward has not started hold `before_backward`, finished ones `after_backward`."""
+        backward has not started hold `before_backward`, finished ones `after_backward`, and
+        the running ones their `during_backward` plus their working sets: every device
+        computes at once."""
         num, m = self.num_cells, self.num_micro_batches
         peak = 0
         for tick in range(m + num - 1):
-            total = 0
+            held, working = 0, 0
             for c in self.cells:
                 i = tick - (num - 1 - c.cell)
-                total += (c.before_backward if i < 0 else c.after_backward if i >= m
-                          else c.during_backward[i])
-            peak = max(peak, total)
+                if i < 0:
+                    held += c.before_backward
+                elif i >= m:
+                    held += c.after_backward
+                else:
+                    held += c.during_backward[i]
+                    working += c.working_by_micro_batch[i]
+            peak = max(peak, held + working)
         return peak
 
     @property
     def step_bytes(self) -> int:
-        """`shared_peak_bytes` less what exists before a step starts (the variables and the
-        input batch): what one step allocates at its peak."""
-        return self.shared_peak_bytes - sum(c.params for c in self.cells) - self.input_bytes
+        """`shared_peak_bytes` less what exists before a step starts (the variables, and the
+        input batch when the cells keep it as it is): what one step allocates at its peak."""
+        # With M > 1 the cells keep split copies of the input, not the input itself.
+        existing_input = self.input_bytes if self.num_micro_batches == 1 else 0
+        return self.shared_peak_bytes - sum(c.params for c in self.cells) - existing_input
 
     @property
     def param_bytes(self) -> int:
@@ -241,8 +253,9 @@ def PlanMemory(p, slots_per_param: int = 1, num_cells: int | None = None,
         params = (meta.num_params + (before_params if k == 0 else 0)) * bytes_per
         slots = slots_per_param * params
         # What the forward keeps for the backward, per micro-batch: the cell's input, and every
-        # layer's output unless re-materializing.
-        kept = (input_bytes + (0 if remat else meta.activation_bytes)) // m
+        # layer's output unless re-materializing (less the cell's own output, which is the next
+        # cell's input, or the pipeline's output: counted there).
+        kept = (input_bytes + (0 if remat else max(meta.activation_bytes - output_bytes, 0))) // m
         output = output_bytes if k == num - 1 else 0
         activations = meta.activation_bytes // m  # One micro-batch's, recomputed or kept.
         transient = 2 * largest // m  # Two activation gradients of one micro-batch.
@@ -256,14 +269,15 @@ def PlanMemory(p, slots_per_param: int = 1, num_cells: int | None = None,
         if m > 1:
             candidates.append((params, stored_first - kept, activations + transient))
         gradients, stored, working = max(candidates, key=sum)
-        live = [params + slots + stored_first + max(activations, params) + transient]
-        live += [2 * params + slots + stored_first - i * kept + activations + transient
-                 for i in range(1, m)]
         plan.append(CellMemory(
             cell=k, params=params, gradients=gradients, slots=slots, stored_activations=stored,
             working_activations=working, recompute=remat,
             before_backward=params + slots + m * kept + output, after_backward=2 * params + slots,
-            during_backward=tuple(live)))
+            during_backward=tuple(params + slots + (params if i else 0) + stored_first - i * kept
+                                  for i in range(m)),
+            working_by_micro_batch=tuple(
+                (max(activations, params) if i == 0 else activations) + transient
+                for i in range(m))))
     return MemoryPlan(cells=plan, num_micro_batches=m, batch_size=batch,
                       slots_per_param=slots_per_param, input_bytes=pipeline_input_bytes)
 
