@@ -39,11 +39,21 @@ flags.DEFINE_string('model_params_file_override', None, 'A file of Params text a
                     'task Params (before --model_params_override).')
 flags.DEFINE_enum('run_locally', 'cpu', list(devices_lib.RUN_LOCALLY), 'Local devices: cpu '
                   '(--num_devices virtual CPUs), gpu (the GPUs present) or tpu.')
-flags.DEFINE_integer('num_devices', None, 'Devices to use (default: one per cell, K).')
+flags.DEFINE_integer('num_devices', None, 'Devices to use (default: one per stage of every '
+                     'replica, R x K).')
 flags.DEFINE_integer('worker_split_size', None, 'Override K, the number of cells.')
 flags.DEFINE_integer('num_micro_batches', None, 'Override M, the number of micro-batches.')
+flags.DEFINE_integer('worker_replicas', None, 'Override R, the replicas of the pipeline (data '
+                     'parallelism: each runs on 1/R of the batch; gradients are summed).')
 flags.DEFINE_enum('graph_mode', 'tf_function', ['tf_function', 'v1'], 'Run the training step '
                   'in a tf.function, or in a tf.compat.v1 graph with a Session.')
+flags.DEFINE_string('cluster_spec', None, 'Run the stages on a TF cluster: Lingvo\'s form '
+                    '"worker=host:port,host:port" (jobs separated by @) or TF_CONFIG JSON; also '
+                    'read from the TF_CONFIG environment variable. Stage k of replica r runs on '
+                    'task r*K+k of --cluster_job; the step runs in a v1 Session on task 0.')
+flags.DEFINE_string('cluster_job', 'worker', 'The cluster job whose tasks run the stages.')
+flags.DEFINE_float('cluster_timeout_s', 60.0, 'A step (any Session.run) the cluster does not '
+                   'finish in this many seconds fails, naming the unreachable task.')
 flags.DEFINE_string('data_dir', None, 'Directory of the dataset\'s files, for inputs that '
                     'read one (Fashion-MNIST\'s IDX files; default: the input Params\').')
 flags.DEFINE_string('plot_dir', None, 'inspect_model: also write the plan pictures here: '
@@ -80,6 +90,13 @@ def TaskParams(model: str, dataset: str = 'Train'):
         p.model.num_cells = FLAGS.worker_split_size
     if FLAGS.num_micro_batches is not None:
         p.model.num_micro_batches = FLAGS.num_micro_batches
+    if FLAGS.worker_replicas is not None:
+        if 'num_replicas' not in p.model:
+            raise ValueError(f'--worker_replicas: the model of {model} '
+                             f'({p.model.cls.__name__}) is not a PipeliningLayer.')
+        if FLAGS.worker_replicas < 1:
+            raise ValueError(f'--worker_replicas must be >= 1, got {FLAGS.worker_replicas}.')
+        p.model.num_replicas = FLAGS.worker_replicas
     if FLAGS.max_steps is not None:
         p.train.max_steps = FLAGS.max_steps
     if FLAGS.data_dir is not None:
@@ -130,15 +147,36 @@ def ApplyOverride(p, text: str, source: str):
     return p
 
 
-def _NumCells(p) -> int:
-    return len(p.model.cls.PlanCells(p.model)[0]) if 'num_cells' in p.model else 1
+def _NumDevices(p) -> int:
+    """R x K: one device per stage of every replica."""
+    if 'num_cells' not in p.model:
+        return 1
+    return len(p.model.cls.PlanCells(p.model)[0]) * p.model.num_replicas
+
+
+def Cluster():
+    """The tf.train.ClusterSpec of --cluster_spec (or TF_CONFIG), or None for a local run."""
+    from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+    text = FLAGS.cluster_spec
+    if text is None and os.environ.get('TF_CONFIG'):
+        return cluster_lib.FromTfConfig(os.environ['TF_CONFIG'])
+    if text is None:
+        return None
+    if text.lstrip().startswith('{'):
+        return cluster_lib.FromTfConfig(text)
+    return cluster_lib.ParseClusterSpec(text)
 
 
 def _SetUpDevices(p, plan_only: bool = False) -> list[str]:
-    """Configures the local devices and puts them in the pipeline's Params; with `plan_only`,
-    only names them (`inspect_model` builds nothing, so K may exceed the devices present)."""
-    count = FLAGS.num_devices if FLAGS.num_devices is not None else _NumCells(p)
-    if plan_only and FLAGS.run_locally == 'cpu':
+    """Configures the local devices (or the cluster's) and puts them in the pipeline's Params;
+    with `plan_only`, only names them (`inspect_model` builds nothing, so K may exceed the
+    devices present)."""
+    count = FLAGS.num_devices if FLAGS.num_devices is not None else _NumDevices(p)
+    cluster = Cluster()
+    if cluster is not None:
+        from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+        devices = cluster_lib.StageDevices(cluster, count, FLAGS.cluster_job)
+    elif plan_only and FLAGS.run_locally == 'cpu':
         devices = [f'/job:localhost/replica:0/task:0/device:CPU:{i}' for i in range(count)]
     else:
         devices = devices_lib.LocalDevices(FLAGS.run_locally, count)
@@ -210,10 +248,24 @@ def _Logdir() -> str:
     return FLAGS.logdir or os.path.join('/tmp/gpipe_tf', FLAGS.model)
 
 
+def _GraphMode() -> str:
+    """--graph_mode, except that a cluster always runs the v1 graph path."""
+    return 'v1' if Cluster() is not None else FLAGS.graph_mode
+
+
 def _Program(p, logdir):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
     tf.config.experimental.enable_op_determinism()
+    cluster = Cluster()
+    if cluster is not None:
+        from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+        if FLAGS['graph_mode'].present and FLAGS.graph_mode != 'v1':
+            raise ValueError('--cluster_spec runs the v1 graph path (a Session with an operation '
+                             'timeout: TF2 remote eager hangs on a stopped worker); drop '
+                             f'--graph_mode={FLAGS.graph_mode}.')
+        return program.GraphProgram(p, logdir, cluster_lib.SessionConfig(FLAGS.cluster_timeout_s),
+                                    cluster=cluster, job=FLAGS.cluster_job)
     if FLAGS.graph_mode == 'v1':
         return program.GraphProgram(p, logdir)
     return program.EagerProgram(p, logdir)
@@ -223,11 +275,14 @@ def RunTrain(p, logdir, with_eval: bool) -> dict:
     from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
     eval_params = TaskParams(FLAGS.model, p.train.eval_dataset).input if with_eval else None
     prog = _Program(p, logdir)
-    print(f'training {FLAGS.model} in {logdir}: K={len(prog.task.model.devices)} cells on '
-          f'{prog.task.model.devices}, M={p.model.num_micro_batches or 1}, batch '
-          f'{p.input.batch_size}, {FLAGS.graph_mode}', flush=True)
+    model = prog.task.model
+    replicas = f'R={len(model.mesh)} replicas x ' if len(model.mesh) > 1 else ''
+    print(f'training {FLAGS.model} in {logdir}: {replicas}K={len(model.devices)} cells on '
+          f'{model.mesh if len(model.mesh) > 1 else model.devices}, '
+          f'M={p.model.num_micro_batches or 1}, batch {p.input.batch_size}, {_GraphMode()}',
+          flush=True)
     metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params)
-    if with_eval and _Translates(prog.task) and FLAGS.graph_mode != 'v1':
+    if with_eval and _Translates(prog.task) and _GraphMode() != 'v1':
         metrics['eval_bleu'] = ReportBleu(prog, eval_params, p.train.eval_dataset, logdir)
     if 'eval_accuracy' in metrics:
         print(f'final {p.train.eval_dataset.lower()} accuracy {metrics["eval_accuracy"]:.4f}',
@@ -332,9 +387,19 @@ def main(argv):
         RunDecode(p, logdir)
 
 
+def _Main(argv):
+    from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+    try:
+        main(argv)
+    except cluster_lib.ClusterError as error:
+        # The cluster's state, not a bug: the message says what to do; no traceback.
+        print(f'error: {error}', file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
 def Run():
     """Entry point of the `gpipe-train` console script."""
-    app.run(main)
+    app.run(_Main)
 
 
 if __name__ == '__main__':

@@ -64,6 +64,14 @@ class MeasuredTimelineTest(tf.test.TestCase):
         self.assertEqual(timeline.makespan, 7.0)
         self.assertAllClose(timeline.busy, [1.5, 3.0001])
 
+    def testOneReplicaAtATime(self):
+        events = [trace.OpEvent('replica_0/cell_0_mb_0_fwd/MatMul', 0.0, 1.0),
+                  trace.OpEvent('replica_1/cell_0_mb_0_fwd/MatMul', 0.5, 3.0)]
+        self.assertEqual([(i.start, i.end) for i in trace.MeasuredTimeline(
+            events, 1, replica=1).intervals], [(0.5, 3.0)])
+        self.assertEqual([(i.start, i.end) for i in trace.MeasuredTimeline(
+            events, 1).intervals], [(0.0, 1.0)])
+
     def testNoPipelineOpIsAnError(self):
         with self.assertRaisesRegex(ValueError, 'None of the 1 traced ops'):
             trace.MeasuredTimeline([trace.OpEvent('loss/Mean', 0, 1)], 2)

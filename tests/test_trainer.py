@@ -177,6 +177,22 @@ class TrainAndResumeTest(TrainerTestCase):
         for step, loss in losses.items():
             self.assertAllClose(loss, self.reference[step], rtol=1e-5, msg=f'step {step}')
 
+    def testWorkerReplicasTrainLikeOnePipeline(self):
+        # R=2 replicas of K=2 cells on 4 devices, each on half of every batch: the summed
+        # gradients are the global batch's, so the losses are the one-pipeline run's.
+        # (K is the same in both runs: a layer's initial weights depend on its cell.)
+        losses = {}
+        for replicas in (1, 2):
+            logdir = self.LogDir()
+            output = Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=6',
+                         f'--worker_replicas={replicas}', '--worker_split_size=2',
+                         f'--model_params_override={FAST}').stdout
+            losses[replicas] = Scalars(logdir, 'loss')
+        self.assertIn('R=2 replicas x K=2 cells', output)
+        self.assertEqual(sorted(losses[2]), list(range(1, 7)))
+        for step, loss in losses[2].items():
+            self.assertAllClose(loss, losses[1][step], rtol=1e-5, msg=f'step {step}')
+
     def testEvalModeEvaluatesTheLatestCheckpoint(self):
         output = Run(f'--model={MLP}', f'--logdir={self.reference_dir}', '--mode=eval').stdout
         self.assertRegex(output, r'eval Test at step 24: accuracy 0\.\d+\s+log_loss \d')

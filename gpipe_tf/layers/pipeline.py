@@ -10,6 +10,9 @@ that device. The result, outputs and gradients, equals the same layers run un-pa
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+
 import tensorflow as tf
 from absl import logging
 
@@ -36,25 +39,48 @@ def DefaultDevices() -> list[str]:
     return ['/device:CPU:0']
 
 
-def StageDevices(devices, num_cells: int, round_robin: bool = True) -> list[str]:
-    """Device string of each of the K stages.
+def MeshDevices(devices, num_replicas: int, num_cells: int,
+                round_robin: bool = True) -> list[list[str]]:
+    """Device string of each (replica, stage): R lists of K.
 
     Args:
-      devices: None (the logical devices present), a list of device strings, or a function of the
-        stage index returning a device string.
+      devices: None (the logical devices present), a flat list of device strings (replica r's
+        stage k takes entry r * K + k), a list of R lists of K, or a function of
+        (replica, stage) returning a device string (of the stage alone when R is 1).
+      num_replicas: R, the pipelines run side by side for data parallelism.
       num_cells: K.
-      round_robin: whether stages may share devices when there are fewer than K.
+      round_robin: whether stages may share devices when a flat list has fewer than R * K.
 
     Raises:
-      ValueError: if there are fewer devices than K and round_robin is off.
+      ValueError: for too few devices without round_robin, or a nested list that is not R x K.
     """
+    if num_replicas < 1:
+        raise ValueError(f'num_replicas must be >= 1, got {num_replicas}.')
     if callable(devices):
-        return [devices(k) for k in range(num_cells)]
+        if len(inspect.signature(devices).parameters) >= 2:
+            return [[devices(r, k) for k in range(num_cells)] for r in range(num_replicas)]
+        if num_replicas > 1:
+            raise ValueError(f'With {num_replicas} replicas, devices must be a function of '
+                             '(replica, stage); this one takes the stage only.')
+        return [[devices(k) for k in range(num_cells)]]
+    if devices and isinstance(devices[0], (list, tuple)):
+        if len(devices) != num_replicas or any(len(row) != num_cells for row in devices):
+            raise ValueError(f'A nested devices list must be {num_replicas} replicas x '
+                             f'{num_cells} stages, got {[len(row) for row in devices]}.')
+        return [list(row) for row in devices]
     available = list(devices) if devices else DefaultDevices()
-    if len(available) < num_cells and not round_robin:
-        raise ValueError(f'{num_cells} cells need {num_cells} devices, but only '
-                         f'{len(available)} were given ({available}) and round_robin is off.')
-    return [available[k % len(available)] for k in range(num_cells)]
+    needed = num_replicas * num_cells
+    if len(available) < needed and not round_robin:
+        raise ValueError(f'{num_replicas} replicas of {num_cells} cells need {needed} devices, '
+                         f'but only {len(available)} were given ({available}) and round_robin '
+                         'is off.')
+    return [[available[(r * num_cells + k) % len(available)] for k in range(num_cells)]
+            for r in range(num_replicas)]
+
+
+def StageDevices(devices, num_cells: int, round_robin: bool = True) -> list[str]:
+    """Device string of each of the K stages of the first replica (see `MeshDevices`)."""
+    return MeshDevices(devices, 1, num_cells, round_robin)[0]
 
 
 def _ToShapes(shapes):
@@ -87,9 +113,13 @@ class PipeliningLayer(BaseLayer):
                  'Size of a micro-batch, instead of num_micro_batches: M = batch size / '
                  'micro_batch_size.')
         p.Define('batch_dim', 0, 'The batch dimension of every input and output.')
+        p.Define('num_replicas', 1,
+                 'R, pipelines run side by side on shards of the mini-batch (data parallelism); '
+                 'their gradients are summed on the variables\' devices before the update.')
         p.Define('devices', None,
-                 'Device of each stage: None (logical devices present), a list of device '
-                 'strings, or a function of the stage index.')
+                 'Device of each (replica, stage): None (logical devices present), a flat list '
+                 '(replica r, stage k: entry r * K + k), R lists of K, or a function of '
+                 '(replica, stage) (of the stage alone when num_replicas is 1).')
         p.Define('round_robin', True,
                  'Whether stages share devices round-robin when there are fewer devices than K.')
         p.Define('recompute', 'always',
@@ -111,7 +141,8 @@ class PipeliningLayer(BaseLayer):
             raise ValueError(f'recompute must be one of {RECOMPUTE_MODES}, got {p.recompute!r}.')
         cell_layers, self._cell_metas = self.PlanCells(p)
         self._num_cells = len(cell_layers)
-        self._devices = StageDevices(p.devices, self._num_cells, p.round_robin)
+        self._mesh = MeshDevices(p.devices, p.num_replicas, self._num_cells, p.round_robin)
+        self._devices = self._mesh[0]  # The variables live on the first replica's devices.
         with tf.device(self._devices[0]):
             self._before = [self.CreateChild(_LayerName(lp, i), lp)
                             for i, lp in enumerate(p.before_tpl)]
@@ -120,8 +151,10 @@ class PipeliningLayer(BaseLayer):
             with tf.device(self._devices[k]):
                 self._cells.append(self.CreateChild(
                     f'cell_{k}', sequential.SequentialLayer.Params().Set(sub=layers)))
-        self._functions = [recompute.CellFunctions(cell, device)
-                           for cell, device in zip(self._cells, self._devices)]
+        self._replica_functions = [
+            [recompute.CellFunctions(cell, device) for cell, device in zip(self._cells, row)]
+            for row in self._mesh]
+        self._functions = self._replica_functions[0]
         logging.info('%s partition:\n%s', self.path, self.PartitionReport())
 
     # ---- construction ---------------------------------------------------------------------
@@ -232,6 +265,11 @@ class PipeliningLayer(BaseLayer):
         return list(self._cells)
 
     @property
+    def mesh(self) -> list[list[str]]:
+        """The device of each (replica, stage)."""
+        return [list(row) for row in self._mesh]
+
+    @property
     def cell_functions(self) -> list:
         """Each cell's traced forward/backward functions."""
         return list(self._functions)
@@ -277,34 +315,63 @@ class PipeliningLayer(BaseLayer):
         if batch_size is None:
             raise ValueError(f'{self.path}: the batch dimension {p.batch_dim} of the inputs must '
                              'be statically known to split micro-batches.')
+        num_replicas = p.num_replicas
+        if batch_size % num_replicas:
+            raise ValueError(f'{self.path}: batch size {batch_size} is not divisible by '
+                             f'num_replicas ({num_replicas}).')
         num_micro_batches = microbatch.NumMicroBatches(
-            batch_size, p.num_micro_batches, p.micro_batch_size)
+            batch_size // num_replicas, p.num_micro_batches, p.micro_batch_size)
         ctx = fprop_context.Current()
-        run = unrolled.UnrolledSchedule(
-            self._functions, [self._Recomputes(k) for k in range(self._num_cells)],
-            num_micro_batches, p.batch_dim, tf.cast(ctx.step, tf.int64))
+        recomputes = [self._Recomputes(k) for k in range(self._num_cells)]
+        runs = [unrolled.UnrolledSchedule(functions, recomputes, num_micro_batches, p.batch_dim,
+                                          tf.cast(ctx.step, tf.int64))
+                for functions in self._replica_functions]
         thetas = [theta[f'cell_{k}'] for k in range(self._num_cells)]
         if not ctx.training:  # Forward only, micro-batched, no re-materialization.
-            return run.Forward(thetas, inputs, training=False)[0]
-        outputs, updates = self._Train(run, thetas, inputs)
+            return self._Replicated(
+                lambda r, shard: runs[r].Forward(thetas, shard, training=False)[0], inputs)
+        outputs, updates = self._Train(runs, thetas, inputs)
         for k, cell_updates in enumerate(updates):
             with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_update'):
                 for layer, stats in zip(self._functions[k].update_layers or [], cell_updates):
                     layer.AddUpdate(stats)
         return outputs
 
+    def _ReplicaScope(self, r: int):
+        """Replica r's name scope; none with one replica, so op names stay `cell_<k>_mb_<m>_*`."""
+        return tf.name_scope(f'replica_{r}') if self.p.num_replicas > 1 else contextlib.nullcontext()
+
+    def _Replicated(self, fn, inputs):
+        """Concatenation over replicas of `fn(r, replica r's shard of inputs)`; with one
+        replica, `fn(0, inputs)`."""
+        num_replicas, batch_dim = self.p.num_replicas, self.p.batch_dim
+        if num_replicas == 1:
+            return fn(0, inputs)
+        with tf.device(self._devices[0]):
+            shards = microbatch.Split(inputs, num_replicas, batch_dim)
+        outputs = []
+        for r, shard in enumerate(shards):
+            with self._ReplicaScope(r):
+                outputs.append(fn(r, shard))
+        with tf.device(self._devices[-1]):
+            return microbatch.Concat(outputs, batch_dim)
+
     def _Recomputes(self, k: int) -> bool:
         mode = self.p.recompute
         return mode == 'always' or (mode == 'except_last' and k < self._num_cells - 1)
 
-    def _Train(self, run: unrolled.UnrolledSchedule, thetas: list, inputs):
-        """The unrolled step as one custom-gradient op, so that its backward is ours: built
-        per cell under the cell's device, in the schedule's order.
+    def _Train(self, runs: list, thetas: list, inputs):
+        """The unrolled step of every replica as one custom-gradient op, so that its backward is
+        ours: built per cell under the cell's device, in the schedule's order. With R replicas,
+        each cell's weight gradient is the sum of the replicas', taken on the device of the
+        variables (replica 0's): an in-graph all-reduce whose broadcast is the next step's read.
 
         Returns:
-          (outputs, per cell its layers' summed training statistics).
+          (outputs, per cell its layers' training statistics summed over micro-batches and
+          replicas).
         """
         theta_sizes = [len(tf.nest.flatten(t)) for t in thetas]
+        num_replicas, batch_dim = self.p.num_replicas, self.p.batch_dim
         results = []
 
         @tf.custom_gradient
@@ -313,13 +380,37 @@ class PipeliningLayer(BaseLayer):
             for theta, size in zip(thetas, theta_sizes):
                 thetas_in.append(tf.nest.pack_sequence_as(theta, flat[offset:offset + size]))
                 offset += size
-            outputs, updates = run.Forward(
-                thetas_in, tf.nest.pack_sequence_as(inputs, flat[offset:]))
-            results.append((outputs, updates))
+            replica_updates = []
+
+            def Forward(r, shard):
+                outputs, updates = runs[r].Forward(thetas_in, shard)
+                replica_updates.append(updates)
+                return outputs
+
+            outputs = self._Replicated(Forward, tf.nest.pack_sequence_as(inputs, flat[offset:]))
+            results.append((outputs, self._SumOverReplicas(replica_updates)))
 
             def Grad(*d_flat):
                 d_outputs = tf.nest.pack_sequence_as(outputs, _FloatGrads(outputs, d_flat))
-                d_thetas, d_inputs = run.Backward(d_outputs)
+                replica_d_thetas = []
+
+                def Backward(r, d_shard):
+                    d_thetas, d_inputs = runs[r].Backward(d_shard)
+                    replica_d_thetas.append(d_thetas)
+                    return d_inputs
+
+                if num_replicas == 1:
+                    d_inputs = Backward(0, d_outputs)
+                else:
+                    with tf.device(self._devices[-1]):
+                        d_shards = microbatch.Split(d_outputs, num_replicas, batch_dim)
+                    d_inputs = []
+                    for r, d_shard in enumerate(d_shards):
+                        with self._ReplicaScope(r):
+                            d_inputs.append(Backward(r, d_shard))
+                    with tf.device(self._devices[0]):
+                        d_inputs = microbatch.Concat(d_inputs, batch_dim)
+                d_thetas = self._SumOverReplicas(replica_d_thetas)
                 return [g for cell in d_thetas for g in cell] + tf.nest.flatten(d_inputs)
 
             return tf.nest.flatten(outputs), Grad
@@ -328,6 +419,18 @@ class PipeliningLayer(BaseLayer):
                                 *tf.nest.flatten(inputs))
         outputs, updates = results[0]
         return tf.nest.pack_sequence_as(outputs, list(flat_outputs)), updates
+
+    def _SumOverReplicas(self, per_replica: list) -> list:
+        """Per cell, the sum over replicas (on the cell's variables' device) of a per-replica
+        list of per-cell nests; None leaves stay None."""
+        if len(per_replica) == 1:
+            return per_replica[0]
+        summed = []
+        for k, cells in enumerate(zip(*per_replica)):
+            with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_replica_sum'):
+                summed.append(tf.nest.map_structure(
+                    lambda *xs: None if xs[0] is None else tf.add_n(list(xs)), *cells))
+        return summed
 
     @classmethod
     def FPropMeta(cls, p, *input_shapes):

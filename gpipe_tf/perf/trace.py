@@ -26,6 +26,8 @@ from gpipe_tf.perf import simulator
 # `cell_<k>_mb_<m>_<part>` (uniquified `_<n>` when the pipeline is built twice in one graph),
 # anywhere in an op's name (a v1 graph puts it under `gradients/...`).
 _OP_SCOPE = re.compile(r'(?:^|/)cell_(\d+)_mb_(\d+)_(fwd|bwd|grad_sum)(?:_\d+)?/(.*)$')
+# With R > 1 replicas, each replica's ops are under `replica_<r>/`.
+_REPLICA = re.compile(r'(?:^|/)replica_(\d+)/')
 # The runtime's send/receive halves (`.../_17`): transfers, not a device's computation.
 _TRANSFER = re.compile(r'/_\d+$')
 # Ops shorter than this fraction of their box's longest op do not stretch the box.
@@ -129,8 +131,16 @@ def _UnionLength(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def MeasuredTimeline(events: list[OpEvent], num_cells: int) -> simulator.Timeline:
-    """The schedule's boxes from a step's op events, times relative to the step's first op.
+def ReplicaOf(name: str) -> int:
+    """The replica an op belongs to (0 without a `replica_<r>` scope)."""
+    match = _REPLICA.search(name)
+    return int(match.group(1)) if match else 0
+
+
+def MeasuredTimeline(events: list[OpEvent], num_cells: int,
+                     replica: int = 0) -> simulator.Timeline:
+    """The schedule's boxes of one replica's pipeline from a step's op events, times relative
+    to the step's first op.
 
     The makespan runs from the first to the last op of the step (the loss and the update
     included); a device's busy time is the union of its pipeline ops.
@@ -141,7 +151,7 @@ def MeasuredTimeline(events: list[OpEvent], num_cells: int) -> simulator.Timelin
     ops, spans = {}, [[] for _ in range(num_cells)]
     for event in events:
         label = ClassifyOp(event.name)
-        if label is None:
+        if label is None or ReplicaOf(event.name) != replica:
             continue
         cell = label[0]
         if cell >= num_cells:

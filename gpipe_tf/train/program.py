@@ -12,6 +12,7 @@ Both expose the same small interface to the loop in `gpipe_tf.train.loop`:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -23,6 +24,7 @@ import tensorflow as tf
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.perf import trace
+from gpipe_tf.train import cluster as cluster_lib
 from gpipe_tf.train import update
 
 STEP_KEY = 'global_step/.ATTRIBUTES/VARIABLE_VALUE'
@@ -170,11 +172,19 @@ class EagerProgram:
 class GraphProgram:
     """Training in a tf.compat.v1 graph run by a Session (`--graph_mode=v1`)."""
 
-    def __init__(self, task_params, logdir: str, session_config=None):
+    def __init__(self, task_params, logdir: str, session_config=None, cluster=None,
+                 job: str = 'worker'):
+        """Args:
+          session_config: the Session's ConfigProto (with a cluster: an operation timeout).
+          cluster: a tf.train.ClusterSpec whose task 0 of `job` runs the graph (cells are placed
+            on its tasks by the pipeline's devices), or None for a local Session. A step the
+            cluster cannot finish raises `cluster.ClusterError` naming the unreachable task.
+        """
         self.task_params = task_params
         self.logdir = logdir
         self.graph = tf.Graph()
         self._session_config = session_config
+        self._cluster, self._job = cluster, job
         self._eval_graphs = {}
         with self.graph.as_default():
             # Op determinism requires a graph seed; gpipe_tf's randomness is stateless, seeded
@@ -203,13 +213,25 @@ class GraphProgram:
             self._train_op = tf.group([train_op] + updates)
             self._metrics = {k: v[0] for k, v in metrics.items()}
             self._eval_metrics = None
-            self.session = tf.compat.v1.Session(graph=self.graph, config=session_config)
+            target = cluster_lib.Target(cluster, job) if cluster else ''
+            self.session = tf.compat.v1.Session(target, graph=self.graph, config=session_config)
             self.manager = tf.train.CheckpointManager(
                 self.checkpoint, CheckpointDir(logdir), max_to_keep=train.save_max_to_keep)
 
+    @contextlib.contextmanager
+    def _Guard(self):
+        """Turns a cluster's failed or timed-out run into a ClusterError naming the task."""
+        try:
+            yield
+        except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
+                tf.errors.AbortedError, tf.errors.CancelledError) as error:
+            if self._cluster is None:
+                raise
+            raise cluster_lib.UnreachableError(self._cluster, error, self._job) from error
+
     def Restore(self, training: bool = True) -> int:
         del training  # The graph holds every variable: the checkpoint restores them all.
-        with self.graph.as_default(), self.session.as_default():
+        with self._Guard(), self.graph.as_default(), self.session.as_default():
             path = self.manager.latest_checkpoint
             if path:
                 self.checkpoint.restore(path).assert_existing_objects_matched().run_restore_ops(
@@ -228,19 +250,25 @@ class GraphProgram:
         return step
 
     def Step(self) -> dict:
-        metrics, _ = self.session.run([self._metrics, self._train_op])
+        with self._Guard():
+            metrics, _ = self.session.run([self._metrics, self._train_op])
         return _Floats(metrics)
 
     def TracedStep(self) -> tuple[dict, StepTrace]:
         """Runs `Step()` with a full trace (`RunOptions.FULL_TRACE`), which times the ops
         without changing what they compute."""
         run_metadata = tf.compat.v1.RunMetadata()
-        metrics, _ = self.session.run(
+        with self._Guard():
+            metrics, _ = self.session.run(
             [self._metrics, self._train_op], run_metadata=run_metadata,
-            options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
+                options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
         return _Floats(metrics), StepTrace(events=trace.EventsFromRunMetadata(run_metadata))
 
     def Evaluate(self, input_params) -> dict:
+        with self._Guard():
+            return self._Evaluate(input_params)
+
+    def _Evaluate(self, input_params) -> dict:
         key = input_params.ToText()
         with self.graph.as_default():
             if key not in self._eval_graphs:
@@ -259,11 +287,13 @@ class GraphProgram:
                 return sums.Means()
 
     def LearningRate(self) -> float:
-        return float(self.session.run(self._learning_rate))
+        with self._Guard():
+            return float(self.session.run(self._learning_rate))
 
     def CurrentStep(self) -> int:
-        return int(self.session.run(self.global_step))
+        with self._Guard():
+            return int(self.session.run(self.global_step))
 
     def Save(self) -> str:
-        with self.graph.as_default(), self.session.as_default():
+        with self._Guard(), self.graph.as_default(), self.session.as_default():
             return self.manager.save(checkpoint_number=self.CurrentStep())

@@ -1,0 +1,261 @@
+"""Cells on other processes through TensorFlow's distributed runtime.
+
+A cluster is a `tf.train.ClusterSpec`, given in Lingvo's `--cluster_spec` form
+(`worker=host:port,host:port@ps=host:port`) or as TF_CONFIG JSON. Stage k of replica r runs on
+task r * K + k of the worker job (`/job:worker/replica:0/task:<i>/device:CPU:0`); the trainer
+is a client that builds one v1 graph and runs it in a Session on task 0's master.
+
+Why a v1 Session: TF2's remote eager client was seen to hang with no error when a worker is
+stopped or never started, while a Session with `operation_timeout_in_ms` returns
+DeadlineExceeded after the timeout, and UnavailableError at once for a killed worker. Either
+way the step fails within a bound; `Diagnose` then finds which task is unreachable (a TCP connect
+for a dead process, a probe run with its own deadline for a stopped one), so the error names it.
+
+A `tf.distribute.Server` listens on every interface, not only the address in its cluster spec:
+firewall the ports of clusters you start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import tensorflow as tf
+
+DEFAULT_JOB = 'worker'
+
+
+class ClusterError(RuntimeError):
+    """A task of the cluster cannot be reached; the message names it and what was seen."""
+
+
+def ParseClusterSpec(text: str) -> tf.train.ClusterSpec:
+    """A ClusterSpec from Lingvo's `job=host:port,host:port@job2=host:port` form.
+
+    Raises:
+      ValueError: naming the malformed part and the expected form.
+    """
+    jobs = {}
+    for part in filter(None, (p.strip() for p in text.split('@'))):
+        job, sep, addresses = part.partition('=')
+        hosts = [a.strip() for a in addresses.split(',') if a.strip()]
+        if not sep or not job.strip() or not hosts or any(
+                not _IsAddress(h) for h in hosts):
+            raise ValueError(f'--cluster_spec: cannot parse {part!r}; expected '
+                             'job=host:port,host:port (jobs separated by @), e.g. '
+                             'worker=127.0.0.1:2222,127.0.0.1:2223.')
+        if job.strip() in jobs:
+            raise ValueError(f'--cluster_spec: job {job.strip()!r} is given twice.')
+        jobs[job.strip()] = hosts
+    if not jobs:
+        raise ValueError('--cluster_spec is empty; expected job=host:port,host:port.')
+    return tf.train.ClusterSpec(jobs)
+
+
+def _IsAddress(address: str) -> bool:
+    host, sep, port = address.rpartition(':')
+    return bool(sep and host and port.isdigit())
+
+
+def FromTfConfig(text: str) -> tf.train.ClusterSpec:
+    """The cluster of a TF_CONFIG JSON (`{"cluster": {"worker": ["host:port", ...]}, ...}`).
+
+    Raises:
+      ValueError: if it is not JSON with a `cluster` dict of address lists.
+    """
+    try:
+        cluster = json.loads(text)['cluster']
+        if not isinstance(cluster, dict) or not all(
+                isinstance(v, list) and all(_IsAddress(a) for a in v) for v in cluster.values()):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise ValueError('TF_CONFIG must be JSON with a "cluster" dict of host:port lists, '
+                         f'e.g. {{"cluster": {{"worker": ["127.0.0.1:2222"]}}}}; got '
+                         f'{text[:200]!r}.') from None
+    return tf.train.ClusterSpec(cluster)
+
+
+def StageDevices(cluster: tf.train.ClusterSpec, count: int, job: str = DEFAULT_JOB) -> list[str]:
+    """The first `count` tasks of `job`, one device each: what the pipeline's mesh takes.
+
+    Raises:
+      ValueError: if the job is missing or has fewer than `count` tasks.
+    """
+    if job not in cluster.jobs:
+        raise ValueError(f'The cluster has no job {job!r} (jobs: {cluster.jobs}).')
+    tasks = cluster.num_tasks(job)
+    if tasks < count:
+        raise ValueError(f'{count} pipeline stages (replicas x cells) need {count} tasks of job '
+                         f'{job!r}, but the cluster has {tasks}: {cluster.job_tasks(job)}.')
+    return [f'/job:{job}/replica:0/task:{i}/device:CPU:0' for i in range(count)]
+
+
+def Target(cluster: tf.train.ClusterSpec, job: str = DEFAULT_JOB) -> str:
+    """The Session target: task 0 of `job`, whose master runs the graph."""
+    return f'grpc://{cluster.task_address(job, 0)}'
+
+
+def SessionConfig(timeout_s: float) -> tf.compat.v1.ConfigProto:
+    """Every Session.run fails with DeadlineExceeded after `timeout_s` instead of hanging."""
+    if not timeout_s > 0:
+        raise ValueError(f'The cluster timeout must be > 0 seconds, got {timeout_s}.')
+    return tf.compat.v1.ConfigProto(operation_timeout_in_ms=int(timeout_s * 1000))
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskStatus:
+    job: str
+    task: int
+    address: str
+    problem: str | None  # None: reachable.
+
+
+def _Connects(address: str, timeout_s: float) -> str | None:
+    host, _, port = address.rpartition(':')
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except OSError as error:
+        return f'no process accepts connections there ({error.strerror or error})'
+
+
+_SILENT = 'it accepts connections but does not answer within {:g} s (stopped or hung?)'
+
+
+def _Responds(address: str, device: str, timeout_s: float) -> str | None:
+    """Runs a constant on `device` through the task's own master, in a thread abandoned after
+    `timeout_s` (a stopped process accepts TCP connections but never answers)."""
+    outcome = []
+
+    def Probe():
+        try:
+            graph = tf.Graph()
+            with graph.as_default(), tf.device(device):
+                value = tf.constant(1.0) + 1.0
+            config = SessionConfig(timeout_s)
+            # Only this task: a master otherwise asks every task for its devices, and would
+            # wait on another unreachable one.
+            config.device_filters.append(device.rsplit('/device:', 1)[0])
+            with tf.compat.v1.Session(f'grpc://{address}', graph=graph,
+                                      config=config) as session:
+                session.run(value)
+            outcome.append(None)
+        except tf.errors.DeadlineExceededError:
+            outcome.append(_SILENT.format(timeout_s))
+        except Exception as error:  # pylint: disable=broad-except
+            outcome.append(f'it fails a probe ({type(error).__name__})')
+
+    thread = threading.Thread(target=Probe, daemon=True)
+    thread.start()
+    thread.join(timeout_s + 1.0)
+    return outcome[0] if outcome else _SILENT.format(timeout_s)
+
+
+def Diagnose(cluster: tf.train.ClusterSpec, job: str = DEFAULT_JOB,
+             timeout_s: float = 5.0) -> list[TaskStatus]:
+    """Which tasks of `job` are reachable, each found within about 2 * timeout_s."""
+    statuses = []
+    for task in range(cluster.num_tasks(job)):
+        address = cluster.task_address(job, task)
+        problem = _Connects(address, timeout_s) or _Responds(
+            address, f'/job:{job}/replica:0/task:{task}/device:CPU:0', timeout_s)
+        statuses.append(TaskStatus(job, task, address, problem))
+    return statuses
+
+
+def UnreachableError(cluster: tf.train.ClusterSpec, error: Exception, job: str = DEFAULT_JOB,
+                     probe_timeout_s: float = 5.0) -> ClusterError:
+    """A ClusterError naming the unreachable tasks behind a failed Session.run."""
+    bad = [s for s in Diagnose(cluster, job, probe_timeout_s) if s.problem]
+    lines = [l.strip() for l in str(getattr(error, 'message', error)).splitlines()
+             if any(c.isalpha() for c in l) and not l.startswith('Graph execution error')]
+    what = f'{type(error).__name__}' + (f' ({lines[0][:200]})' if lines else '')
+    if not bad:
+        return ClusterError(f'A step failed on the cluster ({what}), but every task of job '
+                            f'{job!r} answers now; see the workers\' logs.')
+    names = '; '.join(f'/job:{s.job}/task:{s.task} at {s.address}: {s.problem}' for s in bad)
+    return ClusterError(f'Unreachable: {names}. The step failed with {what}. Restart the task(s) '
+                        'and run the trainer again: it resumes from the last checkpoint.')
+
+
+# ---- local clusters: K server processes on 127.0.0.1 ------------------------------------------
+def FreePorts(count: int) -> list[int]:
+    """`count` ports that were free on 127.0.0.1 a moment ago."""
+    sockets, ports = [], []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(('127.0.0.1', 0))
+            sockets.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in sockets:
+            s.close()
+    return ports
+
+
+def LocalClusterSpec(num_workers: int, ports: list[int] | None = None) -> str:
+    """Lingvo's form of a one-job cluster of `num_workers` tasks on 127.0.0.1."""
+    ports = ports or FreePorts(num_workers)
+    return f'{DEFAULT_JOB}=' + ','.join(f'127.0.0.1:{p}' for p in ports)
+
+
+def ServerCommand(cluster_spec: str, task: int) -> list[str]:
+    return [sys.executable, '-m', 'gpipe_tf.launch', '--serve', f'--cluster_spec={cluster_spec}',
+            f'--task={task}']
+
+
+def StartServer(cluster_spec: str, task: int, log=None) -> subprocess.Popen:
+    """Starts task `task` of the worker job as a process of its own."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get('TF_CPP_MIN_LOG_LEVEL', '2'))
+    return subprocess.Popen(ServerCommand(cluster_spec, task), stdout=log or subprocess.DEVNULL,
+                            stderr=log or subprocess.DEVNULL, env=env)
+
+
+def WaitUntilListening(cluster_spec: str, timeout_s: float = 60.0,
+                       processes: list | None = None) -> None:
+    """Waits until every task accepts connections.
+
+    Raises:
+      ClusterError: naming the tasks still closed after `timeout_s`, or a process that exited.
+    """
+    cluster = ParseClusterSpec(cluster_spec)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for i, process in enumerate(processes or []):
+            if process.poll() is not None:
+                raise ClusterError(f'Worker task {i} exited with status {process.returncode} '
+                                   'before it was listening.')
+        closed = [(t, cluster.task_address(DEFAULT_JOB, t))
+                  for t in range(cluster.num_tasks(DEFAULT_JOB))
+                  if _Connects(cluster.task_address(DEFAULT_JOB, t), 1.0)]
+        if not closed:
+            return
+        if time.monotonic() > deadline:
+            raise ClusterError(f'Tasks not listening after {timeout_s:g} s: {closed}.')
+        time.sleep(0.2)
+
+
+def StopProcesses(processes: list, grace_s: float = 5.0) -> None:
+    """SIGTERM (SIGCONT first, for stopped ones), then SIGKILL after `grace_s`; by process id."""
+    for process in processes:
+        if process.poll() is None:
+            try:
+                os.kill(process.pid, signal.SIGCONT)
+                process.terminate()
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
