@@ -23,28 +23,6 @@ import os
 import pipeline_overhead as bench  # Same directory: the models, devices and memory setup.
 
 
-def MeasuredStepBytes(layer, inputs) -> int:
-    """What one step of loss and gradients allocates at its peak, over what was allocated
-    before it (this pipeline's variables and input, and anything earlier configurations of this
-    process left behind); after a warm-up step."""
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    variables = layer.trainable_variables
-
-    @tf.function
-    def Step(x):
-        with tf.GradientTape() as tape:
-            loss = bench.Loss(layer(x))
-        return tape.gradient(loss, variables)
-
-    tf.nest.map_structure(lambda t: t.numpy(), Step(inputs))
-    tf.config.experimental.reset_memory_stats('CPU:0')
-    before = tf.config.experimental.get_memory_info('CPU:0')['current']
-    grads = Step(inputs)
-    peak = tf.config.experimental.get_memory_info('CPU:0')['peak']
-    del grads
-    return peak - before
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--models', default=','.join(bench.MODELS), help='Comma-separated.')
@@ -55,6 +33,7 @@ def main():
     args = parser.parse_args()
     bench.Setup('shared')
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import memory  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import plot  # pylint: disable=g-import-not-at-top
     cells = (1, 4) if args.quick else (1, 2, 4)
@@ -73,7 +52,7 @@ def main():
                     if (k, m) == (cells[-1], micro_batches[-1]):
                         plot.SavePng(plot.MemoryFigure(plan, title=f'{model}, {mode}'),
                                      os.path.join(args.plot_dir, f'{model}_k{k}_m{m}_{mode}.png'))
-                    measured = MeasuredStepBytes(layer, inputs)
+                    measured = test_utils.StepBytes(layer, inputs, bench.Loss)
                     ratio = plan.step_bytes / measured
                     rows.append(dict(model=model, k=k, m=m, recompute=mode,
                                      planned_step_bytes=plan.step_bytes,

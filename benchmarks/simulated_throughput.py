@@ -43,16 +43,11 @@ from typing import Callable, Sequence
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 from gpipe_tf import hyperparams  # pylint: disable=g-import-not-at-top
-from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import base_layer  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import pipeline  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import simulator  # pylint: disable=g-import-not-at-top
-
-# The paper's name of each model -> its registry key.
-MODELS = {
-    'AmoebaNet-D-18-256': 'image.amoebanet.AmoebaNetD_18_256',
-    'Transformer-48': 'lm.Transformer48',
-}
+# Same directory (a script's folder is on sys.path): the models and their Params.
+from partition_quality import MODELS, PipelineParams  # pylint: disable=g-import-not-at-top
 
 # GPipe Table 2, normalised throughput on TPUs: PAPER[model][K][M].
 PAPER = {
@@ -65,11 +60,6 @@ CELLS = (2, 4, 8)
 MICRO_BATCHES = (1, 4, 32)
 DEVICE_TFLOPS = 50.0  # Default device rate, TFLOP/s; see the module docstring.
 LINK_GBPS = 50.0  # Default link bandwidth, GB/s; see the module docstring.
-
-
-def PipelineParams(model: str) -> hyperparams.Params:
-    """The registered model's PipeliningLayer Params; `model` is a key of MODELS."""
-    return model_registry.GetClass(MODELS[model])().Pipeline()
 
 
 def BatchSize(p: hyperparams.Params) -> int:

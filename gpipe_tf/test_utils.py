@@ -53,6 +53,29 @@ def MaxRelativeError(actual, expected) -> float:
 FloatLeaves = recompute.FloatLeaves
 
 
+def StepBytes(layer, inputs, loss_fn=None) -> int:
+    """What one tf.function step of loss and gradients of `layer` allocates at its peak on the
+    CPU, over what was allocated before it (the variables, the inputs, anything earlier code
+    left), after a warm-up step. Needs the BFC allocator (TF_CPU_ALLOCATOR_USE_BFC=true before
+    TensorFlow starts); every virtual CPU device allocates from it."""
+    variables = layer.trainable_variables
+    loss_fn = loss_fn or (lambda y: tf.reduce_mean(tf.square(y)))
+
+    @tf.function
+    def Step(x):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(layer(x))
+        return tape.gradient(loss, variables)
+
+    tf.nest.map_structure(lambda t: t.numpy(), Step(inputs))
+    tf.config.experimental.reset_memory_stats('CPU:0')
+    before = tf.config.experimental.get_memory_info('CPU:0')['current']
+    grads = Step(inputs)
+    peak = tf.config.experimental.get_memory_info('CPU:0')['peak']
+    del grads
+    return peak - before
+
+
 def SquareLoss(outputs) -> tf.Tensor:
     """A scalar that depends on every float output: the sum of their squares."""
     return tf.add_n([tf.reduce_sum(tf.square(x)) for x in FloatLeaves(outputs)])

@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import sys
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -18,6 +19,7 @@ def _Load(name):
     return module
 
 
+sys.path.insert(0, _BENCHMARKS)  # The scripts import each other, as when run from there.
 partition_quality = _Load('partition_quality')
 simulated_throughput = _Load('simulated_throughput')
 

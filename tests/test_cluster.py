@@ -192,5 +192,31 @@ class LocalClusterTest(absltest.TestCase):
         self.assertNotIn('Traceback', result.stderr)
 
 
+class LaunchTest(absltest.TestCase):
+
+    def testLaunchRunsTheTrainerOnTwoWorkersAndStopsThem(self):
+        logdir = tempfile.mkdtemp(prefix='launch_test_')
+        self.addCleanup(shutil.rmtree, logdir, ignore_errors=True)
+        result = subprocess.run(
+            [sys.executable, '-m', 'gpipe_tf.launch', '--num_workers=2', '--', f'--model={MLP}',
+             '--worker_split_size=2', '--max_steps=2', f'--logdir={logdir}'],
+            capture_output=True, text=True, timeout=300, env=Env())
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        self.assertIn('/job:worker/replica:0/task:1/device:CPU:0', result.stdout)
+        self.assertIn('checkpoint', result.stdout)
+        pids = [int(p) for p in re.search(r'stopped workers \[([\d, ]+)\]',
+                                          result.stderr).group(1).split(',')]
+        self.assertLen(pids, 2)
+        for pid in pids:
+            with self.assertRaises(ProcessLookupError):
+                os.kill(pid, 0)
+
+    def testLaunchNeedsTrainerFlags(self):
+        result = subprocess.run([sys.executable, '-m', 'gpipe_tf.launch', '--num_workers=2'],
+                                capture_output=True, text=True, timeout=120, env=Env())
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn('give the trainer\'s flags after --', result.stderr)
+
+
 if __name__ == '__main__':
     absltest.main()

@@ -121,24 +121,6 @@ class PaperTable1Test(parameterized.TestCase):
         self.assertLess(abs(ours / paper_bytes - 1), 0.02, f'{name}: {ours} vs {paper_bytes}')
 
 
-def _MeasuredStepBytes(layer, x):
-    variables = layer.trainable_variables
-
-    @tf.function
-    def Step(x):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(layer(x)))
-        return tape.gradient(loss, variables)
-
-    tf.nest.map_structure(lambda t: t.numpy(), Step(x))
-    tf.config.experimental.reset_memory_stats('CPU:0')
-    before = tf.config.experimental.get_memory_info('CPU:0')['current']
-    grads = Step(x)
-    peak = tf.config.experimental.get_memory_info('CPU:0')['peak']
-    del grads
-    return peak - before
-
-
 class MeasuredTest(tf.test.TestCase, parameterized.TestCase):
     """What a train step allocates at its peak, measured, against the plan (within 20%)."""
 
@@ -149,7 +131,7 @@ class MeasuredTest(tf.test.TestCase, parameterized.TestCase):
         p = _Dense(num_cells=k, m=m, recompute=recompute)
         layer = p.Instantiate()
         x = tf.random.stateless_normal([1024, 512], [1, 2])
-        measured = _MeasuredStepBytes(layer, x)
+        measured = test_utils.StepBytes(layer, x)
         planned = memory.PlanMemory(p, slots_per_param=0).step_bytes
         print(f'K={k} M={m} {recompute}: planned {planned / MIB:.1f} MiB, measured '
               f'{measured / MIB:.1f} MiB: {planned / measured:.3f}')

@@ -81,7 +81,7 @@ class MeasuredTimelineTest(tf.test.TestCase):
             trace.MeasuredTimeline([trace.OpEvent('cell_3_mb_0_fwd/MatMul', 0, 1)], 2)
 
 
-K, M, BATCH, DIM = 3, 4, 96, 256
+K, M, BATCH, DIM = 3, 4, 192, 512
 
 
 def _Pipeline(recompute):
