@@ -68,11 +68,18 @@ def StepBytes(layer, inputs, loss_fn=None) -> int:
         return tape.gradient(loss, variables)
 
     tf.nest.map_structure(lambda t: t.numpy(), Step(inputs))
+    return PeakBytesOf(lambda: Step(inputs))
+
+
+def PeakBytesOf(run) -> int:
+    """What `run()` allocates at its peak on the CPU over what was allocated before it (BFC
+    allocator statistics): earlier code of the process may leave memory behind, which an
+    absolute peak would count."""
     tf.config.experimental.reset_memory_stats('CPU:0')
     before = tf.config.experimental.get_memory_info('CPU:0')['current']
-    grads = Step(inputs)
+    result = run()
     peak = tf.config.experimental.get_memory_info('CPU:0')['peak']
-    del grads
+    del result
     return peak - before
 
 

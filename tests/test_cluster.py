@@ -125,6 +125,15 @@ class LocalClusterTest(absltest.TestCase):
             self.assertLess(time.monotonic(), deadline, 'no checkpoint in time')
             time.sleep(0.2)
 
+    def _SignalWorkerDuringARun(self, sig):
+        """Sends `sig` to worker 1 once a run has checkpointed; (trainer output, seconds from
+        the signal to the trainer's failure)."""
+        trainer = self._Start()
+        self._WaitForCheckpoint(trainer)
+        signalled = time.monotonic()
+        os.kill(self.workers[1].pid, sig)
+        return self._ErrorWithin(trainer, signalled)
+
     def _ErrorWithin(self, process, since):
         try:
             output, _ = process.communicate(timeout=BOUND_S + 60)
@@ -145,11 +154,7 @@ class LocalClusterTest(absltest.TestCase):
                                    msg=f'step {step}')
 
     def testKilledWorkerIsAClearErrorThenARestartResumes(self):
-        trainer = self._Start()
-        self._WaitForCheckpoint(trainer)
-        killed = time.monotonic()
-        os.kill(self.workers[1].pid, signal.SIGKILL)
-        output, elapsed = self._ErrorWithin(trainer, killed)
+        output, elapsed = self._SignalWorkerDuringARun(signal.SIGKILL)
         self.assertRegex(output, r'Unreachable: /job:worker/task:1 at 127\.0\.0\.1:\d+: no '
                                  r'process accepts connections')
         print(f'killed worker -> error in {elapsed:.1f} s')
@@ -167,11 +172,7 @@ class LocalClusterTest(absltest.TestCase):
                                    delta=1e-5 * abs(losses[step]), msg=f'step {step}')
 
     def testHungWorkerIsAClearErrorInBoundedTime(self):
-        trainer = self._Start()
-        self._WaitForCheckpoint(trainer)
-        stopped = time.monotonic()
-        os.kill(self.workers[1].pid, signal.SIGSTOP)
-        output, elapsed = self._ErrorWithin(trainer, stopped)
+        output, elapsed = self._SignalWorkerDuringARun(signal.SIGSTOP)
         self.assertRegex(output, r'Unreachable: /job:worker/task:1 at 127\.0\.0\.1:\d+: it '
                                  r'accepts connections but does not answer')
         print(f'stopped worker -> error in {elapsed:.1f} s')

@@ -401,7 +401,7 @@ class MemoryTest(tf.test.TestCase, parameterized.TestCase):
             layer = p.Instantiate()
             step = tf.function(lambda x: tf.gradients(test_utils.SquareLoss(layer(x)), layer.trainable_variables))
             step(x_value)  # Trace and warm up.
-            return self._StepPeak(lambda: step(x_value))
+            return test_utils.PeakBytesOf(lambda: step(x_value))
         graph = tf.Graph()
         with graph.as_default():
             layer = p.Instantiate()
@@ -411,18 +411,8 @@ class MemoryTest(tf.test.TestCase, parameterized.TestCase):
             with tf.compat.v1.Session(graph=graph, config=config) as sess:
                 sess.run(tf.compat.v1.global_variables_initializer())
                 sess.run(grads, {x: x_value})
-                return self._StepPeak(lambda: sess.run(grads, {x: x_value}))
+                return test_utils.PeakBytesOf(lambda: sess.run(grads, {x: x_value}))
 
-    @staticmethod
-    def _StepPeak(run):
-        """What `run()` allocates at its peak over what was allocated before it: earlier tests
-        of this process leave memory behind, which an absolute peak would count."""
-        tf.config.experimental.reset_memory_stats('CPU:0')
-        before = tf.config.experimental.get_memory_info('CPU:0')['current']
-        result = run()
-        peak = tf.config.experimental.get_memory_info('CPU:0')['peak']
-        del result
-        return peak - before
 
     @parameterized.parameters('function', 'v1')
     def testRecomputeCutsPeakMemory(self, api):
