@@ -1,13 +1,19 @@
 """TPU cores as pipeline devices, without a TPU: the v1 graph built inside `tpu.rewrite` puts
-every op of cell k on logical core k, and device assignments of R replicas x K cores are checked
-against fake topologies."""
+every op of cell k on logical core k; in the TF2 path (logical devices of a TPUStrategy) every
+tensor crossing cell k's boundary, its parameters and their gradients are assigned to logical
+device k, and the math is unchanged; device assignments of R replicas x K cores are checked
+against fake topologies; `Connect` fails clearly without a TPU."""
+
+import re
 
 import tensorflow as tf
 from absl.testing import parameterized
 
 from gpipe_tf import test_utils
 from gpipe_tf.layers import basic
+from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import pipeline
+from gpipe_tf.train import cluster as cluster_lib
 from gpipe_tf.train import tpu
 
 test_utils.ConfigureVirtualCpus()
@@ -114,6 +120,148 @@ class DeviceAssignmentTest(tf.test.TestCase, parameterized.TestCase):
             tpu.BuildDeviceAssignment(topology, 4, 3)
         with self.assertRaisesRegex(ValueError, 'TPU mesh shape is \\[x, y, z, cores'):
             tpu.ComputationShape([2, 2], 2)
+
+
+def _LogicalPipeline(recompute, logical_device_fn=tpu.ShardingAssign, num_micro_batches=2):
+    layers = [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM, activation='tanh')
+              for _ in range(6)]
+    return pipeline.PipeliningLayer.Params().Set(
+        name='pipe', layer_tpl=layers, num_cells=K, num_micro_batches=num_micro_batches,
+        recompute=recompute, input_shapes=[BATCH, DIM],
+        logical_device_fn=logical_device_fn).Instantiate()
+
+
+def _TrainStep(layer):
+    """A tf.function: (outputs, gradients of the inputs and variables) at training."""
+
+    def Step(x):
+        with fprop_context.Scope(training=True, step=tf.constant(0, tf.int64)):
+            return test_utils.OutputsAndGrads(layer, layer, x)
+
+    return tf.function(Step)
+
+
+def _VariableOfRead(op, handles):
+    """The variable whose ReadVariableOp feeds `op` (through identities), or None."""
+    while op.type in ('Identity', 'IdentityN') and op.inputs:
+        op = op.inputs[0].op
+    if op.type != 'ReadVariableOp':
+        return None
+    return handles.get(op.inputs[0].ref())
+
+
+class LogicalDeviceTest(tf.test.TestCase, parameterized.TestCase):
+    """The TF2 TPU path: cells on the logical devices of a TPUStrategy replica, annotated with
+    XLA sharding ops (which run as identities on a CPU)."""
+
+    @parameterized.parameters('always', 'except_last', 'never')
+    def testEveryCellBoundaryAndParameterIsOnLogicalDeviceK(self, recompute):
+        layer = _LogicalPipeline(recompute)
+        self.assertEqual(layer.devices, [''] * K)  # No device scopes: XLA places the cells.
+        x = tf.random.stateless_normal([BATCH, DIM], seed=[1, 2])
+        graph = _TrainStep(layer).get_concrete_function(x).graph
+        handles = {placeholder.ref(): variable
+                   for variable in layer.trainable_variables
+                   for captured, placeholder in graph.captures if captured is variable.handle}
+        cell_of = {variable.ref(): k for k, cell in enumerate(layer.cells)
+                   for variable in cell.trainable_variables}
+        annotated = {}
+        parameters = {k: set() for k in range(K)}
+        for op in graph.get_operations():
+            device = tpu.LogicalDeviceOf(op)
+            if op.type != 'XlaSharding':
+                continue
+            self.assertIn(device, range(K), op.name)
+            scope = re.search(r'cell_(\d+)_mb_(\d+)_(fwd|bwd)', op.name)
+            if scope:
+                k, m, part = int(scope[1]), int(scope[2]), scope[3]
+                self.assertEqual(device, k, op.name)
+                annotated[(k, m, part)] = annotated.get((k, m, part), 0) + 1
+            variable = _VariableOfRead(op.inputs[0].op, handles)
+            if variable is not None:
+                self.assertEqual(device, cell_of[variable.ref()], op.name)
+                parameters[device].add(variable.ref())
+        # Forward: input and output; backward: incoming gradient, outgoing input gradient and
+        # the cell's two weight gradients; of every cell and micro-batch.
+        for k in range(K):
+            for m in range(2):
+                self.assertGreaterEqual(annotated.get((k, m, 'fwd'), 0), 2, (k, m))
+                self.assertGreaterEqual(annotated.get((k, m, 'bwd'), 0), 4, (k, m))
+            # Every parameter of cell k is read onto logical device k.
+            self.assertEqual(parameters[k], {v.ref() for v in layer.cells[k].trainable_variables})
+
+    @parameterized.parameters(('always', False), ('never', False), ('always', True))
+    def testAnnotationsLeaveTheMathUnchanged(self, recompute, jit_compile):
+        layer = _LogicalPipeline(recompute, num_micro_batches=4)
+        x = tf.random.stateless_normal([BATCH, DIM], seed=[3, 4])
+        step = _TrainStep(layer)
+        if jit_compile:
+            step = tf.function(step.python_function, jit_compile=True)
+        outputs, grads = step(x)
+
+        def Reference(inputs):
+            return test_utils.Unpartitioned(layer, inputs)
+
+        ref_outputs, ref_grads = test_utils.OutputsAndGrads(Reference, layer, x)
+        self.assertLess(test_utils.MaxRelativeError(outputs, ref_outputs), 1e-5)
+        self.assertLess(test_utils.MaxRelativeError(grads, ref_grads), 1e-5)
+
+    def testTheAnnotationsReachXla(self):
+        # The HLO that XLA compiles (here for the CPU; on a TPU, its partitioner places by
+        # them) carries each annotation as a maximal sharding on its cell's logical device.
+        layer = _LogicalPipeline('always')
+        step = tf.function(_TrainStep(layer).python_function, jit_compile=True)
+        hlo = step.experimental_get_compiler_ir(tf.zeros([BATCH, DIM]))(stage='hlo')
+        per_device = {}
+        for line in hlo.splitlines():
+            sharding = re.search(r'sharding=\{maximal device=(\d+)\}', line)
+            if not sharding:
+                continue
+            device = int(sharding[1])
+            op_name = re.search(r'op_name="([^"]+)"', line)[1]
+            self.assertRegex(op_name, rf'(^|/)cell_{device}_', line)
+            per_device[device] = per_device.get(device, 0) + 1
+        # Per cell at least: 2 parameters; per micro-batch (2) forward input and output,
+        # backward incoming gradient, input gradient and 2 weight gradients.
+        self.assertEqual(sorted(per_device), list(range(K)))
+        self.assertTrue(all(n >= 2 + 2 * 6 for n in per_device.values()), per_device)
+
+    def testTheTrainersAssignNeedsATpuStrategyAndKeepsParamsText(self):
+        layer = _LogicalPipeline('always', logical_device_fn=tpu.AssignToLogicalDevice)
+        self.assertIn('logical_device_fn : callable/gpipe_tf.train.tpu/AssignToLogicalDevice',
+                      layer.p.ToText())
+        with self.assertRaisesRegex(ValueError, 'AssignToLogicalDevice runs inside a '
+                                                'TPUStrategy .* in scope is '
+                                                '_DefaultDistributionStrategy'):
+            _TrainStep(layer).get_concrete_function(tf.zeros([BATCH, DIM]))
+
+    def testErrors(self):
+        layer = _LogicalPipeline('always')
+        with self.assertRaisesRegex(ValueError, 'logical_device_fn annotates graph tensors; '
+                                                'call the layer inside a tf.function'):
+            with fprop_context.Scope(training=True, step=tf.constant(0, tf.int64)):
+                layer(tf.zeros([BATCH, DIM]))
+        with self.assertRaisesRegex(ValueError, 'num_replicas must be 1, got 2'):
+            pipeline.PipeliningLayer.Params().Set(
+                name='pipe', layer_tpl=[basic.DenseLayer.Params().Set(input_dim=2, output_dim=2)],
+                num_replicas=2, logical_device_fn=tpu.ShardingAssign).Instantiate()
+
+
+class ConnectTest(tf.test.TestCase):
+    """Addresses that fail before connecting. (Connecting changes the process's eager context
+    for good, so the cases that get that far run in trainer subprocesses: test_trainer.py.)"""
+
+    def testNothingListening(self):
+        port = cluster_lib.FreePorts(1)[0]
+        with self.assertRaisesRegex(tpu.TpuError, f'--tpu=grpc://127.0.0.1:{port}: no process '
+                                                  'accepts connections there'):
+            tpu.Connect(f'grpc://127.0.0.1:{port}')
+
+    def testBadAddresses(self):
+        with self.assertRaisesRegex(tpu.TpuError, 'expected grpc://host:port'):
+            tpu.Connect('grpc://nohost')
+        with self.assertRaisesRegex(tpu.TpuError, 'empty address'):
+            tpu.Connect('')
 
 
 if __name__ == '__main__':

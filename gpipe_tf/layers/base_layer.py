@@ -254,9 +254,14 @@ class BaseLayer(tf.Module):
         init = wp.init or self.p.params_init
         seed = [PathSeed(f'{self.path}.{name}', self.p.random_seed), 0]
         with tf.name_scope(self.path.replace('.', '/') + '/'):
+            # Under a tf.distribute strategy, replicas' updates of state that training assigns
+            # (batch norm's moving averages) are averaged; trainable variables are the
+            # optimizer's to update.
             var = tf.Variable(
                 initial_value=lambda: InitialValue(init, wp.shape, dtype, seed),
-                name=name, dtype=dtype, trainable=wp.trainable)
+                name=name, dtype=dtype, trainable=wp.trainable,
+                aggregation=(tf.VariableAggregation.NONE if wp.trainable
+                             else tf.VariableAggregation.MEAN))
         self._layer_vars[name] = var
         return var
 

@@ -120,6 +120,13 @@ class PipeliningLayer(BaseLayer):
                  'Device of each (replica, stage): None (logical devices present), a flat list '
                  '(replica r, stage k: entry r * K + k), R lists of K, or a function of '
                  '(replica, stage) (of the stage alone when num_replicas is 1).')
+        p.Define('logical_device_fn', None,
+                 'None, or a function (tensor, k) -> tensor assigning a tensor to logical device '
+                 'k of the replica, for XLA model parallelism (TF2 TPU: '
+                 'tf.distribute.TPUStrategy.experimental_assign_to_logical_device). Cell k\'s '
+                 'parameters, inputs, outputs and gradients are assigned to logical device k; '
+                 'devices then defaults to "" (no device scope). Graph mode only (a tf.function '
+                 'or strategy.run); the replicas are the strategy\'s, so num_replicas stays 1.')
         p.Define('round_robin', True,
                  'Whether stages share devices round-robin when there are fewer devices than K.')
         p.Define('recompute', 'always',
@@ -139,9 +146,15 @@ class PipeliningLayer(BaseLayer):
         p = self.p
         if p.recompute not in RECOMPUTE_MODES:
             raise ValueError(f'recompute must be one of {RECOMPUTE_MODES}, got {p.recompute!r}.')
+        if p.logical_device_fn is not None and p.num_replicas != 1:
+            raise ValueError(f'With logical_device_fn the replicas are the strategy\'s: '
+                             f'num_replicas must be 1, got {p.num_replicas}.')
         cell_layers, self._cell_metas = self.PlanCells(p)
         self._num_cells = len(cell_layers)
-        self._mesh = MeshDevices(p.devices, p.num_replicas, self._num_cells, p.round_robin)
+        devices = p.devices
+        if devices is None and p.logical_device_fn is not None:
+            devices = [''] * self._num_cells  # The strategy's replica device; XLA places cells.
+        self._mesh = MeshDevices(devices, p.num_replicas, self._num_cells, p.round_robin)
         self._devices = self._mesh[0]  # The variables live on the first replica's devices.
         with tf.device(self._devices[0]):
             self._before = [self.CreateChild(_LayerName(lp, i), lp)
@@ -323,19 +336,37 @@ class PipeliningLayer(BaseLayer):
             batch_size // num_replicas, p.num_micro_batches, p.micro_batch_size)
         ctx = fprop_context.Current()
         recomputes = [self._Recomputes(k) for k in range(self._num_cells)]
+        assign = self._LogicalDeviceFn()
         runs = [unrolled.UnrolledSchedule(functions, recomputes, num_micro_batches, p.batch_dim,
-                                          tf.cast(ctx.step, tf.int64))
+                                          tf.cast(ctx.step, tf.int64), assign)
                 for functions in self._replica_functions]
-        thetas = [theta[f'cell_{k}'] for k in range(self._num_cells)]
+        thetas = []
+        for k in range(self._num_cells):
+            with tf.name_scope(f'cell_{k}_theta'):
+                thetas.append(unrolled.AssignNest(assign, k, theta[f'cell_{k}']))
         if not ctx.training:  # Forward only, micro-batched, no re-materialization.
             return self._Replicated(
                 lambda r, shard: runs[r].Forward(thetas, shard, training=False)[0], inputs)
         outputs, updates = self._Train(runs, thetas, inputs)
+        replica_context = tf.distribute.get_replica_context()
+        if (replica_context is not None and replica_context.num_replicas_in_sync > 1 and
+                tf.nest.flatten(updates)):
+            # Under a tf.distribute strategy (the TPU path), each replica has summed its
+            # shard's statistics; their sum is the global batch's, as with in-graph replicas.
+            updates = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, updates)
         for k, cell_updates in enumerate(updates):
             with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_update'):
                 for layer, stats in zip(self._functions[k].update_layers or [], cell_updates):
                     layer.AddUpdate(stats)
         return outputs
+
+    def _LogicalDeviceFn(self):
+        """`p.logical_device_fn`, checked to be usable here (it annotates graph tensors)."""
+        fn = self.p.logical_device_fn
+        if fn is not None and tf.executing_eagerly():
+            raise ValueError(f'{self.path}: logical_device_fn annotates graph tensors; call the '
+                             'layer inside a tf.function (or strategy.run), not eagerly.')
+        return fn
 
     def _ReplicaScope(self, r: int):
         """Replica r's name scope; none with one replica, so op names stay `cell_<k>_mb_<m>_*`."""

@@ -35,6 +35,16 @@ def _Done(tensors, device: str) -> list:
         return [tf.identity(x) for x in tf.nest.flatten(tensors) if x is not None]
 
 
+def AssignNest(assign, cell: int, nest):
+    """Every tensor of `nest` assigned to logical device `cell` by `assign` (tensor, k) ->
+    tensor; `nest` itself when `assign` is None."""
+    if assign is None:
+        return nest
+    # Sparse gradients (IndexedSlices) are made dense, as the gradient sums make them anyway.
+    return tf.nest.map_structure(
+        lambda x: None if x is None else assign(tf.convert_to_tensor(x), cell), nest)
+
+
 def _SumStats(per_micro_batch: list) -> list:
     """Sums each layer's training statistics over the micro-batches."""
     if not per_micro_batch or not per_micro_batch[0]:
@@ -52,9 +62,12 @@ class UnrolledSchedule:
       num_micro_batches: M.
       batch_dim: the dimension micro-batches are split along.
       step: the training step (scalar int64 tensor), for the layers' randomness.
+      assign: None, or a function (tensor, k) -> tensor assigning a tensor to logical device k
+        (XLA model parallelism); then each cell's inputs, outputs, incoming and outgoing
+        gradients are assigned to the cell's logical device.
     """
 
-    def __init__(self, functions, recomputes, num_micro_batches, batch_dim, step):
+    def __init__(self, functions, recomputes, num_micro_batches, batch_dim, step, assign=None):
         self._functions = functions
         self._devices = [f.device for f in functions]
         self._recomputes = list(recomputes)
@@ -62,7 +75,14 @@ class UnrolledSchedule:
         self._num_micro_batches = num_micro_batches
         self._batch_dim = batch_dim
         self._step = step
+        self._assign = assign
         self._micro_batch_ids = [tf.constant(m, tf.int64) for m in range(num_micro_batches)]
+
+    def _Assign(self, k: int, nest):
+        if self._assign is None:
+            return nest
+        with tf.device(self._devices[k]):
+            return AssignNest(self._assign, k, nest)
 
     def _Grid(self):
         return [[None] * self._num_micro_batches for _ in range(self._num_cells)]
@@ -96,25 +116,27 @@ class UnrolledSchedule:
                 previous = _Done(acts[k + 1][m - 1], self._devices[k]) if m else []
                 with tf.control_dependencies(previous), tf.name_scope(OpScope(k, m, 'fwd')):
                     if not training or self._recomputes[k]:
-                        self._inputs[k][m] = acts[k][m]
-                        acts[k + 1][m], stats[k][m] = fn.Forward(
-                            thetas[k], acts[k][m], self._step, mb_id, training=training)
+                        self._inputs[k][m] = self._Assign(k, acts[k][m])
+                        outputs, stats[k][m] = fn.Forward(
+                            thetas[k], self._inputs[k][m], self._step, mb_id, training=training)
+                        acts[k + 1][m] = self._Assign(k, outputs)
                         continue
                     # Fresh identities as differentiation sources: tf.gradients would otherwise
                     # also differentiate the op that produced them (the previous cell's call).
                     with self._tape, tf.device(self._devices[k]):
                         if m == 0:
                             self._thetas[k] = recompute.Identity(thetas[k])
-                        self._inputs[k][m] = recompute.Identity(acts[k][m])
+                        self._inputs[k][m] = recompute.Identity(self._Assign(k, acts[k][m]))
                         self._tape.watch(tf.nest.flatten(self._thetas[k]) +
                                          recompute.FloatLeaves(self._inputs[k][m]))
-                        acts[k + 1][m], stats[k][m] = fn.Forward(
+                        outputs, stats[k][m] = fn.Forward(
                             self._thetas[k], self._inputs[k][m], self._step, mb_id)
+                        acts[k + 1][m] = self._Assign(k, outputs)
                 self._outputs[k][m] = acts[k + 1][m]
         updates = []
         for k in range(self._num_cells):
             with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_stats'):
-                updates.append(_SumStats(stats[k]) if training else [])
+                updates.append(self._Assign(k, _SumStats(stats[k])) if training else [])
         with tf.device(self._devices[-1]):
             return microbatch.Concat(acts[-1], batch_dim), updates
 
@@ -135,7 +157,6 @@ class UnrolledSchedule:
         d_inputs = [None] * self._num_cells  # Per cell, its last micro-batch's input gradient.
         for tick in schedule.BackwardTicks(m_count, self._num_cells):
             for k, m in tick:
-                d_y = recompute.FloatLeaves(d_acts[m])
                 # A device works on one micro-batch at a time: the backward of the next
                 # micro-batch waits for the last one's weight gradient to be summed, so at most
                 # one micro-batch's weight gradient per cell is alive, and for its input
@@ -143,6 +164,7 @@ class UnrolledSchedule:
                 # it to be computed).
                 previous = _Done([d_thetas[k], d_inputs[k] if k else None], self._devices[k])
                 with tf.control_dependencies(previous), tf.name_scope(OpScope(k, m, 'bwd')):
+                    d_y = self._Assign(k, recompute.FloatLeaves(d_acts[m]))
                     if self._recomputes[k]:
                         d_theta, d_x = self._functions[k].Backward(
                             self._thetas[k], self._inputs[k][m], self._step,
@@ -153,6 +175,7 @@ class UnrolledSchedule:
                                 self._outputs[k][m], self._thetas[k], self._inputs[k][m], d_y,
                                 self._functions[k].trainable,
                                 tape=self._tape if tf.executing_eagerly() else None)
+                    d_theta, d_x = self._Assign(k, (d_theta, d_x))
                 # A running sum in schedule order, freed as it goes, instead of one add_n
                 # that keeps all M gradients alive. Sparse gradients (an embedding's gather)
                 # are made dense: summed over micro-batches they mostly are.

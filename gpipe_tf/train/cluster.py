@@ -117,7 +117,9 @@ class TaskStatus:
     problem: str | None  # None: reachable.
 
 
-def _Connects(address: str, timeout_s: float) -> str | None:
+def ConnectProblem(address: str, timeout_s: float) -> str | None:
+    """Why nothing accepts a TCP connection at host:port `address` within `timeout_s`; None if
+    something does."""
     host, _, port = address.rpartition(':')
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
@@ -164,7 +166,7 @@ def Diagnose(cluster: tf.train.ClusterSpec, job: str = DEFAULT_JOB,
     statuses = []
     for task in range(cluster.num_tasks(job)):
         address = cluster.task_address(job, task)
-        problem = _Connects(address, timeout_s) or _Responds(
+        problem = ConnectProblem(address, timeout_s) or _Responds(
             address, f'/job:{job}/replica:0/task:{task}/device:CPU:0', timeout_s)
         statuses.append(TaskStatus(job, task, address, problem))
     return statuses
@@ -235,7 +237,7 @@ def WaitUntilListening(cluster_spec: str, timeout_s: float = 60.0,
                                    'before it was listening.')
         closed = [(t, cluster.task_address(DEFAULT_JOB, t))
                   for t in range(cluster.num_tasks(DEFAULT_JOB))
-                  if _Connects(cluster.task_address(DEFAULT_JOB, t), 1.0)]
+                  if ConnectProblem(cluster.task_address(DEFAULT_JOB, t), 1.0)]
         if not closed:
             return
         if time.monotonic() > deadline:

@@ -12,8 +12,8 @@ def LocalDevices(run_locally: str, num_devices: int) -> list[str]:
 
     Args:
       run_locally: 'cpu' splits the CPU into `num_devices` virtual devices; 'gpu' uses the GPUs
-        present (memory growth on; `num_devices` of them, 0 meaning all); 'tpu' is not available
-        on a local machine.
+        present (memory growth on; `num_devices` of them, 0 meaning all); 'tpu' is an error
+        (TPU cores are a TPUStrategy's logical devices, see `gpipe_tf.train.tpu`).
 
     Raises:
       ValueError: for an unknown kind or a bad count; RuntimeError: when the hardware is absent.
@@ -26,8 +26,10 @@ def LocalDevices(run_locally: str, num_devices: int) -> list[str]:
         return test_utils.ConfigureVirtualCpus(max(num_devices, 1))
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     if run_locally == 'tpu':
-        raise RuntimeError('--run_locally=tpu: no TPU is attached to this machine (found '
-                           f'{[d.name for d in tf.config.list_physical_devices()]}).')
+        # A TPU is reached through a TPUClusterResolver and a TPUStrategy, not as local
+        # devices: the trainer's --run_locally=tpu is --tpu=local (gpipe_tf.train.tpu).
+        raise ValueError('TPU cores are not local devices: connect with '
+                         'gpipe_tf.train.tpu.Connect("local") and run under tpu.Strategy.')
     gpus = tf.config.list_physical_devices('GPU')
     if not gpus:
         raise RuntimeError('--run_locally=gpu: TensorFlow sees no GPU on this machine (devices: '

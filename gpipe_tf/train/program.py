@@ -116,8 +116,12 @@ class EagerProgram:
                 status.expect_partial()
         step = int(self.global_step.numpy())
         dataset = self.task_params.input.Instantiate().TrainDataset(start_step=step)
-        self._iterator = iter(dataset)
+        self._iterator = iter(self._Distribute(dataset))
         return step
+
+    def _Distribute(self, dataset):
+        """The dataset as the step takes it (a strategy's program splits it over replicas)."""
+        return dataset
 
     def _TrainStep(self, batch):
         with tf.GradientTape() as tape:
@@ -155,7 +159,7 @@ class EagerProgram:
     def Evaluate(self, input_params) -> dict:
         """Weighted means of the task's metrics over one pass of `input_params`' data."""
         sums = MetricSums()
-        for batch in input_params.Instantiate().EvalDataset():
+        for batch in self._Distribute(input_params.Instantiate().EvalDataset()):
             sums.Add(self._eval_step(batch))
         return sums.Means()
 
@@ -167,6 +171,57 @@ class EagerProgram:
 
     def Save(self) -> str:
         return self.manager.save(checkpoint_number=self.global_step)
+
+
+class StrategyProgram(EagerProgram):
+    """Training in a `tf.function` run by a `tf.distribute.Strategy`: R replicas, each running
+    the whole pipeline on 1/R of every batch, their gradients averaged before the one update.
+
+    The trainer's TPU path: a `TPUStrategy` whose replicas have K logical devices each, the
+    pipeline's cells placed on them by `PipeliningLayer.Params().logical_device_fn`
+    (`gpipe_tf.train.tpu`). Any other strategy runs the same program (a MirroredStrategy over
+    CPUs in the tests).
+    """
+
+    def __init__(self, task_params, logdir: str, strategy):
+        replicas = strategy.num_replicas_in_sync
+        batch = task_params.input.batch_size
+        if batch % replicas:
+            raise ValueError(f'Batch size {batch} does not split over {replicas} replicas.')
+        self.strategy = strategy
+        with strategy.scope():
+            super().__init__(task_params, logdir)
+
+    def _Distribute(self, dataset):
+        return self.strategy.experimental_distribute_dataset(dataset)
+
+    def Restore(self, training: bool = True) -> int:
+        # Restored optimizer slots are created when first used, and must be the strategy's.
+        with self.strategy.scope():
+            return super().Restore(training)
+
+    def Step(self) -> dict:
+        with self.strategy.scope():
+            return super().Step()
+
+    def _Reduce(self, op, value):
+        return self.strategy.reduce(op, value, axis=None)
+
+    def _TrainStep(self, batch):
+        metrics = self.strategy.run(super()._TrainStep, args=(batch,))
+        # Every replica's share is the same size, so the mean of their means is the batch's.
+        return {k: self._Reduce(tf.distribute.ReduceOp.MEAN, v) for k, v in metrics.items()}
+
+    def _EvalStep(self, batch):
+        metrics = self.strategy.run(super()._EvalStep, args=(batch,))
+        out = {}
+        for name, (value, weight) in metrics.items():
+            total = self._Reduce(tf.distribute.ReduceOp.SUM, weight)
+            weighted = self._Reduce(tf.distribute.ReduceOp.SUM, self.strategy.run(
+                lambda v, w: tf.cast(v, tf.float32) * tf.cast(w, tf.float32),
+                args=(value, weight)))
+            out[name] = (tf.math.divide_no_nan(weighted, tf.cast(total, tf.float32)), total)
+        return out
 
 
 class GraphProgram:

@@ -6,19 +6,31 @@ the replica. `CoreDevices(K)` is that device list for `PipeliningLayer.Params().
 replicas (data parallelism) are the rewrite's, each on its own K cores as a
 `tf.tpu.experimental.DeviceAssignment` lays them out (`BuildDeviceAssignment`).
 
-The same assignment serves TF2: `tf.distribute.TPUStrategy(resolver,
-experimental_device_assignment=assignment)` runs R replicas of K logical devices each.
+The same assignment serves TF2, the trainer's path (`--tpu=<address>`, `--run_locally=tpu`):
+`Connect` finds the TPU, `Strategy` makes a `tf.distribute.TPUStrategy` of R replicas of K logical
+devices each, and `AssignToLogicalDevice` is the pipeline's `logical_device_fn`: cell k's
+parameters, inputs, outputs and gradients are assigned to logical device k
+(`strategy.experimental_assign_to_logical_device`, an XLA sharding annotation).
 
-Nothing here needs a TPU to build: the tests check placement and the assignment arithmetic
-against a fake topology. Running needs one (`--run_locally=tpu` / `--tpu=<address>`).
+Nothing here needs a TPU to build: the tests check placement and annotations, and the assignment
+arithmetic against a fake topology. Running needs one.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
+import urllib.parse
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.compiler.xla.experimental import xla_sharding  # pylint: disable=g-direct-tensorflow-import
+
+from gpipe_tf.train import cluster as cluster_lib
+
+
+class TpuError(cluster_lib.ClusterError):
+    """No usable TPU at the address given: the trainer prints it without a traceback."""
 
 
 def CoreDevices(num_cells: int) -> list[str]:
@@ -89,3 +101,116 @@ def FakeTopology(mesh_shape, num_tasks: int = 1):
     device_coordinates = np.array(coordinates, dtype=np.int32).reshape(
         num_tasks, per_task, 4)
     return tf.tpu.experimental.Topology(mesh_shape=mesh, device_coordinates=device_coordinates)
+
+
+# ---- TF2: TPUStrategy with K logical devices per replica ---------------------------------------
+def ShardingAssign(tensor, logical_device: int):
+    """`tensor` assigned to `logical_device` by an XLA sharding op: what
+    `TPUStrategy.experimental_assign_to_logical_device` does, without a strategy (for tests, and
+    graphs compiled by `tpu.rewrite`). On a CPU the op is an identity."""
+    return xla_sharding.assign_device(tensor, logical_device, use_sharding_op=True)
+
+
+def LogicalDeviceOf(op) -> int | None:
+    """The logical device an op's `_XlaSharding` attribute assigns it to (None: no maximal
+    sharding)."""
+    try:
+        proto = op.get_attr('_XlaSharding')
+    except ValueError:
+        return None
+    sharding = xla_sharding.xla_data_pb2.OpSharding.FromString(proto)
+    if sharding.type != xla_sharding.xla_data_pb2.OpSharding.MAXIMAL:
+        return None
+    return int(sharding.tile_assignment_devices[0])
+
+
+def AssignToLogicalDevice(tensor, logical_device: int):
+    """The pipeline's `logical_device_fn` on a TPU: `tensor` assigned to logical device
+    `logical_device` of the replica running it, by the TPUStrategy in scope
+    (`experimental_assign_to_logical_device`). A module-level function, so Params keep their
+    text form.
+
+    Raises:
+      ValueError: outside a TPUStrategy's replica (off a TPU, `ShardingAssign` annotates alike).
+    """
+    strategy = tf.distribute.get_strategy()
+    assign = getattr(strategy, 'experimental_assign_to_logical_device', None)
+    if assign is None:
+        raise ValueError('AssignToLogicalDevice runs inside a TPUStrategy (strategy.run); the '
+                         f'strategy in scope is {type(strategy).__name__}. Without a TPU, '
+                         'tpu.ShardingAssign makes the same annotation.')
+    return assign(tensor, logical_device)
+
+
+def _HostPort(address: str) -> str | None:
+    """host:port of a grpc:// address; None for a TPU name or 'local'."""
+    if not address.startswith('grpc://'):
+        return None
+    parsed = urllib.parse.urlparse(address)
+    if not parsed.hostname or not parsed.port:
+        raise TpuError(f'--tpu={address}: expected grpc://host:port (the TPU worker\'s address, '
+                       'port 8470 on a TPU node), "local" on a TPU VM, or a TPU name.')
+    return f'{parsed.hostname}:{parsed.port}'
+
+
+def _FirstLine(error: Exception) -> str:
+    text = str(getattr(error, 'message', error)).strip()
+    return f'{type(error).__name__}: {text.splitlines()[0][:300] if text else ""}'
+
+
+def Connect(address: str, timeout_s: float = 600.0):
+    """Connects to the TPU at `address` and initializes it.
+
+    Args:
+      address: 'local' (a Cloud TPU VM), a TPU name (resolved by the Cloud TPU API), or
+        grpc://host:port (a TPU node's worker).
+      timeout_s: how long initialization may take before it counts as no answer.
+
+    Returns:
+      (the TPUClusterResolver, the TPU's tf.tpu.experimental.Topology).
+
+    Raises:
+      TpuError: nothing accepts connections at a grpc:// address, no TPU is there, or it does
+        not answer within `timeout_s`.
+    """
+    if not address:
+        raise TpuError('--tpu: empty address; expected "local", a TPU name or grpc://host:port.')
+    host_port = _HostPort(address)
+    if host_port is not None:
+        problem = cluster_lib.ConnectProblem(host_port, 5.0)
+        if problem:
+            raise TpuError(f'--tpu={address}: {problem}. Is the TPU worker running at that '
+                           'address (port 8470 on a TPU node)?')
+    outcome = []
+
+    def Initialize():
+        try:
+            resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address)
+            tf.config.experimental_connect_to_cluster(resolver)
+            outcome.append((resolver, tf.tpu.experimental.initialize_tpu_system(resolver)))
+        except Exception as error:  # pylint: disable=broad-except
+            outcome.append(error)
+
+    # Initialization can wait forever on an address that accepts connections but is no TPU
+    # worker; the thread is abandoned after the timeout.
+    thread = threading.Thread(target=Initialize, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        raise TpuError(f'--tpu={address}: the TPU did not initialize within {timeout_s:g} s.')
+    if isinstance(outcome[0], Exception):
+        where = 'on this machine' if address == 'local' else f'at {address}'
+        raise TpuError(f'--tpu={address}: no usable TPU {where} ({_FirstLine(outcome[0])}). '
+                       'On a Cloud TPU VM use --tpu=local; for a TPU node give its name or '
+                       'grpc://<ip>:8470.')
+    return outcome[0]
+
+
+def Strategy(resolver, topology, num_cells: int, num_replicas: int = 1):
+    """A TPUStrategy of R replicas, each on K logical devices (one per pipeline stage).
+
+    Raises:
+      ValueError: if R x K cores do not fit the topology (see `BuildDeviceAssignment`).
+    """
+    assignment = BuildDeviceAssignment(topology, num_cells, num_replicas)
+    return tf.distribute.TPUStrategy(resolver, experimental_device_assignment=assignment)

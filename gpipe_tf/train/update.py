@@ -38,12 +38,22 @@ def Update(task, optimizer, global_step: tf.Variable, metrics: NestedMap, grads_
     loss, weight = metrics.loss
     total_loss = loss + task.RegularizationLoss()
     grads = grads_fn(total_loss, variables)
+    replica_context = tf.distribute.get_replica_context()
+    replicas = replica_context.num_replicas_in_sync if replica_context else 1
+    if replicas > 1:
+        # Under a strategy, clip and report the mean of the replicas' gradients, the gradient
+        # of the global batch (each replica's loss is its shard's mean).
+        grads = replica_context.all_reduce(tf.distribute.ReduceOp.MEAN, grads)
     missing = [v.name for v, g in zip(variables, grads) if g is None]
     if missing:
         raise ValueError(f'The loss does not depend on trainable variables {missing[:5]}'
                          f'{" ..." if len(missing) > 5 else ""}; every trainable variable needs '
                          'a gradient.')
     grads, norm = ClipGradients(grads, task.p.train.clip_gradient_norm_to_value)
+    if replicas > 1:
+        # v1 optimizers sum the replicas' gradients in apply_gradients: each hands 1/R.
+        grads = [tf.IndexedSlices(g.values / replicas, g.indices, g.dense_shape)
+                 if isinstance(g, tf.IndexedSlices) else g / replicas for g in grads]
     train_op = optimizer.apply_gradients(zip(grads, variables), global_step=global_step)
     out = NestedMap(metrics)
     out.total_loss = (total_loss, weight)
