@@ -38,7 +38,9 @@ flags.DEFINE_string('model_params_override', None, 'Params text applied to the t
 flags.DEFINE_string('model_params_file_override', None, 'A file of Params text applied to the '
                     'task Params (before --model_params_override).')
 flags.DEFINE_enum('run_locally', 'cpu', list(devices_lib.RUN_LOCALLY), 'Local devices: cpu '
-                  '(--num_devices virtual CPUs), gpu (the GPUs present) or tpu.')
+                  '(--num_devices virtual CPUs), gpu (the GPUs present; the partition report '
+                  'shows each cell\'s planned memory against each GPU\'s free memory) or tpu '
+                  '(this Cloud TPU VM\'s TPU, as --tpu=local).')
 flags.DEFINE_integer('num_devices', None, 'Devices to use (default: one per stage of every '
                      'replica, R x K).')
 flags.DEFINE_integer('worker_split_size', None, 'Override K, the number of cells.')
@@ -54,6 +56,12 @@ flags.DEFINE_string('cluster_spec', None, 'Run the stages on a TF cluster: Lingv
 flags.DEFINE_string('cluster_job', 'worker', 'The cluster job whose tasks run the stages.')
 flags.DEFINE_float('cluster_timeout_s', 60.0, 'A step (any Session.run) the cluster does not '
                    'finish in this many seconds fails, naming the unreachable task.')
+flags.DEFINE_string('tpu', None, 'Train on a Cloud TPU: "local" on a TPU VM, the TPU\'s name, '
+                    'or grpc://<ip>:8470 of a TPU node. A tf.distribute.TPUStrategy runs R '
+                    'replicas (--worker_replicas), each with its K cells on K logical cores; '
+                    'the tf_function path only.')
+flags.DEFINE_float('tpu_timeout_s', 600.0, 'Connecting to and initializing the TPU may take this '
+                   'many seconds before it counts as unreachable.')
 flags.DEFINE_string('data_dir', None, 'Directory of the dataset\'s files, for inputs that '
                     'read one (Fashion-MNIST\'s IDX files; default: the input Params\').')
 flags.DEFINE_string('plot_dir', None, 'inspect_model: also write the plan pictures here: '
@@ -147,11 +155,25 @@ def ApplyOverride(p, text: str, source: str):
     return p
 
 
+def _NumCells(p) -> int:
+    """K, the cells of the pipeline (1 for a model that is not one)."""
+    if 'num_cells' not in p.model:
+        return 1
+    return len(p.model.cls.PlanCells(p.model)[0])
+
+
 def _NumDevices(p) -> int:
     """R x K: one device per stage of every replica."""
     if 'num_cells' not in p.model:
         return 1
-    return len(p.model.cls.PlanCells(p.model)[0]) * p.model.num_replicas
+    return _NumCells(p) * p.model.num_replicas
+
+
+def TpuAddress() -> str | None:
+    """--tpu, or 'local' for --run_locally=tpu; None for a run without a TPU."""
+    if FLAGS.tpu is not None:
+        return FLAGS.tpu
+    return 'local' if FLAGS.run_locally == 'tpu' else None
 
 
 def Cluster():
@@ -171,6 +193,14 @@ def _SetUpDevices(p, plan_only: bool = False) -> list[str]:
     """Configures the local devices (or the cluster's) and puts them in the pipeline's Params;
     with `plan_only`, only names them (`inspect_model` builds nothing, so K may exceed the
     devices present)."""
+    if TpuAddress() is not None:
+        from gpipe_tf.train import tpu  # pylint: disable=g-import-not-at-top
+        # Cell k runs on logical core k of every replica: named for the plan; a training run
+        # places the cells through the strategy instead (`_TpuProgram`).
+        devices = tpu.CoreDevices(_NumCells(p))
+        if plan_only and 'devices' in p.model:
+            p.model.devices = devices
+        return devices
     count = FLAGS.num_devices if FLAGS.num_devices is not None else _NumDevices(p)
     cluster = Cluster()
     if cluster is not None:
@@ -244,6 +274,25 @@ def RunInspectModel(p, name: str) -> None:
     print(report, flush=True)
 
 
+def GpuMemoryReport(p) -> str:
+    """Each cell's planned memory against the free memory of the GPU it runs on (replica 0's
+    GPUs), read with nvidia-smi; a line saying why when there is no plan."""
+    from gpipe_tf.layers import pipeline  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.perf import pictures  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.train import gpu  # pylint: disable=g-import-not-at-top
+    try:
+        plan = pictures.Plan(p)
+    except ValueError as error:
+        return f'No GPU memory report: {error}'
+    model = p.model
+    stages = pipeline.MeshDevices(model.devices, model.num_replicas, _NumCells(p),
+                                  model.round_robin)[0]
+    report = gpu.Report(plan.memory, stages)
+    if model.num_replicas > 1:
+        report += f'\n(The GPUs of replica 0 of {model.num_replicas}.)'
+    return report
+
+
 def _Logdir() -> str:
     return FLAGS.logdir or os.path.join('/tmp/gpipe_tf', FLAGS.model)
 
@@ -258,6 +307,16 @@ def _Program(p, logdir):
     from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
     tf.config.experimental.enable_op_determinism()
     cluster = Cluster()
+    if TpuAddress() is not None:
+        if cluster is not None:
+            raise ValueError('--tpu (or --run_locally=tpu) and --cluster_spec: give one; a TPU '
+                             'brings its own workers.')
+        if FLAGS.graph_mode == 'v1':
+            raise ValueError('--tpu runs the tf_function path (a TPUStrategy). The v1 TPU path '
+                             'is library-level: build the step inside tf.compat.v1.tpu.rewrite '
+                             'with PipeliningLayer devices=gpipe_tf.train.tpu.CoreDevices(K) '
+                             '(README, "Cloud TPU").')
+        return _TpuProgram(p, logdir, TpuAddress())
     if cluster is not None:
         from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
         if FLAGS['graph_mode'].present and FLAGS.graph_mode != 'v1':
@@ -271,18 +330,41 @@ def _Program(p, logdir):
     return program.EagerProgram(p, logdir)
 
 
+def _TpuProgram(p, logdir, address: str):
+    """A StrategyProgram on the TPU at `address`: R replicas of K logical cores, cell k's
+    tensors on core k. Raises tpu.TpuError when there is no usable TPU."""
+    from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.train import tpu  # pylint: disable=g-import-not-at-top
+    resolver, topology = tpu.Connect(address, FLAGS.tpu_timeout_s)
+    strategy = tpu.Strategy(resolver, topology, _NumCells(p), p.model.num_replicas)
+    # The replicas are the strategy's; each places its cells by logical device.
+    p.model.Set(num_replicas=1, devices=None, logical_device_fn=tpu.AssignToLogicalDevice)
+    return program.StrategyProgram(p, logdir, strategy)
+
+
+def _Where(prog) -> str:
+    """Where training runs, for the first line of a training run."""
+    model = prog.task.model
+    strategy = getattr(prog, 'strategy', None)
+    if strategy is not None:
+        return (f'R={strategy.num_replicas_in_sync} replicas x K={model.num_cells} logical '
+                f'TPU cores ({TpuAddress()})')
+    replicas = f'R={len(model.mesh)} replicas x ' if len(model.mesh) > 1 else ''
+    return (f'{replicas}K={len(model.devices)} cells on '
+            f'{model.mesh if len(model.mesh) > 1 else model.devices}')
+
+
 def RunTrain(p, logdir, with_eval: bool) -> dict:
     from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
     eval_params = TaskParams(FLAGS.model, p.train.eval_dataset).input if with_eval else None
     prog = _Program(p, logdir)
-    model = prog.task.model
-    replicas = f'R={len(model.mesh)} replicas x ' if len(model.mesh) > 1 else ''
-    print(f'training {FLAGS.model} in {logdir}: {replicas}K={len(model.devices)} cells on '
-          f'{model.mesh if len(model.mesh) > 1 else model.devices}, '
+    print(f'training {FLAGS.model} in {logdir}: {_Where(prog)}, '
           f'M={p.model.num_micro_batches or 1}, batch {p.input.batch_size}, {_GraphMode()}',
           flush=True)
     metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params)
-    if with_eval and _Translates(prog.task) and _GraphMode() != 'v1':
+    # Greedy decoding runs eagerly, outside a TPU strategy's replicas.
+    if (with_eval and _Translates(prog.task) and _GraphMode() != 'v1' and
+            TpuAddress() is None):
         metrics['eval_bleu'] = ReportBleu(prog, eval_params, p.train.eval_dataset, logdir)
     if 'eval_accuracy' in metrics:
         print(f'final {p.train.eval_dataset.lower()} accuracy {metrics["eval_accuracy"]:.4f}',
@@ -342,6 +424,9 @@ def _DecodeLines() -> list[str]:
 
 def RunDecode(p, logdir) -> list[str]:
     from gpipe_tf.train import decode  # pylint: disable=g-import-not-at-top
+    if TpuAddress() is not None:
+        raise ValueError('decode runs eagerly on this machine\'s devices, not on a TPU: drop '
+                         '--tpu and --run_locally=tpu.')
     prog = _Program(p, logdir)
     if not prog.manager.latest_checkpoint:
         raise FileNotFoundError(f'decode: no checkpoint under {os.path.join(logdir, "train")}; '
@@ -373,6 +458,8 @@ def main(argv):
         print(f'# written to {os.path.join(logdir, "params.txt")}', file=sys.stderr)
         return
     _SetUpDevices(p, plan_only=FLAGS.mode == 'inspect_model')
+    if FLAGS.run_locally == 'gpu' and Cluster() is None and TpuAddress() is None:
+        print(GpuMemoryReport(p), flush=True)
     if FLAGS.mode == 'inspect_model':
         RunInspectModel(p, FLAGS.model)
         return
@@ -392,7 +479,8 @@ def _Main(argv):
     try:
         main(argv)
     except cluster_lib.ClusterError as error:
-        # The cluster's state, not a bug: the message says what to do; no traceback.
+        # The cluster's or the TPU's state, not a bug: the message says what to do; no
+        # traceback.
         print(f'error: {error}', file=sys.stderr, flush=True)
         sys.exit(1)
 

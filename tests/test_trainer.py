@@ -22,6 +22,7 @@ from gpipe_tf.perf import pictures
 from gpipe_tf.perf import trace
 from gpipe_tf.tasks import base_task
 from gpipe_tf.tasks import classifier
+from gpipe_tf.train import cluster as cluster_lib
 from gpipe_tf.train import loop
 from gpipe_tf.train import program
 
@@ -382,6 +383,45 @@ class ErrorsTest(TrainerTestCase):
             self.skipTest('this machine has a GPU')
         self.AssertFails(r'--run_locally=gpu: TensorFlow sees no GPU', f'--model={MLP}',
                          '--run_locally=gpu', '--mode=inspect_model')
+
+    def AssertFailsWithoutTraceback(self, message, *flags):
+        result = Run(f'--model={MLP}', f'--logdir={self.LogDir()}', '--max_steps=1', *flags,
+                     check=False)
+        self.assertEqual(result.returncode, 1, result.stderr[-2000:])
+        self.assertIn(f'error: {message}', result.stderr)
+        self.assertNotIn('Traceback', result.stderr)
+        self.assertNotIn('step', result.stdout)
+
+    def testTpuAddressWhereNothingListens(self):
+        port = cluster_lib.FreePorts(1)[0]
+        self.AssertFailsWithoutTraceback(
+            f'--tpu=grpc://127.0.0.1:{port}: no process accepts connections there',
+            f'--tpu=grpc://127.0.0.1:{port}')
+
+    def testTpuAddressOfAServerWithoutATpu(self):
+        spec = cluster_lib.LocalClusterSpec(1)
+        server = cluster_lib.StartServer(spec, 0)
+        try:
+            cluster_lib.WaitUntilListening(spec, 60, [server])
+            address = 'grpc://' + spec.split('=', 1)[1]
+            self.AssertFailsWithoutTraceback(
+                f'--tpu={address}: no usable TPU at {address} (NotFoundError: TPUs not found',
+                f'--tpu={address}')
+        finally:
+            cluster_lib.StopProcesses([server])
+
+    def testRunLocallyTpuWithoutATpu(self):
+        self.AssertFailsWithoutTraceback('--tpu=local: no usable TPU on this machine',
+                                         '--run_locally=tpu')
+
+    def testTpuRunsTheTfFunctionPath(self):
+        self.AssertFails(r'--tpu runs the tf_function path', f'--model={MLP}',
+                         f'--logdir={self.LogDir()}', '--tpu=local', '--graph_mode=v1')
+
+    def testInspectModelPlansTpuCoresWithoutATpu(self):
+        output = Run(f'--model={MLP}', '--run_locally=tpu', '--mode=inspect_model').stdout
+        for k in range(4):
+            self.assertRegex(output, rf'\n\s*{k}\s+device:TPU_REPLICATED_CORE:{k}\s')
 
     def testMissingFashionMnistNamesThePath(self):
         self.AssertFails(r'/no/such/dir', '--model=image.amoebanet.AmoebaNetD_Small',
