@@ -58,7 +58,7 @@ flags.DEFINE_float('cluster_timeout_s', 60.0, 'A step (any Session.run) the clus
                    'finish in this many seconds fails, naming the unreachable task.')
 flags.DEFINE_string('tpu', None, 'Train on a Cloud TPU: "local" on a TPU VM, the TPU\'s name, '
                     'or grpc://<ip>:8470 of a TPU node. A tf.distribute.TPUStrategy runs R '
-                    'replicas (--worker_replicas), each with its K cells on K logical cores; '
+                    'replicas (--worker_replicas), each with its K cells on K logical devices; '
                     'the tf_function path only.')
 flags.DEFINE_float('tpu_timeout_s', 600.0, 'Connecting to and initializing the TPU may take this '
                    'many seconds before it counts as unreachable.')
@@ -195,7 +195,10 @@ def _SetUpDevices(p, plan_only: bool = False) -> list[str]:
     devices present)."""
     if TpuAddress() is not None:
         from gpipe_tf.train import tpu  # pylint: disable=g-import-not-at-top
-        # Cell k runs on logical core k of every replica: named for the plan; a training run
+        if FLAGS.num_devices is not None or FLAGS.run_locally == 'gpu':
+            raise ValueError('--tpu uses R x K TPU cores (--worker_replicas x '
+                             '--worker_split_size); drop --num_devices and --run_locally=gpu.')
+        # Cell k runs on logical device k of every replica: named for the plan; a training run
         # places the cells through the strategy instead (`_TpuProgram`).
         devices = tpu.CoreDevices(_NumCells(p))
         if plan_only and 'devices' in p.model:
@@ -275,22 +278,25 @@ def RunInspectModel(p, name: str) -> None:
 
 
 def GpuMemoryReport(p) -> str:
-    """Each cell's planned memory against the free memory of the GPU it runs on (replica 0's
-    GPUs), read with nvidia-smi; a line saying why when there is no plan."""
+    """Each cell's planned memory against the free memory of the GPU it runs on, read with
+    nvidia-smi; a line saying why when there is no report (no plan, R > 1 replicas, devices
+    that are not this machine's GPUs)."""
     from gpipe_tf.layers import pipeline  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import pictures  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import gpu  # pylint: disable=g-import-not-at-top
+    model = p.model
+    if 'num_replicas' in model and model.num_replicas > 1:
+        # The plan is one pipeline's on the whole batch; replicas share GPUs round-robin.
+        return (f'No GPU memory report: the memory plan covers one pipeline, not '
+                f'{model.num_replicas} replicas.')
     try:
         plan = pictures.Plan(p)
-    except ValueError as error:
+        stages = pipeline.StageDevices(model.devices, _NumCells(p), model.round_robin)
+        report = gpu.Report(plan.memory, stages)
+    except ValueError as error:  # Informational: never stops the run.
         return f'No GPU memory report: {error}'
-    model = p.model
-    stages = pipeline.MeshDevices(model.devices, model.num_replicas, _NumCells(p),
-                                  model.round_robin)[0]
-    report = gpu.Report(plan.memory, stages)
-    if model.num_replicas > 1:
-        report += f'\n(The GPUs of replica 0 of {model.num_replicas}.)'
-    return report
+    return (report + '\nPlanned memory leaves out what CUDA and TensorFlow themselves take on '
+            'each GPU.')
 
 
 def _Logdir() -> str:
@@ -331,14 +337,20 @@ def _Program(p, logdir):
 
 
 def _TpuProgram(p, logdir, address: str):
-    """A StrategyProgram on the TPU at `address`: R replicas of K logical cores, cell k's
-    tensors on core k. Raises tpu.TpuError when there is no usable TPU."""
+    """A StrategyProgram on the TPU at `address`: R replicas of K logical devices, cell k's
+    variables and ops on logical device k. Raises tpu.TpuError when there is no usable TPU."""
     from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import tpu  # pylint: disable=g-import-not-at-top
     resolver, topology = tpu.Connect(address, FLAGS.tpu_timeout_s)
     strategy = tpu.Strategy(resolver, topology, _NumCells(p), p.model.num_replicas)
-    # The replicas are the strategy's; each places its cells by logical device.
-    p.model.Set(num_replicas=1, devices=None, logical_device_fn=tpu.AssignToLogicalDevice)
+    # The replicas are the strategy's. Within one, cell k's variables are created on logical
+    # device k, its ops run under core k's device scope, and the tensors crossing its boundary
+    # carry logical device k's sharding.
+    num_cells = _NumCells(p)
+    p.model.Set(num_replicas=1, devices=tpu.CoreDevices(num_cells),
+                logical_device_fn=tpu.AssignToLogicalDevice)
+    with open(os.path.join(logdir, 'params.txt'), 'w', encoding='utf-8') as f:
+        f.write(p.ToText())  # What runs: the replicas are now the strategy's.
     return program.StrategyProgram(p, logdir, strategy)
 
 
@@ -348,7 +360,7 @@ def _Where(prog) -> str:
     strategy = getattr(prog, 'strategy', None)
     if strategy is not None:
         return (f'R={strategy.num_replicas_in_sync} replicas x K={model.num_cells} logical '
-                f'TPU cores ({TpuAddress()})')
+                f'devices on the TPU {TpuAddress()}')
     replicas = f'R={len(model.mesh)} replicas x ' if len(model.mesh) > 1 else ''
     return (f'{replicas}K={len(model.devices)} cells on '
             f'{model.mesh if len(model.mesh) > 1 else model.devices}')

@@ -275,6 +275,19 @@ class TrainerReportTest(FakeSmiTest):
         self.assertEqual(rows['GPU:1'][-1],
                          f'DOES NOT FIT (short by {rows["GPU:1"][3]} MiB)')  # 0 MiB free.
 
+    def testNoReportForReplicasOrDevicesThatAreNotGpus(self):
+        from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
+        from gpipe_tf import trainer  # pylint: disable=g-import-not-at-top
+        from gpipe_tf.tasks import base_task  # pylint: disable=g-import-not-at-top
+        p = base_task.SyncInputShapes(model_registry.GetParams('examples.PipelinedMLP', 'Train'))
+        p.model.num_replicas = 2
+        self.assertEqual(trainer.GpuMemoryReport(p), 'No GPU memory report: the memory plan '
+                         'covers one pipeline, not 2 replicas.')
+        p.model.num_replicas = 1
+        p.model.devices = ['/device:CPU:0']
+        self.assertStartsWith(trainer.GpuMemoryReport(p),
+                              "No GPU memory report: '/device:CPU:0' is not a GPU device")
+
     def testNoPlanWithoutInputShapes(self):
         from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
         from gpipe_tf import trainer  # pylint: disable=g-import-not-at-top

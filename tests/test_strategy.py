@@ -16,15 +16,18 @@ from gpipe_tf.train import tpu
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 STEPS = 6
+CLIP = 0.25  # Below the gradient norms of both models' first steps.
 # One strategy for the process, as in the trainer: MirroredStrategy's collective all-reduces
 # of two strategies over the same devices share instance keys.
 STRATEGY = tf.distribute.MirroredStrategy(DEVICES[:2])
 
 
-def _TaskParams(logical: bool, batch_norm: bool = False):
-    p = model_registry.GetParams('examples.PipelinedMLP', 'Train')
+def _TaskParams(logical: bool, batch_norm: bool = False, model: str = 'examples.PipelinedMLP'):
+    p = model_registry.GetParams(model, 'Train')
     p.model.num_cells = 2  # A layer's initial weights depend on its cell: same K in both.
     p.model.num_micro_batches = 4
+    # Clipping is on, so the gradient the replicas combine must be the whole batch's before it.
+    p.train.clip_gradient_norm_to_value = CLIP
     if batch_norm:
         p.model.layer_tpl.insert(1, normalization.BatchNormLayer.Params().Set(name='bn', dim=64))
         p.model.partition_method = [0, 2, 5]  # The same cells in every run.
@@ -42,18 +45,33 @@ class StrategyProgramTest(tf.test.TestCase):
         self.addCleanup(shutil.rmtree, path, ignore_errors=True)
         return path
 
-    def Losses(self, prog, steps=STEPS):
+    def Metrics(self, prog, steps=STEPS):
         prog.Restore()
-        return [prog.Step()['loss'] for _ in range(steps)]
+        return [prog.Step() for _ in range(steps)]
+
+    def Losses(self, prog, steps=STEPS):
+        return [metrics['loss'] for metrics in self.Metrics(prog, steps)]
+
+    def AssertTrainsLikeOnePipeline(self, model):
+        reference = self.Metrics(program.EagerProgram(_TaskParams(False, model=model),
+                                                      self.LogDir()))
+        prog = program.StrategyProgram(_TaskParams(True, model=model), self.LogDir(), STRATEGY)
+        metrics = self.Metrics(prog)
+        self.assertEqual(prog.CurrentStep(), STEPS)
+        for name in ('loss', 'accuracy', 'grad_norm'):
+            self.assertAllClose([m[name] for m in metrics], [m[name] for m in reference],
+                                rtol=1e-5, msg=name)
+        # Clipping acted, and learning happened: not a run that changes nothing.
+        self.assertGreater(max(m["grad_norm"] for m in reference), CLIP)
+        self.assertLess(metrics[-1]['loss'], metrics[0]['loss'])
 
     def testReplicasOnLogicalDevicesTrainLikeOnePipeline(self):
-        reference = self.Losses(program.EagerProgram(_TaskParams(False), self.LogDir()))
-        prog = program.StrategyProgram(_TaskParams(True), self.LogDir(), STRATEGY)
-        losses = self.Losses(prog)
-        self.assertEqual(prog.CurrentStep(), STEPS)
-        self.assertAllClose(losses, reference, rtol=1e-5)
-        # Learning happened: this is not a run that changes nothing.
-        self.assertLess(losses[-1], losses[0])
+        self.AssertTrainsLikeOnePipeline('examples.PipelinedMLP')
+
+    def testTokenWeightedLossesTrainLikeOnePipeline(self):
+        # A language model's loss is a mean over tokens; the replicas' shards hold different
+        # numbers of them, so their gradients count by tokens, not equally.
+        self.AssertTrainsLikeOnePipeline('lm.TransformerLTiny')
 
     def testCheckpointResumesAndEvaluationAgreesWithOnePipeline(self):
         logdir = self.LogDir()
@@ -67,6 +85,9 @@ class StrategyProgramTest(tf.test.TestCase):
         self.assertAllClose(first + later, reference, rtol=1e-5)
         # The same checkpoint evaluated by one pipeline and by the two replicas.
         eval_input = model_registry.GetParams('examples.PipelinedMLP', 'Test').input
+        # 1000 examples: the last batch of 64 holds 40 (weights 1) and 24 of padding (weights
+        # 0), so its two replicas' shards weigh 32 and 8.
+        eval_input.num_examples_total = 1000
         resumed.Save()
         single = program.EagerProgram(_TaskParams(False), logdir)
         single.Restore(training=False)

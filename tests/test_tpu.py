@@ -4,7 +4,10 @@ tensor crossing cell k's boundary, its parameters and their gradients are assign
 device k, and the math is unchanged; device assignments of R replicas x K cores are checked
 against fake topologies; `Connect` fails clearly without a TPU."""
 
+import contextlib
 import re
+import types
+from unittest import mock
 
 import tensorflow as tf
 from absl.testing import parameterized
@@ -205,6 +208,34 @@ class LogicalDeviceTest(tf.test.TestCase, parameterized.TestCase):
         ref_outputs, ref_grads = test_utils.OutputsAndGrads(Reference, layer, x)
         self.assertLess(test_utils.MaxRelativeError(outputs, ref_outputs), 1e-5)
         self.assertLess(test_utils.MaxRelativeError(grads, ref_grads), 1e-5)
+
+    def testUnderATpuStrategyCellKsVariablesAreCreatedOnLogicalDeviceK(self):
+        # A TPUStrategy creates variables on the logical device whose
+        # `extended.experimental_logical_device` scope is open; a stand-in records which one.
+        open_scopes, created = [], {}
+
+        @contextlib.contextmanager
+        def LogicalDevice(k):
+            open_scopes.append(k)
+            try:
+                yield
+            finally:
+                open_scopes.pop()
+
+        def Creator(next_creator, **kwargs):
+            variable = next_creator(**kwargs)
+            created[variable.name] = open_scopes[-1] if open_scopes else None
+            return variable
+
+        strategy = types.SimpleNamespace(
+            extended=types.SimpleNamespace(experimental_logical_device=LogicalDevice))
+        with mock.patch.object(tf.distribute, 'get_strategy', return_value=strategy), \
+                tf.variable_creator_scope(Creator):
+            layer = _LogicalPipeline('always')
+        for k, cell in enumerate(layer.cells):
+            self.assertNotEmpty(cell.variables)
+            for variable in cell.variables:
+                self.assertEqual(created[variable.name], k, variable.name)
 
     def testTheAnnotationsReachXla(self):
         # The HLO that XLA compiles (here for the CPU; on a TPU, its partitioner places by

@@ -7,6 +7,7 @@ import re
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -396,7 +397,24 @@ class ErrorsTest(TrainerTestCase):
         port = cluster_lib.FreePorts(1)[0]
         self.AssertFailsWithoutTraceback(
             f'--tpu=grpc://127.0.0.1:{port}: no process accepts connections there',
-            f'--tpu=grpc://127.0.0.1:{port}')
+            f'--tpu=grpc://127.0.0.1:{port}', '--tpu_timeout_s=60')
+
+    def testTpuAddressThatAcceptsButNeverAnswers(self):
+        # A socket that accepts connections and says nothing: the initialization is abandoned
+        # after --tpu_timeout_s (or fails earlier if gRPC gives up on it first).
+        listener = socket.create_server(('127.0.0.1', 0))
+        self.addCleanup(listener.close)
+        port = listener.getsockname()[1]
+        result = Run(f'--model={MLP}', f'--logdir={self.LogDir()}', '--max_steps=1',
+                     f'--tpu=grpc://127.0.0.1:{port}', '--tpu_timeout_s=5', check=False)
+        self.assertEqual(result.returncode, 1, result.stderr[-2000:])
+        self.assertRegex(result.stderr, rf'error: --tpu=grpc://127.0.0.1:{port}: (the TPU did not '
+                                        r'initialize within 5 s|no usable TPU at )')
+        self.assertNotIn('Traceback', result.stderr)
+
+    def testTpuTakesItsCoresFromReplicasAndCells(self):
+        self.AssertFails(r'--tpu uses R x K TPU cores .*drop --num_devices', f'--model={MLP}',
+                         '--tpu=local', '--num_devices=4', '--mode=inspect_model')
 
     def testTpuAddressOfAServerWithoutATpu(self):
         spec = cluster_lib.LocalClusterSpec(1)
@@ -406,13 +424,13 @@ class ErrorsTest(TrainerTestCase):
             address = 'grpc://' + spec.split('=', 1)[1]
             self.AssertFailsWithoutTraceback(
                 f'--tpu={address}: no usable TPU at {address} (NotFoundError: TPUs not found',
-                f'--tpu={address}')
+                f'--tpu={address}', '--tpu_timeout_s=60')
         finally:
             cluster_lib.StopProcesses([server])
 
     def testRunLocallyTpuWithoutATpu(self):
         self.AssertFailsWithoutTraceback('--tpu=local: no usable TPU on this machine',
-                                         '--run_locally=tpu')
+                                         '--run_locally=tpu', '--tpu_timeout_s=60')
 
     def testTpuRunsTheTfFunctionPath(self):
         self.AssertFails(r'--tpu runs the tf_function path', f'--model={MLP}',

@@ -123,10 +123,12 @@ class PipeliningLayer(BaseLayer):
         p.Define('logical_device_fn', None,
                  'None, or a function (tensor, k) -> tensor assigning a tensor to logical device '
                  'k of the replica, for XLA model parallelism (TF2 TPU: '
-                 'tf.distribute.TPUStrategy.experimental_assign_to_logical_device). Cell k\'s '
-                 'parameters, inputs, outputs and gradients are assigned to logical device k; '
-                 'devices then defaults to "" (no device scope). Graph mode only (a tf.function '
-                 'or strategy.run); the replicas are the strategy\'s, so num_replicas stays 1.')
+                 'gpipe_tf.train.tpu.AssignToLogicalDevice). Cell k\'s parameters, inputs, '
+                 'outputs and gradients are assigned to logical device k, and under a '
+                 'TPUStrategy its variables are created there. Give devices too '
+                 '(tpu.CoreDevices(K) on a TPU) to place every op of the cell; they default to '
+                 '"" (no device scope). Graph mode only (a tf.function or strategy.run); the '
+                 'replicas are the strategy\'s, so num_replicas stays 1.')
         p.Define('round_robin', True,
                  'Whether stages share devices round-robin when there are fewer devices than K.')
         p.Define('recompute', 'always',
@@ -161,7 +163,7 @@ class PipeliningLayer(BaseLayer):
                             for i, lp in enumerate(p.before_tpl)]
         self._cells = []
         for k, layers in enumerate(cell_layers):
-            with tf.device(self._devices[k]):
+            with tf.device(self._devices[k]), self._LogicalDeviceScope(k):
                 self._cells.append(self.CreateChild(
                     f'cell_{k}', sequential.SequentialLayer.Params().Set(sub=layers)))
         self._replica_functions = [
@@ -359,6 +361,16 @@ class PipeliningLayer(BaseLayer):
                 for layer, stats in zip(self._functions[k].update_layers or [], cell_updates):
                     layer.AddUpdate(stats)
         return outputs
+
+    def _LogicalDeviceScope(self, k: int):
+        """Where cell k's variables are created: with logical_device_fn, under a strategy that
+        places variables by logical device (a TPUStrategy's
+        `extended.experimental_logical_device`), on logical device k; else no extra scope."""
+        if self.p.logical_device_fn is None:
+            return contextlib.nullcontext()
+        scope = getattr(tf.distribute.get_strategy().extended, 'experimental_logical_device',
+                        None)
+        return scope(k) if scope is not None else contextlib.nullcontext()
 
     def _LogicalDeviceFn(self):
         """`p.logical_device_fn`, checked to be usable here (it annotates graph tensors)."""

@@ -36,8 +36,14 @@ def _Done(tensors, device: str) -> list:
 
 
 def AssignNest(assign, cell: int, nest):
-    """Every tensor of `nest` assigned to logical device `cell` by `assign` (tensor, k) ->
-    tensor; `nest` itself when `assign` is None."""
+    """Every tensor of `nest` (None leaves stay None) assigned to logical device `cell`.
+
+    Args:
+      assign: a function (tensor, k) -> tensor (`PipeliningLayer.Params().logical_device_fn`),
+        or None, which returns `nest` itself.
+      cell: k, the logical device.
+      nest: tensors, IndexedSlices (made dense) or None, in any tf.nest structure.
+    """
     if assign is None:
         return nest
     # Sparse gradients (IndexedSlices) are made dense, as the gradient sums make them anyway.

@@ -16,7 +16,8 @@ def LocalDevices(run_locally: str, num_devices: int) -> list[str]:
         (TPU cores are a TPUStrategy's logical devices, see `gpipe_tf.train.tpu`).
 
     Raises:
-      ValueError: for an unknown kind or a bad count; RuntimeError: when the hardware is absent.
+      ValueError: for an unknown kind, a bad count, or 'tpu'; RuntimeError: when the GPUs are
+        absent.
     """
     if run_locally not in RUN_LOCALLY:
         raise ValueError(f'--run_locally must be one of {RUN_LOCALLY}, got {run_locally!r}.')

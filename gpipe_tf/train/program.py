@@ -123,14 +123,18 @@ class EagerProgram:
         """The dataset as the step takes it (a strategy's program splits it over replicas)."""
         return dataset
 
-    def _TrainStep(self, batch):
+    def _TrainMetrics(self, batch):
+        """One update; returns its metrics as (value, weight) pairs."""
         with tf.GradientTape() as tape:
             with fprop_context.Scope(training=True, step=self.global_step):
                 metrics = self.task.FPropTower(batch)
             _, metrics = update.Update(
                 self.task, self.optimizer, self.global_step, metrics,
                 lambda loss, variables: tape.gradient(loss, variables))
-        return {k: v[0] for k, v in metrics.items()}
+        return metrics
+
+    def _TrainStep(self, batch):
+        return {k: v[0] for k, v in self._TrainMetrics(batch).items()}
 
     def Step(self) -> dict:
         """Runs one training step; returns its metrics as floats."""
@@ -175,7 +179,8 @@ class EagerProgram:
 
 class StrategyProgram(EagerProgram):
     """Training in a `tf.function` run by a `tf.distribute.Strategy`: R replicas, each running
-    the whole pipeline on 1/R of every batch, their gradients averaged before the one update.
+    the whole pipeline on 1/R of every batch, their gradients combined into the whole batch's
+    (`update.GlobalBatchGradients`) before the one update; metrics are the whole batch's.
 
     The trainer's TPU path: a `TPUStrategy` whose replicas have K logical devices each, the
     pipeline's cells placed on them by `PipeliningLayer.Params().logical_device_fn`
@@ -184,6 +189,11 @@ class StrategyProgram(EagerProgram):
     """
 
     def __init__(self, task_params, logdir: str, strategy):
+        """Builds the task, optimizer and checkpoint under `strategy`'s scope.
+
+        Raises:
+          ValueError: if the batch does not split evenly over the strategy's replicas.
+        """
         replicas = strategy.num_replicas_in_sync
         batch = task_params.input.batch_size
         if batch % replicas:
@@ -204,24 +214,28 @@ class StrategyProgram(EagerProgram):
         with self.strategy.scope():
             return super().Step()
 
-    def _Reduce(self, op, value):
-        return self.strategy.reduce(op, value, axis=None)
+    def _WeightedMeans(self, fn, batch) -> dict:
+        """Per metric of `fn`'s (value, weight) metrics on every replica's shard: (the mean over
+        the replicas weighted by their weights, the total weight), in one `strategy.run`."""
+
+        def Replica(shard):
+            return {name: (tf.cast(value, tf.float32) * tf.cast(weight, tf.float32),
+                           tf.cast(weight, tf.float32))
+                    for name, (value, weight) in fn(shard).items()}
+
+        sums = self.strategy.run(Replica, args=(batch,))
+        means = {}
+        for name, (weighted, weight) in sums.items():
+            total = self.strategy.reduce(tf.distribute.ReduceOp.SUM, weight, axis=None)
+            weighted = self.strategy.reduce(tf.distribute.ReduceOp.SUM, weighted, axis=None)
+            means[name] = (tf.math.divide_no_nan(weighted, total), total)
+        return means
 
     def _TrainStep(self, batch):
-        metrics = self.strategy.run(super()._TrainStep, args=(batch,))
-        # Every replica's share is the same size, so the mean of their means is the batch's.
-        return {k: self._Reduce(tf.distribute.ReduceOp.MEAN, v) for k, v in metrics.items()}
+        return {k: v for k, (v, _) in self._WeightedMeans(self._TrainMetrics, batch).items()}
 
     def _EvalStep(self, batch):
-        metrics = self.strategy.run(super()._EvalStep, args=(batch,))
-        out = {}
-        for name, (value, weight) in metrics.items():
-            total = self._Reduce(tf.distribute.ReduceOp.SUM, weight)
-            weighted = self._Reduce(tf.distribute.ReduceOp.SUM, self.strategy.run(
-                lambda v, w: tf.cast(v, tf.float32) * tf.cast(w, tf.float32),
-                args=(value, weight)))
-            out[name] = (tf.math.divide_no_nan(weighted, tf.cast(total, tf.float32)), total)
-        return out
+        return self._WeightedMeans(super()._EvalStep, batch)
 
 
 class GraphProgram:

@@ -24,6 +24,7 @@ import urllib.parse
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.compiler.xla import xla_data_pb2  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.compiler.xla.experimental import xla_sharding  # pylint: disable=g-direct-tensorflow-import
 
 from gpipe_tf.train import cluster as cluster_lib
@@ -104,7 +105,7 @@ def FakeTopology(mesh_shape, num_tasks: int = 1):
 
 
 # ---- TF2: TPUStrategy with K logical devices per replica ---------------------------------------
-def ShardingAssign(tensor, logical_device: int):
+def ShardingAssign(tensor: tf.Tensor, logical_device: int) -> tf.Tensor:
     """`tensor` assigned to `logical_device` by an XLA sharding op: what
     `TPUStrategy.experimental_assign_to_logical_device` does, without a strategy (for tests, and
     graphs compiled by `tpu.rewrite`). On a CPU the op is an identity."""
@@ -118,13 +119,13 @@ def LogicalDeviceOf(op) -> int | None:
         proto = op.get_attr('_XlaSharding')
     except ValueError:
         return None
-    sharding = xla_sharding.xla_data_pb2.OpSharding.FromString(proto)
-    if sharding.type != xla_sharding.xla_data_pb2.OpSharding.MAXIMAL:
+    sharding = xla_data_pb2.OpSharding.FromString(proto)
+    if sharding.type != xla_data_pb2.OpSharding.MAXIMAL:
         return None
     return int(sharding.tile_assignment_devices[0])
 
 
-def AssignToLogicalDevice(tensor, logical_device: int):
+def AssignToLogicalDevice(tensor: tf.Tensor, logical_device: int) -> tf.Tensor:
     """The pipeline's `logical_device_fn` on a TPU: `tensor` assigned to logical device
     `logical_device` of the replica running it, by the TPUStrategy in scope
     (`experimental_assign_to_logical_device`). A module-level function, so Params keep their
@@ -206,8 +207,15 @@ def Connect(address: str, timeout_s: float = 600.0):
     return outcome[0]
 
 
-def Strategy(resolver, topology, num_cells: int, num_replicas: int = 1):
+def Strategy(resolver, topology, num_cells: int,
+             num_replicas: int = 1) -> tf.distribute.TPUStrategy:
     """A TPUStrategy of R replicas, each on K logical devices (one per pipeline stage).
+
+    Args:
+      resolver: the TPUClusterResolver `Connect` returned.
+      topology: the TPU's tf.tpu.experimental.Topology (`Connect`).
+      num_cells: K, the logical devices (one TPU core each) of a replica.
+      num_replicas: R.
 
     Raises:
       ValueError: if R x K cores do not fit the topology (see `BuildDeviceAssignment`).

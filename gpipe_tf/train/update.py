@@ -1,8 +1,9 @@
 """One synchronous update from a task's loss: regularisation, gradients, clipping, apply.
 
-Shared by the two training programs (`tf.function` and v1 graph). The pipeline's gradients are
-the sum over its micro-batches (PipeliningLayer's custom gradient), so this applies the one
-update per mini-batch that GPipe prescribes.
+Shared by the training programs (`tf.function`, v1 graph, and a tf.distribute strategy's
+replicas). The pipeline's gradients are the sum over its micro-batches (PipeliningLayer's custom
+gradient), so this applies the one update per mini-batch that GPipe prescribes; under a strategy
+the replicas' gradients are first combined into the whole batch's (`GlobalBatchGradients`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,30 @@ def ClipGradients(grads: list, clip_norm: float) -> tuple[list, tf.Tensor]:
     return grads, norm
 
 
+def _Scale(grad, factor):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices,
+                                grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)
+
+
+def GlobalBatchGradients(grads: list, weight, replica_context) -> list:
+    """Under a tf.distribute strategy: the gradient of the whole batch's loss, the same on every
+    replica.
+
+    Each replica's loss is the weighted mean over its shard (weights: examples, or tokens of a
+    sequence model, so shards may weigh differently); the batch's loss is the mean weighted by
+    the shards' total weights. So each replica's gradient is scaled by its share of the total
+    weight, and the scaled gradients are summed over replicas. (A loss term that is the same on
+    every replica, like weight decay, keeps its gradient: the shares sum to 1.)
+    """
+    weight = tf.cast(weight, tf.float32)
+    share = tf.math.divide_no_nan(
+        weight, replica_context.all_reduce(tf.distribute.ReduceOp.SUM, weight))
+    return replica_context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                      [_Scale(g, share) for g in grads])
+
+
 def Update(task, optimizer, global_step: tf.Variable, metrics: NestedMap, grads_fn):
     """Builds the update; returns (train_op or None in eager, metrics with `total_loss`,
     `grad_norm` added).
@@ -38,22 +63,20 @@ def Update(task, optimizer, global_step: tf.Variable, metrics: NestedMap, grads_
     loss, weight = metrics.loss
     total_loss = loss + task.RegularizationLoss()
     grads = grads_fn(total_loss, variables)
-    replica_context = tf.distribute.get_replica_context()
-    replicas = replica_context.num_replicas_in_sync if replica_context else 1
-    if replicas > 1:
-        # Under a strategy, clip and report the mean of the replicas' gradients, the gradient
-        # of the global batch (each replica's loss is its shard's mean).
-        grads = replica_context.all_reduce(tf.distribute.ReduceOp.MEAN, grads)
     missing = [v.name for v, g in zip(variables, grads) if g is None]
     if missing:
         raise ValueError(f'The loss does not depend on trainable variables {missing[:5]}'
                          f'{" ..." if len(missing) > 5 else ""}; every trainable variable needs '
                          'a gradient.')
+    replica_context = tf.distribute.get_replica_context()
+    replicas = replica_context.num_replicas_in_sync if replica_context else 1
+    if replicas > 1:
+        grads = GlobalBatchGradients(grads, weight, replica_context)
     grads, norm = ClipGradients(grads, task.p.train.clip_gradient_norm_to_value)
     if replicas > 1:
-        # v1 optimizers sum the replicas' gradients in apply_gradients: each hands 1/R.
-        grads = [tf.IndexedSlices(g.values / replicas, g.indices, g.dense_shape)
-                 if isinstance(g, tf.IndexedSlices) else g / replicas for g in grads]
+        # v1 optimizers sum the replicas' gradients in apply_gradients (a second all-reduce,
+        # of equal values: clipping needs the global gradient first), so each hands 1/R.
+        grads = [_Scale(g, 1.0 / replicas) for g in grads]
     train_op = optimizer.apply_gradients(zip(grads, variables), global_step=global_step)
     out = NestedMap(metrics)
     out.total_loss = (total_loss, weight)
