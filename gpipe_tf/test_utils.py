@@ -6,7 +6,9 @@ import numpy as np
 import tensorflow as tf
 
 from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import basic
 from gpipe_tf.layers import fprop_context
+from gpipe_tf.layers import normalization
 from gpipe_tf.layers import recompute
 
 # Tests split the CPU into this many logical devices, enough for K = 8 cells.
@@ -81,6 +83,20 @@ def PeakBytesOf(run) -> int:
     peak = tf.config.experimental.get_memory_info('CPU:0')['peak']
     del result
     return peak - before
+
+
+def BatchNormStack(num_blocks: int, dim: int) -> list:
+    """Layer Params of `num_blocks` blocks of dense (no bias), batch norm (decay 0.9), tanh.
+
+    No bias before batch norm, and a nonlinearity after it: otherwise some gradients are exactly
+    zero in theory and only rounding noise in practice.
+    """
+    layers = []
+    for _ in range(num_blocks):
+        layers += [basic.DenseLayer.Params().Set(input_dim=dim, output_dim=dim, has_bias=False),
+                   normalization.BatchNormLayer.Params().Set(dim=dim, decay=0.9),
+                   basic.ActivationLayer.Params().Set(activation='tanh')]
+    return layers
 
 
 def SquareLoss(outputs) -> tf.Tensor:

@@ -299,6 +299,15 @@ def GpuMemoryReport(p) -> str:
             'each GPU.')
 
 
+def WriteParams(text: str, logdir: str) -> str:
+    """Writes Params `text` to `<logdir>/params.txt` (creating logdir); returns the path."""
+    os.makedirs(logdir, exist_ok=True)
+    path = os.path.join(logdir, 'params.txt')
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write(text)
+    return path
+
+
 def _Logdir() -> str:
     return FLAGS.logdir or os.path.join('/tmp/gpipe_tf', FLAGS.model)
 
@@ -341,16 +350,15 @@ def _TpuProgram(p, logdir, address: str):
     variables and ops on logical device k. Raises tpu.TpuError when there is no usable TPU."""
     from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import tpu  # pylint: disable=g-import-not-at-top
+    num_cells = _NumCells(p)
     resolver, topology = tpu.Connect(address, FLAGS.tpu_timeout_s)
-    strategy = tpu.Strategy(resolver, topology, _NumCells(p), p.model.num_replicas)
+    strategy = tpu.Strategy(resolver, topology, num_cells, p.model.num_replicas)
     # The replicas are the strategy's. Within one, cell k's variables are created on logical
     # device k, its ops run under core k's device scope, and the tensors crossing its boundary
     # carry logical device k's sharding.
-    num_cells = _NumCells(p)
     p.model.Set(num_replicas=1, devices=tpu.CoreDevices(num_cells),
                 logical_device_fn=tpu.AssignToLogicalDevice)
-    with open(os.path.join(logdir, 'params.txt'), 'w', encoding='utf-8') as f:
-        f.write(p.ToText())  # What runs: the replicas are now the strategy's.
+    WriteParams(p.ToText(), logdir)  # What runs: the replicas are now the strategy's.
     return program.StrategyProgram(p, logdir, strategy)
 
 
@@ -463,21 +471,17 @@ def main(argv):
     logdir = _Logdir()
     if FLAGS.mode == 'inspect_params':
         text = p.ToText()
-        os.makedirs(logdir, exist_ok=True)
-        with open(os.path.join(logdir, 'params.txt'), 'w', encoding='utf-8') as f:
-            f.write(text)
+        path = WriteParams(text, logdir)
         print(text, end='')
-        print(f'# written to {os.path.join(logdir, "params.txt")}', file=sys.stderr)
+        print(f'# written to {path}', file=sys.stderr)
         return
     _SetUpDevices(p, plan_only=FLAGS.mode == 'inspect_model')
-    if FLAGS.run_locally == 'gpu' and Cluster() is None and TpuAddress() is None:
+    if FLAGS.run_locally == 'gpu' and Cluster() is None:  # (--tpu refuses gpu above.)
         print(GpuMemoryReport(p), flush=True)
     if FLAGS.mode == 'inspect_model':
         RunInspectModel(p, FLAGS.model)
         return
-    os.makedirs(logdir, exist_ok=True)
-    with open(os.path.join(logdir, 'params.txt'), 'w', encoding='utf-8') as f:
-        f.write(p.ToText())
+    WriteParams(p.ToText(), logdir)
     if FLAGS.mode in ('train', 'train_and_eval'):
         RunTrain(p, logdir, with_eval=FLAGS.mode == 'train_and_eval')
     elif FLAGS.mode == 'eval':

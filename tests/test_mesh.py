@@ -97,13 +97,7 @@ class DataParallelTest(tf.test.TestCase, parameterized.TestCase):
                         TOLERANCE)
 
     def testBatchNormMovingStatisticsCombineEveryReplica(self):
-        layers = []
-        for _ in range(2):
-            layers += [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM,
-                                                     has_bias=False),
-                       normalization.BatchNormLayer.Params().Set(dim=DIM, decay=0.9),
-                       basic.ActivationLayer.Params().Set(activation='tanh')]
-        layer = _Layer(m=2, layers=layers)
+        layer = _Layer(m=2, layers=test_utils.BatchNormStack(2, DIM))
         x = _Inputs() * 3.0 + 1.0
         bn = [l for l in layer.Layers() if isinstance(l, normalization.BatchNormLayer)]
         # Training uses each (replica, micro-batch) chunk's statistics: R x M = 4 chunks in order.

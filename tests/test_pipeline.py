@@ -236,15 +236,8 @@ class BatchNormTest(tf.test.TestCase, parameterized.TestCase):
     step from all M micro-batches, equal to a full-batch update."""
 
     def _Layer(self, mode, num_micro_batches):
-        # No bias before batch norm, and a nonlinearity after it: otherwise some gradients are
-        # exactly zero in theory and only rounding noise in practice.
-        layers = []
-        for _ in range(3):
-            layers += [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM,
-                                                     has_bias=False),
-                       normalization.BatchNormLayer.Params().Set(dim=DIM, decay=0.9),
-                       basic.ActivationLayer.Params().Set(activation='tanh')]
-        return PipelineParams(3, num_micro_batches, mode, layers=layers).Instantiate()
+        return PipelineParams(3, num_micro_batches, mode,
+                              layers=test_utils.BatchNormStack(3, DIM)).Instantiate()
 
     def _ExpectedMovingStats(self, layer, x, num_micro_batches):
         """Moving statistics after one full-batch update from the inputs each BN layer saw."""

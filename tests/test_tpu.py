@@ -23,6 +23,15 @@ test_utils.ConfigureVirtualCpus()
 K, DIM, BATCH = 3, 8, 8
 
 
+def _Pipeline(recompute, num_micro_batches=2, **params):
+    """K cells of 6 dense tanh layers over M micro-batches, with `params` set."""
+    layers = [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM, activation='tanh')
+              for _ in range(6)]
+    return pipeline.PipeliningLayer.Params().Set(
+        name='pipe', layer_tpl=layers, num_cells=K, num_micro_batches=num_micro_batches,
+        recompute=recompute, input_shapes=[BATCH, DIM], **params).Instantiate()
+
+
 def _FunctionNodes(library, name, seen):
     if name in seen or name not in library:
         return []
@@ -48,12 +57,7 @@ class CoreDevicesTest(tf.test.TestCase, parameterized.TestCase):
     def testEveryOpOfCellKIsOnCoreK(self, recompute):
         graph = tf.Graph()
         with graph.as_default():
-            layers = [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM,
-                                                    activation='tanh') for _ in range(6)]
-            layer = pipeline.PipeliningLayer.Params().Set(
-                name='pipe', layer_tpl=layers, num_cells=K, num_micro_batches=2,
-                recompute=recompute, input_shapes=[BATCH, DIM],
-                devices=tpu.CoreDevices(K)).Instantiate()
+            layer = _Pipeline(recompute, devices=tpu.CoreDevices(K))
 
             def Step(x):
                 loss = test_utils.SquareLoss(layer(x))
@@ -126,12 +130,8 @@ class DeviceAssignmentTest(tf.test.TestCase, parameterized.TestCase):
 
 
 def _LogicalPipeline(recompute, logical_device_fn=tpu.ShardingAssign, num_micro_batches=2):
-    layers = [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM, activation='tanh')
-              for _ in range(6)]
-    return pipeline.PipeliningLayer.Params().Set(
-        name='pipe', layer_tpl=layers, num_cells=K, num_micro_batches=num_micro_batches,
-        recompute=recompute, input_shapes=[BATCH, DIM],
-        logical_device_fn=logical_device_fn).Instantiate()
+    return _Pipeline(recompute, num_micro_batches=num_micro_batches,
+                     logical_device_fn=logical_device_fn)
 
 
 def _TrainStep(layer):

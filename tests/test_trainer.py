@@ -385,13 +385,18 @@ class ErrorsTest(TrainerTestCase):
         self.AssertFails(r'--run_locally=gpu: TensorFlow sees no GPU', f'--model={MLP}',
                          '--run_locally=gpu', '--mode=inspect_model')
 
-    def AssertFailsWithoutTraceback(self, message, *flags):
+    def FailsWithoutTraceback(self, *flags) -> str:
+        """Trains with `flags`, which must end in exit status 1 before any step and without a
+        traceback; returns stderr."""
         result = Run(f'--model={MLP}', f'--logdir={self.LogDir()}', '--max_steps=1', *flags,
                      check=False)
         self.assertEqual(result.returncode, 1, result.stderr[-2000:])
-        self.assertIn(f'error: {message}', result.stderr)
         self.assertNotIn('Traceback', result.stderr)
         self.assertNotIn('step', result.stdout)
+        return result.stderr
+
+    def AssertFailsWithoutTraceback(self, message, *flags):
+        self.assertIn(f'error: {message}', self.FailsWithoutTraceback(*flags))
 
     def testTpuAddressWhereNothingListens(self):
         port = cluster_lib.FreePorts(1)[0]
@@ -405,12 +410,9 @@ class ErrorsTest(TrainerTestCase):
         listener = socket.create_server(('127.0.0.1', 0))
         self.addCleanup(listener.close)
         port = listener.getsockname()[1]
-        result = Run(f'--model={MLP}', f'--logdir={self.LogDir()}', '--max_steps=1',
-                     f'--tpu=grpc://127.0.0.1:{port}', '--tpu_timeout_s=5', check=False)
-        self.assertEqual(result.returncode, 1, result.stderr[-2000:])
-        self.assertRegex(result.stderr, rf'error: --tpu=grpc://127.0.0.1:{port}: (the TPU did not '
-                                        r'initialize within 5 s|no usable TPU at )')
-        self.assertNotIn('Traceback', result.stderr)
+        stderr = self.FailsWithoutTraceback(f'--tpu=grpc://127.0.0.1:{port}', '--tpu_timeout_s=5')
+        self.assertRegex(stderr, rf'error: --tpu=grpc://127.0.0.1:{port}: (the TPU did not '
+                                 r'initialize within 5 s|no usable TPU at )')
 
     def testTpuTakesItsCoresFromReplicasAndCells(self):
         self.AssertFails(r'--tpu uses R x K TPU cores .*drop --num_devices', f'--model={MLP}',

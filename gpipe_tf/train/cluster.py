@@ -128,36 +128,62 @@ def ConnectProblem(address: str, timeout_s: float) -> str | None:
         return f'no process accepts connections there ({error.strerror or error})'
 
 
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What a call run by `CallWithin` did: returned `value`, or raised `error`."""
+    value: object = None
+    error: Exception | None = None
+
+
+def CallWithin(fn, timeout_s: float) -> Outcome | None:
+    """`fn()` in a daemon thread abandoned after `timeout_s`: its Outcome, or None when it did
+    not finish (a call into a stopped process, or into something that is no TF server, can
+    wait forever)."""
+    outcomes = []
+
+    def Call():
+        try:
+            outcomes.append(Outcome(value=fn()))
+        except Exception as error:  # pylint: disable=broad-except
+            outcomes.append(Outcome(error=error))
+
+    thread = threading.Thread(target=Call, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return outcomes[0] if outcomes else None
+
+
+def FirstLine(error: Exception) -> str:
+    """The first line of a TensorFlow error's message that says something ('' if none)."""
+    lines = [l.strip() for l in str(getattr(error, 'message', error)).splitlines()
+             if any(c.isalpha() for c in l) and not l.startswith('Graph execution error')]
+    return lines[0] if lines else ''
+
+
 _SILENT = 'it accepts connections but does not answer within {:g} s (stopped or hung?)'
 
 
 def _Responds(address: str, device: str, timeout_s: float) -> str | None:
     """Runs a constant on `device` through the task's own master, in a thread abandoned after
     `timeout_s` (a stopped process accepts TCP connections but never answers)."""
-    outcome = []
 
     def Probe():
-        try:
-            graph = tf.Graph()
-            with graph.as_default(), tf.device(device):
-                value = tf.constant(1.0) + 1.0
-            config = SessionConfig(timeout_s)
-            # Only this task: a master otherwise asks every task for its devices, and would
-            # wait on another unreachable one.
-            config.device_filters.append(device.rsplit('/device:', 1)[0])
-            with tf.compat.v1.Session(f'grpc://{address}', graph=graph,
-                                      config=config) as session:
-                session.run(value)
-            outcome.append(None)
-        except tf.errors.DeadlineExceededError:
-            outcome.append(_SILENT.format(timeout_s))
-        except Exception as error:  # pylint: disable=broad-except
-            outcome.append(f'it fails a probe ({type(error).__name__})')
+        graph = tf.Graph()
+        with graph.as_default(), tf.device(device):
+            value = tf.constant(1.0) + 1.0
+        config = SessionConfig(timeout_s)
+        # Only this task: a master otherwise asks every task for its devices, and would wait
+        # on another unreachable one.
+        config.device_filters.append(device.rsplit('/device:', 1)[0])
+        with tf.compat.v1.Session(f'grpc://{address}', graph=graph, config=config) as session:
+            session.run(value)
 
-    thread = threading.Thread(target=Probe, daemon=True)
-    thread.start()
-    thread.join(timeout_s + 1.0)
-    return outcome[0] if outcome else _SILENT.format(timeout_s)
+    outcome = CallWithin(Probe, timeout_s + 1.0)
+    if outcome is None or isinstance(outcome.error, tf.errors.DeadlineExceededError):
+        return _SILENT.format(timeout_s)
+    if outcome.error is not None:
+        return f'it fails a probe ({type(outcome.error).__name__})'
+    return None
 
 
 def Diagnose(cluster: tf.train.ClusterSpec, job: str = DEFAULT_JOB,
@@ -176,9 +202,8 @@ def UnreachableError(cluster: tf.train.ClusterSpec, error: Exception, job: str =
                      probe_timeout_s: float = 5.0) -> ClusterError:
     """A ClusterError naming the unreachable tasks behind a failed Session.run."""
     bad = [s for s in Diagnose(cluster, job, probe_timeout_s) if s.problem]
-    lines = [l.strip() for l in str(getattr(error, 'message', error)).splitlines()
-             if any(c.isalpha() for c in l) and not l.startswith('Graph execution error')]
-    what = f'{type(error).__name__}' + (f' ({lines[0][:200]})' if lines else '')
+    line = FirstLine(error)
+    what = f'{type(error).__name__}' + (f' ({line[:200]})' if line else '')
     if not bad:
         return ClusterError(f'A step failed on the cluster ({what}), but every task of job '
                             f'{job!r} answers now; see the workers\' logs.')

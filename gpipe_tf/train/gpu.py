@@ -30,6 +30,7 @@ from gpipe_tf.perf import memory as memory_lib
 
 QUERY_COLUMNS = ('index', 'uuid', 'name', 'memory.free', 'memory.total')
 _MIB = 2**20
+_MiB = memory_lib.FormatMiB  # The memory plan's MiB format.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,10 +296,6 @@ def Report(plan: memory_lib.MemoryPlan, stage_devices: Sequence[str],
 def _GpuLabel(position: int, gpu: GpuMemory) -> str:
     """TF's GPU:i, with nvidia-smi's index when CUDA_VISIBLE_DEVICES makes them differ."""
     return f'GPU:{position}' + ('' if gpu.index == position else f' (nvidia-smi {gpu.index})')
-
-
-def _MiB(n: int) -> str:
-    return f'{n / _MIB:.1f}'
 
 
 def _Table(rows: list[tuple[str, ...]]) -> list[str]:

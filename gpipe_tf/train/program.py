@@ -326,12 +326,10 @@ class GraphProgram:
     def TracedStep(self) -> tuple[dict, StepTrace]:
         """Runs `Step()` with a full trace (`RunOptions.FULL_TRACE`), which times the ops
         without changing what they compute."""
-        run_metadata = tf.compat.v1.RunMetadata()
         with self._Guard():
-            metrics, _ = self.session.run(
-            [self._metrics, self._train_op], run_metadata=run_metadata,
-                options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
-        return _Floats(metrics), StepTrace(events=trace.EventsFromRunMetadata(run_metadata))
+            (metrics, _), events = trace.TraceSessionRun(
+                self.session, [self._metrics, self._train_op])
+        return _Floats(metrics), StepTrace(events=events)
 
     def Evaluate(self, input_params) -> dict:
         with self._Guard():

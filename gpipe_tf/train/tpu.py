@@ -19,7 +19,6 @@ arithmetic against a fake topology. Running needs one.
 from __future__ import annotations
 
 import itertools
-import threading
 import urllib.parse
 
 import numpy as np
@@ -154,11 +153,6 @@ def _HostPort(address: str) -> str | None:
     return f'{parsed.hostname}:{parsed.port}'
 
 
-def _FirstLine(error: Exception) -> str:
-    text = str(getattr(error, 'message', error)).strip()
-    return f'{type(error).__name__}: {text.splitlines()[0][:300] if text else ""}'
-
-
 def Connect(address: str, timeout_s: float = 600.0):
     """Connects to the TPU at `address` and initializes it.
 
@@ -182,29 +176,24 @@ def Connect(address: str, timeout_s: float = 600.0):
         if problem:
             raise TpuError(f'--tpu={address}: {problem}. Is the TPU worker running at that '
                            'address (port 8470 on a TPU node)?')
-    outcome = []
 
     def Initialize():
-        try:
-            resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address)
-            tf.config.experimental_connect_to_cluster(resolver)
-            outcome.append((resolver, tf.tpu.experimental.initialize_tpu_system(resolver)))
-        except Exception as error:  # pylint: disable=broad-except
-            outcome.append(error)
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address)
+        tf.config.experimental_connect_to_cluster(resolver)
+        return resolver, tf.tpu.experimental.initialize_tpu_system(resolver)
 
     # Initialization can wait forever on an address that accepts connections but is no TPU
     # worker; the thread is abandoned after the timeout.
-    thread = threading.Thread(target=Initialize, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if not outcome:
+    outcome = cluster_lib.CallWithin(Initialize, timeout_s)
+    if outcome is None:
         raise TpuError(f'--tpu={address}: the TPU did not initialize within {timeout_s:g} s.')
-    if isinstance(outcome[0], Exception):
+    if outcome.error is not None:
+        error = outcome.error
         where = 'on this machine' if address == 'local' else f'at {address}'
-        raise TpuError(f'--tpu={address}: no usable TPU {where} ({_FirstLine(outcome[0])}). '
-                       'On a Cloud TPU VM use --tpu=local; for a TPU node give its name or '
-                       'grpc://<ip>:8470.')
-    return outcome[0]
+        raise TpuError(f'--tpu={address}: no usable TPU {where} ({type(error).__name__}: '
+                       f'{cluster_lib.FirstLine(error)[:300]}). On a Cloud TPU VM use '
+                       '--tpu=local; for a TPU node give its name or grpc://<ip>:8470.')
+    return outcome.value
 
 
 def Strategy(resolver, topology, num_cells: int,
