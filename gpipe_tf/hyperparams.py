@@ -8,6 +8,10 @@ Text form (Lingvo's): one `dotted.name : value` per line. Values are written as 
 (`1`, `0.5`, `'abc'`, `True`, `None`, `[1, 2]`, `{'a': 1}`), TF dtypes by their name (`float32`),
 classes as `type/module/Name` and module-level functions as `callable/module/name`. Params nested
 in Params or in lists are flattened: `cell_tpl[0].name : 'dense'`.
+
+Reading text never runs code that the text names: `type/`/`callable/` values resolve only to
+classes and functions of the gpipe_tf package itself (see `_ResolveName`), and a value that a
+param's `check` refuses is an error naming the param (`Integer`, `Number`, `OrNone`).
 """
 
 from __future__ import annotations
@@ -16,9 +20,15 @@ import ast
 import copy
 import difflib
 import importlib
+import importlib.util
 import inspect
+import math
+import numbers
+import operator
+import os
 import re
-from typing import Any, Iterator
+import sys
+from typing import Any, Callable, Iterator
 
 import tensorflow as tf
 
@@ -27,15 +37,71 @@ _NAME_RE = re.compile(r'^[a-z_][a-z0-9_]*$')
 _KEY_RE = re.compile(r'^[a-z_][a-z0-9_]*(\[\d+\])*(\.[a-z_][a-z0-9_]*(\[\d+\])*)*$')
 
 
+class Check:
+    """A condition a param's value must meet whenever it is set (see `Params.Define`).
+
+    Args:
+        predicate: value -> bool, True for an acceptable value.
+        expected: the condition in words, completing "<name> must be ...": 'an integer >= 1'.
+    """
+
+    def __init__(self, predicate: Callable[[Any], bool], expected: str):
+        self._predicate = predicate
+        self.expected = expected
+
+    def Accepts(self, value: Any) -> bool:
+        return bool(self._predicate(value))
+
+    def Enforce(self, name: str, value: Any) -> None:
+        """Raises ValueError naming `name` unless `value` meets the condition."""
+        if not self.Accepts(value):
+            raise ValueError(f'{name} must be {self.expected}, got {value!r}.')
+
+    def __repr__(self) -> str:
+        return f'Check({self.expected!r})'
+
+
+def Integer(at_least: int) -> Check:
+    """An int (not a bool) >= `at_least`: a count, a number of steps."""
+    return Check(lambda v: (isinstance(v, numbers.Integral) and not isinstance(v, bool) and
+                            v >= at_least),
+                 'a positive integer' if at_least == 1 else f'an integer >= {at_least}')
+
+
+def Number(greater_than: float | None = None, at_least: float | None = None,
+           less_than: float | None = None, at_most: float | None = None) -> Check:
+    """A finite real number (not a bool) within the bounds given: a rate, a coefficient.
+
+    `Number(greater_than=0)` is 'a finite number > 0'; `Number(at_least=0, less_than=1)`
+    'a finite number >= 0 and < 1'. NaN and infinities never pass: they are never meant.
+    """
+    bounds = [(bound, word, test) for bound, word, test in (
+        (greater_than, '>', operator.gt), (at_least, '>=', operator.ge),
+        (less_than, '<', operator.lt), (at_most, '<=', operator.le)) if bound is not None]
+
+    def Predicate(v) -> bool:
+        return (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+                and all(test(v, bound) for bound, _, test in bounds))
+
+    words = ' and '.join(f'{word} {bound!r}' for bound, word, _ in bounds)
+    return Check(Predicate, 'a finite number' + (f' {words}' if words else ''))
+
+
+def OrNone(check: Check) -> Check:
+    """`check`, or None (a param whose None means "not set" or "derive it")."""
+    return Check(lambda v: v is None or check.Accepts(v), f'None or {check.expected}')
+
+
 class _Param:
-    """One named value with its description."""
+    """One named value with its description and the check its values must pass."""
 
-    __slots__ = ('name', 'value', 'description')
+    __slots__ = ('name', 'value', 'description', 'check')
 
-    def __init__(self, name: str, value: Any, description: str):
+    def __init__(self, name: str, value: Any, description: str, check: Check | None = None):
         self.name = name
         self.value = value
         self.description = description
+        self.check = check
 
 
 def _ClosestNames(name: str, candidates) -> str:
@@ -57,11 +123,20 @@ class Params:
         object.__setattr__(self, '_frozen', False)
 
     # ---- definition and access -------------------------------------------------------------------
-    def Define(self, name: str, default: Any, description: str) -> None:
+    def Define(self, name: str, default: Any, description: str,
+               check: Check | None = None) -> None:
         """Defines a new parameter.
 
+        Args:
+            name: the param's name.
+            default: its initial value (deep-copied).
+            description: one line saying what it is.
+            check: a condition every value of it must meet (`Integer(at_least=1)`,
+                `Number(greater_than=0)`, ...), enforced on the default and whenever the value
+                is set (assignment, `Set`, `FromText`), and kept by `Copy`.
+
         Raises:
-            ValueError: if the name is malformed.
+            ValueError: if the name is malformed or the default fails `check`.
             AttributeError: if the name is already defined.
             TypeError: if these Params are frozen.
         """
@@ -70,7 +145,9 @@ class Params:
             raise ValueError(f'Param name {name!r} is malformed: expected ^[a-z_][a-z0-9_]*$.')
         if name in self._params:
             raise AttributeError(f'Param {name!r} is already defined.')
-        self._params[name] = _Param(name, copy.deepcopy(default), description)
+        if check is not None:
+            check.Enforce(f'The default of {name}', default)
+        self._params[name] = _Param(name, copy.deepcopy(default), description, check)
 
     def _CheckNotFrozen(self, name: str) -> None:
         if self._frozen:
@@ -90,8 +167,15 @@ class Params:
         return self._Lookup(name).value
 
     def __setattr__(self, name: str, value: Any) -> None:
+        self._SetValue(name, value, name)
+
+    def _SetValue(self, name: str, value: Any, path: str) -> None:
+        """Sets param `name` to `value`; `path` is its dotted name for messages."""
         self._CheckNotFrozen(name)
-        self._Lookup(name).value = value
+        param = self._Lookup(name)
+        if param.check is not None:
+            param.check.Enforce(path, value)
+        param.value = value
 
     def __contains__(self, name: str) -> bool:
         return name in self._params
@@ -111,7 +195,7 @@ class Params:
         """Sets values; keys may be dotted (`p.Set(**{'a.b': 1})`). Returns self."""
         for dotted_name, value in kwargs.items():
             parent, leaf = self._Resolve(dotted_name)
-            setattr(parent, leaf, value)
+            parent._SetValue(leaf, value, dotted_name)
         return self
 
     def _Resolve(self, dotted_name: str) -> tuple['Params', str]:
@@ -138,7 +222,8 @@ class Params:
         object.__setattr__(other, '_params', {})
         object.__setattr__(other, '_frozen', False)
         for name, param in self._params.items():
-            other._params[name] = _Param(name, _CopyValue(param.value), param.description)
+            other._params[name] = _Param(name, _CopyValue(param.value), param.description,
+                                         param.check)
         return other
 
     def Freeze(self) -> 'Params':
@@ -251,7 +336,7 @@ class Params:
         elif not isinstance(node, Params):
             raise AttributeError(f'{key!r}: {last!r} is not inside Params.')
         else:
-            setattr(node, last, value)
+            node._SetValue(last, value, key)
 
     def TextDiff(self, other: 'Params') -> str:
         """A unified-diff-like listing of lines that differ: `- ours` / `+ theirs`."""
@@ -325,6 +410,8 @@ def _ValuesEqual(a, b) -> bool:
 def _ValueToText(value) -> str:
     if isinstance(value, tf.DType):
         return value.name
+    # Any module-level class or function is written, so that a dump documents Params holding
+    # one of the user's; reading back resolves only the gpipe_tf package's (`_ResolveName`).
     if isinstance(value, type):
         return f'type/{value.__module__}/{_ImportableName(value)}'
     if inspect.isfunction(value) or inspect.isbuiltin(value):
@@ -375,14 +462,100 @@ def _DottedName(node) -> str | None:
     return None
 
 
-def _ImportSymbol(kind: str, module: str, qualname: str) -> Any:
-    obj = importlib.import_module(module)
-    for part in qualname.split('.'):
-        obj = getattr(obj, part)
+# The package whose classes and functions Params text may name.
+_PACKAGE = 'gpipe_tf'
+_PACKAGE_MODULE_RE = re.compile(rf'^{_PACKAGE}(\.[A-Za-z_][A-Za-z0-9_]*)*$')
+_ATTRIBUTE_RE = re.compile(r'^[A-Za-z_][A-Za-z0-9_]*$')
+
+
+def _NotAllowed(value_text: str) -> ValueError:
+    return ValueError(f'{value_text} is not allowed in Params text: only classes and functions '
+                      f'of the {_PACKAGE} package can be named (type/{_PACKAGE}.<module>/<Class>, '
+                      f'callable/{_PACKAGE}.<module>/<function>).')
+
+
+def _PackageDir() -> str:
+    return os.path.dirname(os.path.realpath(sys.modules[_PACKAGE].__file__))
+
+
+def _InPackageDir(path: str | None) -> bool:
+    if not path:
+        return False
+    root, path = _PackageDir(), os.path.realpath(path)
+    return os.path.commonpath([root, path]) == root
+
+
+# Modules of the package, by name, once checked to be its files and imported.
+_PACKAGE_MODULES: dict[str, Any] = {}
+
+
+def _PackageModule(module: str, value_text: str):
+    """Module `module` of the gpipe_tf package, imported only after checking (before any of its
+    code runs) that it and each package above it are files of the installed package: a module
+    of that name planted elsewhere on sys.path (the working directory) is never imported."""
+    if module in _PACKAGE_MODULES:
+        return _PACKAGE_MODULES[module]
+    parent, _, _ = module.rpartition('.')
+    if parent:
+        _PackageModule(parent, value_text)  # find_spec below imports the parent.
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise ValueError(f'{value_text}: there is no module {module} in the {_PACKAGE} package.')
+    locations = ([spec.origin] if spec.has_location else
+                 list(spec.submodule_search_locations or []))
+    if not locations or not all(_InPackageDir(p) for p in locations):
+        raise ValueError(f'{value_text}: module {module} is at {locations or spec.origin}, '
+                         f'outside the installed {_PACKAGE} package ({_PackageDir()}); it is not '
+                         'imported.')
+    try:
+        _PACKAGE_MODULES[module] = importlib.import_module(module)
+    except Exception as e:  # pylint: disable=broad-except
+        # Text may name a module that cannot be imported here (gpipe_tf.trainer, which defines
+        # flags, inside the trainer): the user's mistake, reported as one.
+        raise ValueError(f'{value_text}: importing {module} failed: {type(e).__name__}: '
+                         f'{e}') from None
+    return _PACKAGE_MODULES[module]
+
+
+def _ResolveName(kind: str, module: str, qualname: str) -> Any:
+    """The class (`kind` 'type') or function ('callable') a `kind/module/qualname` value names.
+
+    Only the gpipe_tf package's own classes and functions resolve: Params text is data, and
+    importing a module it names would run that module's code (any installed module, or one
+    planted in the working directory). No module outside the package is imported.
+
+    Raises:
+        ValueError: naming the value, for anything else.
+    """
+    value_text = f'{kind}/{module}/{qualname}'
+    attributes = qualname.split('.')
+    if (not _PACKAGE_MODULE_RE.match(module) or
+            not all(_ATTRIBUTE_RE.match(a) and not a.startswith('__') for a in attributes)):
+        raise _NotAllowed(value_text)
+    obj = _PackageModule(module, value_text)
+    for part in attributes:
+        if inspect.ismodule(obj) and obj is not _PACKAGE_MODULES[module]:
+            raise _NotAllowed(value_text)  # A module imported by ours: `gpipe_tf.x/os.system`.
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f'{value_text}: {module} has no {qualname}.') from None
+    # The object itself must be defined in the package, not merely imported into one of its
+    # modules (`gpipe_tf.hyperparams/importlib.import_module` would reach any module).
+    defined_in = getattr(obj, '__module__', None)
+    if not isinstance(defined_in, str) or not _PACKAGE_MODULE_RE.match(defined_in):
+        raise _NotAllowed(value_text)
+    try:
+        _PackageModule(defined_in, value_text)
+    except ValueError:
+        raise _NotAllowed(value_text) from None
     if kind == 'type' and not isinstance(obj, type):
-        raise ValueError(f'{module}.{qualname} is not a class.')
-    if kind == 'callable' and not callable(obj):
-        raise ValueError(f'{module}.{qualname} is not callable.')
+        raise ValueError(f'{value_text}: {module}.{qualname} is not a class.')
+    if kind == 'callable' and (isinstance(obj, type) or not callable(obj)):
+        raise ValueError(f'{value_text}: {module}.{qualname} is not a function.')
     return obj
 
 
@@ -413,5 +586,5 @@ def _Eval(node, text: str) -> Any:
         module = _DottedName(node.left.right)
         qualname = _DottedName(node.right)
         if kind in ('type', 'callable') and module and qualname:
-            return _ImportSymbol(kind, module, qualname)
+            return _ResolveName(kind, module, qualname)
     raise ValueError(f'cannot parse value {text!r}.')

@@ -20,12 +20,11 @@ class Constant:
     def Params(cls) -> hyperparams.InstantiableParams:
         p = hyperparams.InstantiableParams(cls)
         p.Define('warmup_steps', 0, 'Steps of linear warm-up: the multiplier is scaled by '
-                 '(step + 1) / warmup_steps until it reaches 1.')
+                 '(step + 1) / warmup_steps until it reaches 1.',
+                 check=hyperparams.Integer(at_least=0))
         return p
 
     def __init__(self, params: hyperparams.Params):
-        if params.warmup_steps < 0:
-            raise ValueError(f'warmup_steps must be >= 0, got {params.warmup_steps}.')
         self.params = params.Copy()
 
     @property
@@ -52,17 +51,21 @@ class ExponentialDecay(Constant):
     @classmethod
     def Params(cls):
         p = super().Params()
-        p.Define('decay_rate', 0.97, 'Factor per decay period.')
+        p.Define('decay_rate', 0.97, 'Factor per decay period.',
+                 check=hyperparams.Number(greater_than=0))
+        # decay_steps is checked on construction, in a message that shows the rate too.
         p.Define('decay_steps', 1000, 'Steps per decay period.')
         p.Define('staircase', True, 'Decay in whole periods.')
-        p.Define('min_value', 0.0, 'Lower bound of the decay (the warm-up scales it further).')
+        p.Define('min_value', 0.0, 'Lower bound of the decay (the warm-up scales it further).',
+                 check=hyperparams.Number(at_least=0))
         return p
 
     def __init__(self, params):
         super().__init__(params)
-        if params.decay_steps <= 0 or params.decay_rate <= 0:
-            raise ValueError(f'decay_steps and decay_rate must be positive, got '
-                             f'{params.decay_steps} and {params.decay_rate}.')
+        if not hyperparams.Number(greater_than=0).Accepts(params.decay_steps):
+            raise ValueError(f'decay_steps must be a finite number > 0, got '
+                             f'{params.decay_steps!r} (the period of decay_rate '
+                             f'{params.decay_rate}).')
 
     def _Decay(self, step):
         periods = step / float(self.p.decay_steps)
@@ -77,14 +80,10 @@ class CosineDecay(Constant):
     @classmethod
     def Params(cls):
         p = super().Params()
-        p.Define('total_steps', 1000, 'Steps of the decay.')
-        p.Define('min_value', 0.0, 'Multiplier at the end.')
+        p.Define('total_steps', 1000, 'Steps of the decay.',
+                 check=hyperparams.Number(greater_than=0))
+        p.Define('min_value', 0.0, 'Multiplier at the end.', check=hyperparams.Number(at_least=0))
         return p
-
-    def __init__(self, params):
-        super().__init__(params)
-        if params.total_steps <= 0:
-            raise ValueError(f'total_steps must be positive, got {params.total_steps}.')
 
     def _Decay(self, step):
         progress = tf.minimum(step / float(self.p.total_steps), 1.0)

@@ -48,7 +48,7 @@ class Momentum(BaseOptimizer):
     @classmethod
     def Params(cls):
         p = super().Params()
-        p.Define('momentum', 0.9, 'Momentum coefficient.')
+        p.Define('momentum', 0.9, 'Momentum coefficient.', check=hyperparams.Number())
         p.Define('use_nesterov', False, 'Nesterov momentum.')
         return p
 
@@ -63,9 +63,11 @@ class RMSProp(BaseOptimizer):
     @classmethod
     def Params(cls):
         p = super().Params()
-        p.Define('decay', 0.9, 'Discount of the running mean of squared gradients.')
-        p.Define('momentum', 0.9, 'Momentum coefficient.')
-        p.Define('epsilon', 1.0, 'Added to the denominator.')
+        p.Define('decay', 0.9, 'Discount of the running mean of squared gradients.',
+                 check=hyperparams.Number(at_least=0, at_most=1))
+        p.Define('momentum', 0.9, 'Momentum coefficient.', check=hyperparams.Number())
+        p.Define('epsilon', 1.0, 'Added to the denominator.',
+                 check=hyperparams.Number(at_least=0))
         return p
 
     def Create(self, learning_rate):
@@ -80,9 +82,14 @@ class Adam(BaseOptimizer):
     @classmethod
     def Params(cls):
         p = super().Params()
-        p.Define('beta1', 0.9, 'Decay of the first moment.')
-        p.Define('beta2', 0.999, 'Decay of the second moment.')
-        p.Define('epsilon', 1e-8, 'Added to the denominator.')
+        # A beta of 1 divides by 1 - beta ** t = 0 in the bias correction.
+        p.Define('beta1', 0.9, 'Decay of the first moment.',
+                 check=hyperparams.Number(at_least=0, less_than=1))
+        p.Define('beta2', 0.999, 'Decay of the second moment.',
+                 check=hyperparams.Number(at_least=0, less_than=1))
+        # 0 would make 0 / 0 of a parameter whose gradients have all been 0.
+        p.Define('epsilon', 1e-8, 'Added to the denominator.',
+                 check=hyperparams.Number(greater_than=0))
         return p
 
     def Create(self, learning_rate):

@@ -1,18 +1,30 @@
 """Tests of gpipe_tf.hyperparams: Params, InstantiableParams and their text form."""
 
+import importlib
 import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import uuid
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
 
+import gpipe_tf
 from gpipe_tf import hyperparams
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import basic
+from gpipe_tf.layers import pipeline
 from gpipe_tf.layers import sequential
+from gpipe_tf.train import tpu
 
 
 class ModuleLevelClass:
-    """A class the text form can name (`type/<this module>/ModuleLevelClass`)."""
+    """A class outside the gpipe_tf package: written as `type/<this module>/ModuleLevelClass`,
+    never read back."""
 
     class Inner:
         pass
@@ -260,15 +272,27 @@ class TextRoundTripTest(tf.test.TestCase):
     def test_dtypes_inside_containers_round_trip(self):
         self.assertEqual(_RoundTrip([tf.float32, (tf.int32,)]), [tf.float32, (tf.int32,)])
 
-    def test_classes_round_trip(self):
-        for cls in (int, ModuleLevelClass, ModuleLevelClass.Inner, basic.DenseLayer):
+    def test_classes_of_the_package_round_trip(self):
+        for cls in (basic.DenseLayer, pipeline.PipeliningLayer, hyperparams.InstantiableParams):
             with self.subTest(cls=cls):
                 self.assertIs(_RoundTrip(cls), cls)
 
-    def test_module_level_functions_round_trip(self):
-        for fn in (ModuleLevelFunction, math.sqrt, tf.nn.relu, base_layer.PathSeed):
+    def test_functions_of_the_package_round_trip(self):
+        for fn in (base_layer.PathSeed, tpu.AssignToLogicalDevice):
             with self.subTest(fn=fn):
                 self.assertIs(_RoundTrip(fn), fn)
+
+    def test_classes_and_functions_outside_the_package_are_written_but_not_read(self):
+        for value, text in ((ModuleLevelClass, f'type/{__name__}/ModuleLevelClass'),
+                            (ModuleLevelClass.Inner, f'type/{__name__}/ModuleLevelClass.Inner'),
+                            (ModuleLevelFunction, f'callable/{__name__}/ModuleLevelFunction'),
+                            (int, 'type/builtins/int'), (math.sqrt, 'callable/math/sqrt'),
+                            (tf.nn.relu, f'callable/{tf.nn.relu.__module__}/relu')):
+            with self.subTest(value=value):
+                written = _Params(v=value).ToText()
+                self.assertEqual(written, f'v : {text}\n')
+                with self.assertRaisesRegex(ValueError, f'{text} is not allowed'):
+                    _Params(v=None).FromText(written)
 
     def test_class_text_form_names_module_and_class(self):
         self.assertEqual(_Params(cls=basic.DenseLayer).ToText(),
@@ -369,7 +393,8 @@ class FromTextErrorTest(tf.test.TestCase):
             _Params(xs=[0]).FromText('xs[2] : 5')
 
     def test_unknown_class_names_its_line(self):
-        with self.assertRaisesRegex(ValueError, 'Line 1 '):
+        with self.assertRaisesRegex(ValueError, 'Line 1 .*gpipe_tf.layers.basic has no '
+                                    'NoSuchLayer'):
             _Params(cls=None).FromText('cls : type/gpipe_tf.layers.basic/NoSuchLayer')
 
     def test_arbitrary_expressions_are_not_evaluated(self):
@@ -377,6 +402,218 @@ class FromTextErrorTest(tf.test.TestCase):
             with self.subTest(text=text):
                 with self.assertRaisesRegex(ValueError, 'cannot parse value'):
                     hyperparams.ParseValue(text)
+
+
+def _PlantModule(directory: str, marker: str) -> str:
+    """Writes a module into `directory` that creates the file `marker` when imported; returns
+    its name (unique, so no earlier import can stand in for it)."""
+    name = f'planted_{uuid.uuid4().hex}'
+    with open(os.path.join(directory, name + '.py'), 'w') as f:
+        f.write(f'open({marker!r}, "w").close()\nclass X:\n    pass\ndef f():\n    pass\n')
+    importlib.invalidate_caches()
+    return name
+
+
+class TextNamesOnlyThePackageTest(tf.test.TestCase):
+    """`type/` and `callable/` values resolve to the gpipe_tf package's own classes and
+    functions; nothing else is imported, let alone run."""
+
+    def setUp(self):
+        super().setUp()
+        self.dir = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.dir)
+        self.marker = os.path.join(self.dir, 'imported')
+
+    def assertRefused(self, text, pattern):
+        with self.assertRaisesRegex(ValueError, pattern):
+            hyperparams.ParseValue(text)
+
+    def test_modules_outside_the_package_are_refused_naming_the_value_and_what_is_allowed(self):
+        for text in ('type/this/X', 'callable/os/system', 'type/subprocess/Popen',
+                     'callable/builtins/eval', 'type/gpipe_tf_evil/X', 'type/gpipe_tfx.y/X',
+                     'callable/tensorflow.python.ops.gen_nn_ops/relu', 'type/numpy/float32'):
+            with self.subTest(text=text):
+                self.assertRefused(text, f'^{text} is not allowed in Params text: only classes '
+                                         'and functions of the gpipe_tf package can be named')
+
+    def test_a_refused_module_is_not_imported(self):
+        before = set(sys.modules)
+        for text in ('type/this/X', 'type/antigravity/X', 'callable/turtle/done'):
+            with self.subTest(text=text):
+                self.assertRefused(text, 'not allowed')
+        self.assertEqual(set(sys.modules) - before, set())
+
+    def test_a_module_planted_on_the_path_is_not_imported(self):
+        name = _PlantModule(self.dir, self.marker)
+        sys.path.insert(0, self.dir)
+        self.addCleanup(sys.path.remove, self.dir)
+        for text in (f'type/{name}/X', f'callable/{name}/f'):
+            with self.subTest(text=text):
+                self.assertRefused(text, 'not allowed')
+        self.assertFalse(os.path.exists(self.marker))
+        self.assertNotIn(name, sys.modules)
+
+    def test_a_module_of_the_package_name_outside_its_directory_is_not_imported(self):
+        # As if the package's search path reached another directory: what would be found there
+        # under gpipe_tf's name is refused before it runs.
+        name = _PlantModule(self.dir, self.marker)
+        with mock.patch.object(gpipe_tf, '__path__', list(gpipe_tf.__path__) + [self.dir]):
+            self.assertRefused(f'type/gpipe_tf.{name}/X',
+                               f'module gpipe_tf.{name} is at .*outside the installed gpipe_tf '
+                               'package')
+        self.assertFalse(os.path.exists(self.marker))
+        self.assertNotIn(f'gpipe_tf.{name}', sys.modules)
+
+    def test_names_imported_into_package_modules_are_refused(self):
+        for text in ('callable/gpipe_tf.hyperparams/importlib.import_module',
+                     'callable/gpipe_tf.hyperparams/os.system',
+                     'type/gpipe_tf.hyperparams/tf.DType',
+                     'type/gpipe_tf.layers/basic.DenseLayer',
+                     'callable/gpipe_tf.hyperparams/Params.__init__',
+                     'type/gpipe_tf.hyperparams/Params.__class__'):
+            with self.subTest(text=text):
+                self.assertRefused(text, 'not allowed')
+
+    def test_missing_modules_and_names_and_wrong_kinds_are_errors(self):
+        self.assertRefused('type/gpipe_tf.no_such_module/X',
+                           'there is no module gpipe_tf.no_such_module in the gpipe_tf package')
+        self.assertRefused('type/gpipe_tf.layers.basic/NoSuchLayer',
+                           'gpipe_tf.layers.basic has no NoSuchLayer')
+        self.assertRefused('type/gpipe_tf.layers.base_layer/PathSeed', 'is not a class')
+        self.assertRefused('callable/gpipe_tf.layers.basic/DenseLayer', 'is not a function')
+
+    def test_from_text_names_the_line_and_the_field(self):
+        with self.assertRaisesRegex(
+                ValueError, r"^Line 2 \('model.cls : type/subprocess/Popen'\): "
+                r'type/subprocess/Popen is not allowed'):
+            _Params(x=0, model=_Params(cls=None)).FromText(
+                'x : 1\nmodel.cls : type/subprocess/Popen\n')
+
+
+class CheckTest(tf.test.TestCase):
+    """Checks declared with Define hold for every value a param takes."""
+
+    def test_integer(self):
+        check = hyperparams.Integer(at_least=1)
+        self.assertEqual(check.expected, 'a positive integer')
+        for value in (1, 7, 2**40, np.int64(3)):
+            self.assertTrue(check.Accepts(value), value)
+        for value in (0, -1, 1.0, 2.5, True, None, '3', math.nan):
+            self.assertFalse(check.Accepts(value), value)
+        self.assertEqual(hyperparams.Integer(at_least=0).expected, 'an integer >= 0')
+        self.assertTrue(hyperparams.Integer(at_least=0).Accepts(0))
+
+    def test_number(self):
+        check = hyperparams.Number(greater_than=0)
+        self.assertEqual(check.expected, 'a finite number > 0')
+        for value in (1e-30, 0.5, 3, 1e300, np.float32(0.1)):
+            self.assertTrue(check.Accepts(value), value)
+        for value in (0, 0.0, -1e-8, math.nan, math.inf, float('1e309'), True, None, '1'):
+            self.assertFalse(check.Accepts(value), value)
+        fraction = hyperparams.Number(at_least=0, less_than=1)
+        self.assertEqual(fraction.expected, 'a finite number >= 0 and < 1')
+        self.assertEqual([fraction.Accepts(v) for v in (0, 0.999, 1, -0.1)],
+                         [True, True, False, False])
+        self.assertTrue(hyperparams.Number().Accepts(-5.0))
+        self.assertFalse(hyperparams.Number().Accepts(-math.inf))
+
+    def test_or_none(self):
+        check = hyperparams.OrNone(hyperparams.Integer(at_least=1))
+        self.assertEqual(check.expected, 'None or a positive integer')
+        self.assertTrue(check.Accepts(None))
+        self.assertTrue(check.Accepts(4))
+        self.assertFalse(check.Accepts(0))
+
+    def _Checked(self):
+        p = hyperparams.Params()
+        p.Define('steps', 10, 'Steps.', check=hyperparams.Integer(at_least=1))
+        p.Define('free', 0, 'Unchecked.')
+        return _Params(child=p)
+
+    def test_the_default_is_checked(self):
+        with self.assertRaisesRegex(ValueError, 'The default of steps must be a positive integer, '
+                                    'got 0'):
+            hyperparams.Params().Define('steps', 0, '', check=hyperparams.Integer(at_least=1))
+
+    def test_assignment_is_checked_and_keeps_the_old_value(self):
+        p = self._Checked()
+        with self.assertRaisesRegex(ValueError, '^steps must be a positive integer, got 0.$'):
+            p.child.steps = 0
+        self.assertEqual(p.child.steps, 10)
+        p.child.steps = 3
+        p.child.free = -3
+        self.assertEqual((p.child.steps, p.child.free), (3, -3))
+
+    def test_set_names_the_dotted_name(self):
+        with self.assertRaisesRegex(ValueError, '^child.steps must be a positive integer, got -2'):
+            self._Checked().Set(**{'child.steps': -2})
+
+    def test_from_text_names_the_line_and_dotted_name(self):
+        with self.assertRaisesRegex(ValueError, r"^Line 1 \('child.steps : 0'\): child.steps "
+                                    'must be a positive integer, got 0.$'):
+            self._Checked().FromText('child.steps : 0')
+
+    def test_copies_keep_the_check(self):
+        q = self._Checked().Copy()
+        with self.assertRaisesRegex(ValueError, 'steps must be a positive integer'):
+            q.child.steps = 0
+
+
+class TrainingParamsAreCheckedTest(tf.test.TestCase):
+    """Values that are surely mistakes are refused when set, naming the field."""
+
+    def _Task(self):
+        from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
+        return model_registry.GetParams('examples.PipelinedMLP', 'Train')
+
+    def test_bad_values_are_refused_by_from_text(self):
+        for line, message in (
+                ('train.save_interval_steps : 0',
+                 'train.save_interval_steps must be a positive integer, got 0.'),
+                ('train.summary_interval_steps : -5', 'train.summary_interval_steps must be'),
+                ('train.learning_rate : nan', 'train.learning_rate must be a finite number > 0, '
+                                              'got nan.'),
+                ('train.learning_rate : 1e309', 'train.learning_rate must be a finite number > 0, '
+                                                'got inf.'),
+                ('train.learning_rate : 0.0', 'train.learning_rate must be'),
+                ('train.max_steps : -1', 'train.max_steps must be an integer >= 0'),
+                ('train.max_steps : 10.5', 'train.max_steps must be an integer >= 0'),
+                ('train.save_max_to_keep : 0', 'train.save_max_to_keep must be'),
+                ('train.eval_interval_steps : -1', 'train.eval_interval_steps must be None or'),
+                ('train.clip_gradient_norm_to_value : -1.0',
+                 'train.clip_gradient_norm_to_value must be'),
+                ('train.weight_decay : inf', 'train.weight_decay must be'),
+                ('train.progress_interval_seconds : -1.0',
+                 'train.progress_interval_seconds must be'),
+                ('train.optimizer.beta2 : 1.0', 'train.optimizer.beta2 must be a finite number '
+                                                '>= 0 and < 1'),
+                ('train.optimizer.epsilon : 0.0', 'train.optimizer.epsilon must be'),
+                ('train.lr_schedule.warmup_steps : -1', 'train.lr_schedule.warmup_steps must be'),
+                ('input.batch_size : 0', 'input.batch_size must be a positive integer'),
+                ('input.num_examples : 0', 'input.num_examples must be None or a positive'),
+                ('model.num_cells : 0', 'model.num_cells must be a positive integer'),
+                ('model.num_micro_batches : 0', 'model.num_micro_batches must be None or a '
+                                                'positive integer'),
+                ('model.micro_batch_size : -4', 'model.micro_batch_size must be None or'),
+                ('model.num_replicas : 0', 'model.num_replicas must be a positive integer')):
+            with self.subTest(line=line):
+                with self.assertRaisesRegex(ValueError, f'Line 1 .*: {re.escape(message)}'):
+                    self._Task().FromText(line)
+
+    def test_values_that_mean_something_are_accepted(self):
+        p = self._Task().FromText(
+            'train.eval_interval_steps : None\ntrain.max_steps : 0\n'
+            'train.clip_gradient_norm_to_value : 0.0\ntrain.progress_interval_seconds : 0.0\n'
+            'model.num_micro_batches : None\nmodel.micro_batch_size : 4\n')
+        self.assertIsNone(p.train.eval_interval_steps)
+        self.assertEqual(p.model.micro_batch_size, 4)
+
+    def test_every_registered_models_params_pass_their_checks_and_round_trip(self):
+        from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
+        for name in model_registry.ListModels():
+            with self.subTest(name=name):
+                p = model_registry.GetParams(name, 'Train')
+                self.assertEqual(model_registry.GetParams(name, 'Train').FromText(p.ToText()), p)
 
 
 class TextDiffTest(tf.test.TestCase):

@@ -464,5 +464,62 @@ class BadInputTest(tf.test.TestCase):
             PipelineParams(2, 1).Set(input_shapes=None).Instantiate()
 
 
+class MissingDeviceTest(tf.test.TestCase):
+    """A device that is not present is an error at construction, not a silent move to CPU:0."""
+
+    def assertMissing(self, device, stage, replica, make_layer):
+        present = ', '.join(d.name for d in tf.config.list_logical_devices())
+        with self.assertRaisesRegex(
+                ValueError, f'^PipeliningLayer devices: {re.escape(device)} \\(stage {stage} of '
+                f'replica {replica}\\) is not a device of this process; devices present: '
+                f'{re.escape(present)}.$'):
+            make_layer()
+
+    def testACpuIndexBeyondThoseConfigured(self):
+        missing = f'/device:CPU:{len(DEVICES) + 1}'
+        self.assertMissing(missing, 1, 0, PipelineParams(2, 1).Set(
+            devices=[DEVICES[len(DEVICES) - 1], missing]).Instantiate)
+
+    def testAGpuThatIsNotThere(self):
+        missing = f'/device:GPU:{len(tf.config.list_logical_devices("GPU"))}'
+        self.assertMissing(missing, 0, 0, PipelineParams(2, 1).Set(
+            devices=[missing, DEVICES[1]]).Instantiate)
+
+    def testEveryReplicaIsChecked(self):
+        missing = f'/job:localhost/replica:0/task:0/device:CPU:{len(DEVICES)}'
+        self.assertMissing(missing, 1, 1, PipelineParams(2, 1).Set(
+            num_replicas=2, devices=[DEVICES[:2], [DEVICES[2], missing]]).Instantiate)
+
+    def testAV1GraphIsCheckedToo(self):
+        with tf.Graph().as_default():
+            self.assertMissing('/device:CPU:99', 0, 0, PipelineParams(2, 1).Set(
+                devices=['/device:CPU:99', DEVICES[1]]).Instantiate)
+
+    def testPresentDevicesInAnySpellingAreAccepted(self):
+        layer = PipelineParams(4, 1).Set(devices=[
+            DEVICES[0], 'CPU:1', '/cpu:2',
+            '/job:localhost/replica:0/task:0/device:CPU:3']).Instantiate()
+        self.assertEqual(layer.num_cells, 4)
+
+    def testDevicesOfOtherJobsAreLeftToTheCluster(self):
+        devices = ['/job:worker/task:0/device:CPU:0', '/job:worker/task:1/device:CPU:9']
+        with tf.Graph().as_default():  # Graph-mode variables need no connected worker.
+            layer = PipelineParams(2, 1).Set(devices=devices).Instantiate()
+        self.assertEqual(layer.devices, devices)
+
+    def testCheckDevicesAgainstAGivenList(self):
+        available = ['/job:worker/replica:0/task:0/device:CPU:0',
+                     '/job:worker/replica:0/task:1/device:CPU:0']
+        pipeline.CheckDevices([['/job:worker/task:0/device:CPU:0',
+                                '/job:worker/task:1/device:CPU:0']], available)
+        pipeline.CheckDevices([['', '/device:TPU_REPLICATED_CORE:0']], available)
+        with self.assertRaisesRegex(
+                ValueError, r'/job:worker/task:2/device:CPU:0 \(stage 1 of replica 0\) is not '
+                'among the devices available: /job:worker/replica:0/task:0/device:CPU:0, '
+                '/job:worker/replica:0/task:1/device:CPU:0.$'):
+            pipeline.CheckDevices([['/job:worker/task:1/device:CPU:0',
+                                    '/job:worker/task:2/device:CPU:0']], available)
+
+
 if __name__ == '__main__':
     tf.test.main()

@@ -31,18 +31,16 @@ class BaseInput:
     def Params(cls) -> hyperparams.InstantiableParams:
         p = hyperparams.InstantiableParams(cls)
         p.Define('name', 'input', 'Name of this input, used in messages.')
-        p.Define('batch_size', 32, 'Examples per mini-batch (the pipeline\'s N).')
+        p.Define('batch_size', 32, 'Examples per mini-batch (the pipeline\'s N).',
+                 check=hyperparams.Integer(at_least=1))
         p.Define('shuffle', True, 'Visit examples in a seeded random order in TrainDataset; '
                  'False: in file order.')
         p.Define('seed', 0, 'Seed of the example order (and of anything random in the input).')
         p.Define('num_examples', None, 'Use only the first this many examples of the split '
-                 '(None: all).')
+                 '(None: all).', check=hyperparams.OrNone(hyperparams.Integer(at_least=1)))
         return p
 
     def __init__(self, params: hyperparams.Params):
-        if params.batch_size is None or params.batch_size < 1:
-            raise ValueError(f'{params.name}: batch_size must be a positive integer, got '
-                             f'{params.batch_size!r}.')
         self.params = params.Copy()
         self._examples = None
 

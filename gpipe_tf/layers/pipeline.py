@@ -16,6 +16,8 @@ import inspect
 import tensorflow as tf
 from absl import logging
 
+from gpipe_tf import errors
+from gpipe_tf import hyperparams
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import microbatch
@@ -55,27 +57,92 @@ def MeshDevices(devices, num_replicas: int, num_cells: int,
       ValueError: for too few devices without round_robin, or a nested list that is not R x K.
     """
     if num_replicas < 1:
-        raise ValueError(f'num_replicas must be >= 1, got {num_replicas}.')
+        raise errors.ConfigError(f'num_replicas must be >= 1, got {num_replicas}.')
     if callable(devices):
         if len(inspect.signature(devices).parameters) >= 2:
             return [[devices(r, k) for k in range(num_cells)] for r in range(num_replicas)]
         if num_replicas > 1:
-            raise ValueError(f'With {num_replicas} replicas, devices must be a function of '
+            raise errors.ConfigError(f'With {num_replicas} replicas, devices must be a function of '
                              '(replica, stage); this one takes the stage only.')
         return [[devices(k) for k in range(num_cells)]]
     if devices and isinstance(devices[0], (list, tuple)):
         if len(devices) != num_replicas or any(len(row) != num_cells for row in devices):
-            raise ValueError(f'A nested devices list must be {num_replicas} replicas x '
+            raise errors.ConfigError(f'A nested devices list must be {num_replicas} replicas x '
                              f'{num_cells} stages, got {[len(row) for row in devices]}.')
         return [list(row) for row in devices]
     available = list(devices) if devices else DefaultDevices()
     needed = num_replicas * num_cells
     if len(available) < needed and not round_robin:
-        raise ValueError(f'{num_replicas} replicas of {num_cells} cells need {needed} devices, '
+        raise errors.ConfigError(f'{num_replicas} replicas of {num_cells} cells need {needed} devices, '
                          f'but only {len(available)} were given ({available}) and round_robin '
                          'is off.')
     return [[available[(r * num_cells + k) % len(available)] for k in range(num_cells)]
             for r in range(num_replicas)]
+
+
+# Device types a string is checked for even when none is present (a GPU asked for on a machine
+# without one); other types (TPU_REPLICATED_CORE, which tpu.rewrite maps to cores) only when
+# TensorFlow lists devices of the type.
+_CHECKED_DEVICE_TYPES = ('CPU', 'GPU', 'TPU')
+
+
+def CheckDevices(mesh: list[list[str]], available: list[str] | None = None) -> None:
+    """Raises unless every device of `mesh` that names one device is present.
+
+    TensorFlow's soft placement would silently run a missing device's ops elsewhere (on CPU:0):
+    the numbers would be right, the placement not the one asked for.
+
+    A device string is checked when it names a device type (CPU, GPU, TPU, or a type among the
+    available devices) and an index. Empty strings, wildcards and unparsable strings are left to
+    TensorFlow.
+
+    Args:
+      mesh: the device of each (replica, stage), R lists of K (`MeshDevices`).
+      available: names of the devices present; default: this process's logical devices
+        (`tf.config.list_logical_devices()`), against which only local strings (no job, or job
+        `localhost`) are checked: another job's devices belong to a cluster. Given (a cluster's
+        devices, say), every string is checked, and a job, replica or task it names must match.
+
+    Raises:
+      errors.ConfigError (a ValueError): naming the first missing device, its stage and
+        replica, and the devices present.
+    """
+    local = available is None
+    present, kinds = None, set()
+    for r, row in enumerate(mesh):
+        for k, device in enumerate(row):
+            try:
+                spec = tf.DeviceSpec.from_string(device or '')
+            except ValueError:
+                continue
+            if spec.device_type is None or spec.device_index is None:
+                continue
+            if local and spec.job not in (None, 'localhost'):
+                continue
+            if present is None:  # Listing initialises TF's devices: only when there is a need.
+                names = ([d.name for d in tf.config.list_logical_devices()] if local
+                         else list(available))
+                present = [(name, tf.DeviceSpec.from_string(name)) for name in names]
+                kinds = set(_CHECKED_DEVICE_TYPES) | {
+                    p.device_type.upper() for _, p in present if p.device_type}
+            if spec.device_type.upper() not in kinds:
+                continue
+            if not any(_SameDevice(spec, p) for _, p in present):
+                where = ('is not a device of this process; devices present' if local else
+                         'is not among the devices available')
+                raise errors.ConfigError(
+                    f'PipeliningLayer devices: {device} (stage {k} of replica {r}) {where}: '
+                    f'{", ".join(name for name, _ in present) or "none"}.')
+
+
+def _SameDevice(wanted: tf.DeviceSpec, present: tf.DeviceSpec) -> bool:
+    """Whether `present` is the device `wanted` names; a field either leaves unset matches."""
+    if (wanted.device_type.upper() != (present.device_type or '').upper() or
+            wanted.device_index != present.device_index):
+        return False
+    return all(a is None or b is None or a == b for a, b in (
+        (wanted.job, present.job), (wanted.replica, present.replica),
+        (wanted.task, present.task)))
 
 
 def StageDevices(devices, num_cells: int, round_robin: bool = True) -> list[str]:
@@ -104,18 +171,21 @@ class PipeliningLayer(BaseLayer):
                  'Explicit cells: a list of K entries, each a layer Params or a list of them.')
         p.Define('layer_tpl', None,
                  'A flat list of layer Params, partitioned into num_cells cells automatically.')
-        p.Define('num_cells', 1, 'K, the number of cells when partitioning layer_tpl.')
+        p.Define('num_cells', 1, 'K, the number of cells when partitioning layer_tpl.',
+                 check=hyperparams.Integer(at_least=1))
         p.Define('before_tpl', [], 'Layer Params run ahead of the pipeline on the first device.')
         p.Define('num_micro_batches', None,
                  'M, the number of micro-batches per mini-batch; None: 1, unless '
-                 'micro_batch_size is set.')
+                 'micro_batch_size is set.',
+                 check=hyperparams.OrNone(hyperparams.Integer(at_least=1)))
         p.Define('micro_batch_size', None,
                  'Size of a micro-batch, instead of num_micro_batches: M = batch size / '
-                 'micro_batch_size.')
+                 'micro_batch_size.', check=hyperparams.OrNone(hyperparams.Integer(at_least=1)))
         p.Define('batch_dim', 0, 'The batch dimension of every input and output.')
         p.Define('num_replicas', 1,
                  'R, pipelines run side by side on shards of the mini-batch (data parallelism); '
-                 'their gradients are summed on the variables\' devices before the update.')
+                 'their gradients are summed on the variables\' devices before the update.',
+                 check=hyperparams.Integer(at_least=1))
         p.Define('devices', None,
                  'Device of each (replica, stage): None (logical devices present), a flat list '
                  '(replica r, stage k: entry r * K + k), R lists of K, or a function of '
@@ -147,9 +217,9 @@ class PipeliningLayer(BaseLayer):
         super().__init__(params)
         p = self.p
         if p.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f'recompute must be one of {RECOMPUTE_MODES}, got {p.recompute!r}.')
+            raise errors.ConfigError(f'recompute must be one of {RECOMPUTE_MODES}, got {p.recompute!r}.')
         if p.logical_device_fn is not None and p.num_replicas != 1:
-            raise ValueError(f'With logical_device_fn the replicas are the strategy\'s: '
+            raise errors.ConfigError(f'With logical_device_fn the replicas are the strategy\'s: '
                              f'num_replicas must be 1, got {p.num_replicas}.')
         cell_layers, self._cell_metas = self.PlanCells(p)
         self._num_cells = len(cell_layers)
@@ -157,6 +227,8 @@ class PipeliningLayer(BaseLayer):
         if devices is None and p.logical_device_fn is not None:
             devices = [''] * self._num_cells  # The strategy's replica device; XLA places cells.
         self._mesh = MeshDevices(devices, p.num_replicas, self._num_cells, p.round_robin)
+        if p.logical_device_fn is None:  # With it, a strategy places the cells.
+            CheckDevices(self._mesh)
         self._devices = self._mesh[0]  # The variables live on the first replica's devices.
         with tf.device(self._devices[0]):
             self._before = [self.CreateChild(_LayerName(lp, i), lp)
@@ -206,11 +278,11 @@ class PipeliningLayer(BaseLayer):
     def _CellLayerParams(cls, p) -> list[list]:
         """Names the layers and splits them into cells."""
         if (p.cell_tpl is None) == (p.layer_tpl is None):
-            raise ValueError('Set exactly one of cell_tpl (explicit cells) and layer_tpl (layers '
+            raise errors.ConfigError('Set exactly one of cell_tpl (explicit cells) and layer_tpl (layers '
                              'to partition into num_cells).')
         if p.cell_tpl is not None:
             if not p.cell_tpl:
-                raise ValueError('cell_tpl is empty: expected at least one cell.')
+                raise errors.ConfigError('cell_tpl is empty: expected at least one cell.')
             cells = [list(c) if isinstance(c, (list, tuple)) else [c] for c in p.cell_tpl]
             index, named = 0, []
             for cell in cells:
@@ -226,7 +298,7 @@ class PipeliningLayer(BaseLayer):
     def _Boundaries(cls, p, layers: list) -> list[int]:
         num_layers, num_cells = len(layers), p.num_cells
         if num_cells > num_layers:
-            raise ValueError(f'num_cells ({num_cells}) is larger than the number of layers '
+            raise errors.ConfigError(f'num_cells ({num_cells}) is larger than the number of layers '
                              f'({num_layers}).')
         method = p.partition_method
         if isinstance(method, (list, tuple)):
@@ -234,11 +306,11 @@ class PipeliningLayer(BaseLayer):
         if method == 'uniform':
             return partition.UniformBoundaries(num_layers, num_cells)
         if method not in PARTITION_METHODS:
-            raise ValueError(f'partition_method must be one of {PARTITION_METHODS} or a list of '
+            raise errors.ConfigError(f'partition_method must be one of {PARTITION_METHODS} or a list of '
                              f'boundaries, got {method!r}.')
         shapes = cls._BodyInputShapes(p)
         if shapes is None:
-            raise ValueError(f'partition_method={method!r} needs input_shapes (the shapes of '
+            raise errors.ConfigError(f'partition_method={method!r} needs input_shapes (the shapes of '
                              'one mini-batch of inputs) to estimate layer costs.')
         _, metas = sequential.ChainMeta(layers, *shapes)
         costs = [m.flops if method == 'flops' else m.num_params for m in metas]
@@ -256,9 +328,9 @@ class PipeliningLayer(BaseLayer):
                 meta, _ = sequential.ChainMeta(layers, *shapes)
             except ValueError as e:
                 if k == 0:
-                    raise ValueError(f'{p.name}: cell 0 ({_Names(layers)}) does not accept '
+                    raise errors.ConfigError(f'{p.name}: cell 0 ({_Names(layers)}) does not accept '
                                      f'the pipeline input {shapes}: {e}') from None
-                raise ValueError(
+                raise errors.ConfigError(
                     f'{p.name}: cell {k - 1} ({_Names(cell_layers[k - 1])}) outputs '
                     f'{shapes}, which cell {k} ({_Names(layers)}) cannot take: {e}') from None
             metas.append(meta)
@@ -328,11 +400,11 @@ class PipeliningLayer(BaseLayer):
         inputs = args[0] if len(args) == 1 else args
         batch_size = microbatch.BatchSize(inputs, p.batch_dim)
         if batch_size is None:
-            raise ValueError(f'{self.path}: the batch dimension {p.batch_dim} of the inputs must '
+            raise errors.ConfigError(f'{self.path}: the batch dimension {p.batch_dim} of the inputs must '
                              'be statically known to split micro-batches.')
         num_replicas = p.num_replicas
         if batch_size % num_replicas:
-            raise ValueError(f'{self.path}: batch size {batch_size} is not divisible by '
+            raise errors.ConfigError(f'{self.path}: batch size {batch_size} is not divisible by '
                              f'num_replicas ({num_replicas}).')
         num_micro_batches = microbatch.NumMicroBatches(
             batch_size // num_replicas, p.num_micro_batches, p.micro_batch_size)
@@ -376,7 +448,7 @@ class PipeliningLayer(BaseLayer):
         """`p.logical_device_fn`, checked to be usable here (it annotates graph tensors)."""
         fn = self.p.logical_device_fn
         if fn is not None and tf.executing_eagerly():
-            raise ValueError(f'{self.path}: logical_device_fn annotates graph tensors; call the '
+            raise errors.ConfigError(f'{self.path}: logical_device_fn annotates graph tensors; call the '
                              'layer inside a tf.function (or strategy.run), not eagerly.')
         return fn
 

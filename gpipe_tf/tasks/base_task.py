@@ -27,20 +27,30 @@ def TrainParams() -> hyperparams.Params:
     """The training recipe and the trainer's settings, `task.train`."""
     p = hyperparams.Params()
     p.Define('optimizer', optimizer.Adam.Params(), 'Optimizer Params (gpipe_tf.optimizer).')
-    p.Define('learning_rate', 1e-3, 'Base learning rate; the schedule multiplies it.')
+    p.Define('learning_rate', 1e-3, 'Base learning rate; the schedule multiplies it.',
+             check=hyperparams.Number(greater_than=0))
     p.Define('lr_schedule', learning_rate.Constant.Params(),
              'Learning-rate multiplier schedule (gpipe_tf.learning_rate).')
     p.Define('clip_gradient_norm_to_value', 0.0,
-             'Clip gradients to this global norm; 0 disables clipping.')
+             'Clip gradients to this global norm; 0 disables clipping.',
+             check=hyperparams.Number(at_least=0))
     p.Define('weight_decay', 0.0, 'L2 penalty: weight_decay * 0.5 * sum of squares of every '
-             'trainable variable of rank >= 2 (weights, not biases or norms) joins the loss.')
-    p.Define('max_steps', 1000, 'Training stops after this many steps.')
-    p.Define('save_interval_steps', 500, 'Steps between checkpoints (and one at exit).')
-    p.Define('save_max_to_keep', 3, 'Checkpoints kept; older ones are deleted.')
-    p.Define('summary_interval_steps', 50, 'Steps between TensorBoard summaries.')
-    p.Define('eval_interval_steps', 500, 'Steps between evaluations in train_and_eval mode.')
+             'trainable variable of rank >= 2 (weights, not biases or norms) joins the loss.',
+             check=hyperparams.Number(at_least=0))
+    p.Define('max_steps', 1000, 'Training stops after this many steps.',
+             check=hyperparams.Integer(at_least=0))
+    p.Define('save_interval_steps', 500, 'Steps between checkpoints (and one at exit).',
+             check=hyperparams.Integer(at_least=1))
+    p.Define('save_max_to_keep', 3, 'Checkpoints kept; older ones are deleted.',
+             check=hyperparams.Integer(at_least=1))
+    p.Define('summary_interval_steps', 50, 'Steps between TensorBoard summaries.',
+             check=hyperparams.Integer(at_least=1))
+    p.Define('eval_interval_steps', 500, 'Steps between evaluations in train_and_eval mode; 0 '
+             'or None: only at the end.',
+             check=hyperparams.OrNone(hyperparams.Integer(at_least=0)))
     p.Define('eval_dataset', 'Test', 'Dataset evaluated in eval and train_and_eval modes.')
-    p.Define('progress_interval_seconds', 5.0, 'Seconds between console progress lines.')
+    p.Define('progress_interval_seconds', 5.0, 'Seconds between console progress lines (0: one '
+             'line per step).', check=hyperparams.Number(at_least=0))
     p.Define('plot_pipeline', True, 'Once per run, write pictures of the pipeline to '
              'TensorBoard (train/pipeline/*): its planned cell costs, timeline and memory, and '
              'the timeline of one traced step.')

@@ -1,0 +1,16 @@
+"""Errors that are the user's to resolve, not bugs of ours.
+
+The trainer prints such an error as one line on stderr (`error: <message>`) and exits with
+status 2; anything else that escapes is a bug and keeps its traceback. The message alone must
+say what was wrong, the values seen, and what to do instead.
+"""
+
+
+class UserError(Exception):
+    """A mistake or a state only the user can resolve (a logdir in use, no checkpoint that
+    restores, an unsafe directory)."""
+
+
+class ConfigError(UserError, ValueError):
+    """Params, flags or devices that cannot run. A ValueError too, so library callers that
+    catch ValueError for bad configuration keep working."""
