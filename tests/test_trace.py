@@ -2,7 +2,9 @@
 runs the GPipe schedule (each device one micro-batch at a time, in order) in both graph modes."""
 
 import os
+import shutil
 import tempfile
+from unittest import mock
 
 import tensorflow as tf
 from absl.testing import parameterized
@@ -107,8 +109,7 @@ class TracedStepTest(tf.test.TestCase, parameterized.TestCase):
             return tape.gradient(loss, layer.trainable_variables)
 
         Step(x)
-        logdir = tempfile.mkdtemp()
-        return trace.MeasuredTimeline(trace.TraceFunction(Step, x, logdir=logdir), K)
+        return trace.MeasuredTimeline(trace.TraceFunction(Step, x), K)
 
     def _TraceSession(self, recompute):
         graph = tf.Graph()
@@ -159,12 +160,59 @@ class TracedStepTest(tf.test.TestCase, parameterized.TestCase):
         timeline = self._TraceFunction('always')
         figure = plot.TimelineFigure(timeline, title='traced',
                                      ideal_utilisation=simulator.IdealUtilisation(M, K))
-        path = plot.SavePng(figure, os.path.join(tempfile.mkdtemp(), 'timeline.png'))
-        with open(path, 'rb') as f:
-            self.assertEqual(f.read(8), b'\x89PNG\r\n\x1a\n')
+        with tempfile.TemporaryDirectory() as out_dir:
+            path = plot.SavePng(figure, os.path.join(out_dir, 'timeline.png'))
+            with open(path, 'rb') as f:
+                self.assertEqual(f.read(8), b'\x89PNG\r\n\x1a\n')
         axes = figure.axes[0]
         self.assertLen(axes.get_yticklabels(), K)
         self.assertLen(axes.patches, 3 * K * M)
+
+
+class TraceFunctionTempDirTest(tf.test.TestCase):
+    """TraceFunction's default profile directory is temporary: nothing is left in the temp
+    directory, whether the traced function returns or raises."""
+
+    def setUp(self):
+        super().setUp()
+        # A private temp directory: other processes' files cannot disturb the comparison.
+        temp_root = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, temp_root)
+        patcher = mock.patch.object(tempfile, 'tempdir', temp_root)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+        self.assertEqual(tempfile.gettempdir(), temp_root)
+
+    def _Leftovers(self, before):
+        return sorted(set(os.listdir(tempfile.gettempdir())) - before)
+
+    def testNoDirectoryIsLeftBehind(self):
+        step = tf.function(lambda x: tf.matmul(x, x, name='square'))
+        x = tf.ones([64, 64])
+        step(x)
+        before = set(os.listdir(tempfile.gettempdir()))
+        names = [e.name for e in trace.TraceFunction(step, x)]
+        self.assertTrue(any(name.endswith('square') for name in names), names)
+        self.assertEqual(self._Leftovers(before), [])
+
+    def testNoDirectoryIsLeftBehindWhenTheFunctionRaises(self):
+        def Fails():
+            raise RuntimeError('traced function failed')
+
+        before = set(os.listdir(tempfile.gettempdir()))
+        with self.assertRaisesRegex(RuntimeError, 'traced function failed'):
+            trace.TraceFunction(Fails)
+        self.assertEqual(self._Leftovers(before), [])
+
+    def testAGivenLogdirKeepsTheProfile(self):
+        step = tf.function(lambda x: x + 1.0)
+        x = tf.ones([4])
+        step(x)
+        logdir = os.path.join(tempfile.gettempdir(), 'kept')
+        trace.TraceFunction(step, x, logdir=logdir)
+        profiles = [f for _, _, files in os.walk(logdir) for f in files
+                    if f.endswith('.xplane.pb')]
+        self.assertLen(profiles, 1)
 
 
 if __name__ == '__main__':

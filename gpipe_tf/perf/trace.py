@@ -32,6 +32,8 @@ _REPLICA = re.compile(r'(?:^|/)replica_(\d+)/')
 _TRANSFER = re.compile(r'/_\d+$')
 # Ops shorter than this fraction of their box's longest op do not stretch the box.
 _SUBSTANTIAL = 0.1
+# Prefix of the temporary directories TraceFunction profiles into.
+TEMP_PREFIX = 'gpipe_trace_'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +105,15 @@ def TraceFunction(fn, *args, logdir: str | None = None) -> list[OpEvent]:
     """Runs `fn(*args)` once under TensorFlow's profiler and returns its op events.
 
     Run `fn` once beforehand: a first call would also trace and optimize the function.
+
+    Args:
+      fn: the function to trace, called as `fn(*args)`.
+      logdir: where the profile is written and kept; default: a temporary directory, removed
+        before returning (also when `fn` raises).
     """
-    logdir = logdir or tempfile.mkdtemp(prefix='gpipe_trace_')
+    if not logdir:
+        with tempfile.TemporaryDirectory(prefix=TEMP_PREFIX) as temp_dir:
+            return TraceFunction(fn, *args, logdir=temp_dir)
     tf.profiler.experimental.start(logdir)
     try:
         tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, 'numpy') else t, fn(*args))
