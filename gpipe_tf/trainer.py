@@ -10,7 +10,9 @@ Modes: `train`, `eval` (the latest checkpoint on `task.train.eval_dataset`), `tr
 parameters and estimated activation memory, then the memory plan per device; with `--plot_dir`
 also the plan pictures as PNGs), and `decode` (classify image files / translate sentences, given
 with `--decode_input` or in a file with `--decode_input_file`).
-Restarting with the same `--logdir` resumes from the latest checkpoint.
+Restarting with the same `--logdir` resumes from the newest checkpoint that restores (a damaged
+one is skipped with a warning); a second trainer on the same logdir is refused while the first
+runs. A user's mistake is one line `error: ...` on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 from absl import app
 from absl import flags
 
+from gpipe_tf import errors
 from gpipe_tf.train import devices as devices_lib
 
 MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model', 'decode')
@@ -29,7 +32,10 @@ flags.DEFINE_string('model', None, 'Registry key of the model, e.g. '
                     'image.amoebanet.AmoebaNetD_Small (see --list_models).')
 flags.DEFINE_bool('list_models', False, 'Print the registered models and exit.')
 flags.DEFINE_string('logdir', None, 'Checkpoints, summaries and params.txt go here '
-                    '(default: /tmp/gpipe_tf/<model>).')
+                    '(default: <tmp>/gpipe_tf-<user>/<model>, private to the user).')
+flags.DEFINE_bool('start_from_scratch', False, 'Start at step 0 although <logdir>/train holds '
+                  'checkpoint files, none of which restores (they are moved to train/damaged/, '
+                  'not deleted). Refused while a checkpoint restores.')
 flags.DEFINE_enum('mode', 'train', MODES, 'What to do.')
 flags.DEFINE_integer('max_steps', None, 'Train until this global step (default: the '
                      'model\'s train.max_steps).')
@@ -78,7 +84,21 @@ FLAGS = flags.FLAGS
 
 
 def TaskParams(model: str, dataset: str = 'Train'):
-    """The task Params of `model` with the command line's overrides applied."""
+    """The task Params of `model` with the command line's overrides applied.
+
+    Raises:
+      errors.ConfigError: for an override or flag that the Params refuse.
+    """
+    try:
+        return _TaskParams(model, dataset)
+    except errors.ConfigError:
+        raise
+    except (ValueError, FileNotFoundError) as error:
+        # The Params name the field and the value; what is wrong is the command line's.
+        raise errors.ConfigError(str(error)) from None
+
+
+def _TaskParams(model: str, dataset: str):
     from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
     from gpipe_tf.tasks import base_task  # pylint: disable=g-import-not-at-top
     p = model_registry.GetParams(model, dataset)
@@ -94,19 +114,20 @@ def TaskParams(model: str, dataset: str = 'Train'):
     if 'model' not in p or 'train' not in p:
         raise ValueError(f'{model}: the trainer needs task Params (gpipe_tf.tasks) with `model` '
                          f'and `train`; got {p.cls.__name__}.')
-    if FLAGS.worker_split_size is not None:
-        p.model.num_cells = FLAGS.worker_split_size
-    if FLAGS.num_micro_batches is not None:
-        p.model.num_micro_batches = FLAGS.num_micro_batches
-    if FLAGS.worker_replicas is not None:
-        if 'num_replicas' not in p.model:
+    for flag, key in (('worker_split_size', 'model.num_cells'),
+                      ('num_micro_batches', 'model.num_micro_batches'),
+                      ('worker_replicas', 'model.num_replicas'),
+                      ('max_steps', 'train.max_steps')):
+        value = FLAGS[flag].value
+        if value is None:
+            continue
+        if key == 'model.num_replicas' and 'num_replicas' not in p.model:
             raise ValueError(f'--worker_replicas: the model of {model} '
                              f'({p.model.cls.__name__}) is not a PipeliningLayer.')
-        if FLAGS.worker_replicas < 1:
-            raise ValueError(f'--worker_replicas must be >= 1, got {FLAGS.worker_replicas}.')
-        p.model.num_replicas = FLAGS.worker_replicas
-    if FLAGS.max_steps is not None:
-        p.train.max_steps = FLAGS.max_steps
+        try:
+            p.Set(**{key: value})  # The field's own check names it: `must be >= 1, got 0`.
+        except ValueError as error:
+            raise ValueError(f'--{flag}: {error}') from None
     if FLAGS.data_dir is not None:
         if 'data_dir' not in p.input:
             raise ValueError(f'--data_dir: the input of {model} ({p.input.cls.__name__}) reads '
@@ -136,7 +157,7 @@ def ApplyOverride(p, text: str, source: str):
     try:
         p.FromText(text)
     except (ValueError, AttributeError) as e:
-        raise ValueError(f'{source}: {e}') from None
+        raise errors.ConfigError(f'{source}: {e}') from None
     for line in text.splitlines():
         key = line.split(' : ', 1)[0].strip()
         if not key or key.startswith('#') or ' : ' not in line:
@@ -150,8 +171,9 @@ def ApplyOverride(p, text: str, source: str):
             continue
         if _Kind(old) != _Kind(new) or (isinstance(old, int) and not isinstance(old, bool) and
                                          isinstance(new, float)):
-            raise ValueError(f'{source}: {key} is {old!r} ({type(old).__name__}); the override '
-                             f'gives {new!r} ({type(new).__name__}).')
+            raise errors.ConfigError(
+                f'{source}: {key} is {old!r} ({type(old).__name__}); the override gives '
+                f'{new!r} ({type(new).__name__}).')
     return p
 
 
@@ -215,6 +237,9 @@ def _SetUpDevices(p, plan_only: bool = False) -> list[str]:
         devices = devices_lib.LocalDevices(FLAGS.run_locally, count)
     devices = devices[:count] if count else devices
     if 'devices' in p.model:
+        if p.model.devices:
+            # The Params' own placement wins; the pipeline checks that its devices exist.
+            return p.model.devices
         p.model.devices = devices
     return devices
 
@@ -300,16 +325,73 @@ def GpuMemoryReport(p) -> str:
 
 
 def WriteParams(text: str, logdir: str) -> str:
-    """Writes Params `text` to `<logdir>/params.txt` (creating logdir); returns the path."""
-    os.makedirs(logdir, exist_ok=True)
-    path = os.path.join(logdir, 'params.txt')
-    with open(path, 'w', encoding='utf-8') as f:
-        f.write(text)
-    return path
+    """Writes Params `text` to `<logdir>/params.txt` atomically (creating logdir); returns the
+    path."""
+    from gpipe_tf.train import logdir as logdir_lib  # pylint: disable=g-import-not-at-top
+    return logdir_lib.WriteAtomically(os.path.join(logdir, 'params.txt'), text)
+
+
+# Where runs went before the default became private; a note points there, never a resume.
+_OLD_DEFAULT_ROOT = '/tmp/gpipe_tf'
 
 
 def _Logdir() -> str:
-    return FLAGS.logdir or os.path.join('/tmp/gpipe_tf', FLAGS.model)
+    """--logdir, or the user's private default (created and checked)."""
+    from gpipe_tf.train import logdir as logdir_lib  # pylint: disable=g-import-not-at-top
+    if FLAGS.logdir:
+        return FLAGS.logdir
+    logdir = logdir_lib.DefaultLogdir(FLAGS.model)
+    old = os.path.join(_OLD_DEFAULT_ROOT, FLAGS.model, 'train')
+    if not os.listdir(logdir) and os.path.isdir(old) and any(
+            name.endswith('.index') for name in os.listdir(old)):
+        Warn(f'the default logdir is now {logdir}; checkpoints of an earlier run are in the old '
+             f'shared default {os.path.dirname(old)}: pass --logdir={os.path.dirname(old)} to '
+             'resume them (after checking who else can write there).')
+    return logdir
+
+
+def Warn(text: str) -> None:
+    """A one-line warning for the user, on stderr."""
+    print(f'warning: {text}', file=sys.stderr, flush=True)
+
+
+def LockLogdir(logdir: str):
+    """Takes the logdir's trainer lock for the rest of the process (a warning, and no lock, for
+    a logdir that is not a local path). Raises logdir.LogdirBusyError naming the holder."""
+    from gpipe_tf.train import logdir as logdir_lib  # pylint: disable=g-import-not-at-top
+    if not logdir_lib.IsLocalPath(logdir):
+        Warn(f'{logdir} is not a local path: no lock keeps a second trainer out of it.')
+        return None
+    return logdir_lib.Lock(logdir).Acquire()
+
+
+def FindCheckpoint(logdir: str, writer: bool):
+    """The newest checkpoint under `logdir` that restores (`checkpoints.Found`), after a
+    warning per damaged or unfinished one. A `writer` (a trainer, holding the lock) moves those
+    to train/damaged/ and repairs the index.
+
+    Raises:
+      checkpoints.NoCheckpointRestoresError: if checkpoint files exist and none restores (for a
+        trainer, unless --start_from_scratch).
+    """
+    from gpipe_tf.train import checkpoints  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
+    directory = program.CheckpointDir(logdir)
+    found = checkpoints.Find(directory)
+    for line in checkpoints.Warnings(found):
+        Warn(line)
+    if found.path is None and found.any_files and not (writer and FLAGS.start_from_scratch):
+        raise checkpoints.NoCheckpointRestoresError(checkpoints.NoneRestoresMessage(
+            directory, found, '--start_from_scratch'))
+    if found.path is not None and FLAGS.start_from_scratch:
+        raise errors.UserError(f'--start_from_scratch: {found.path} restores; resume from it '
+                               '(drop the flag), or pass another --logdir to start over.')
+    if writer and found.any_files:
+        moved = checkpoints.SetAside(directory, found)
+        if moved:
+            Warn(f'moved {len(moved)} damaged or unfinished checkpoint file(s) to '
+                 f'{os.path.join(directory, checkpoints.DAMAGED_DIR)}.')
+    return found
 
 
 def _GraphMode() -> str:
@@ -406,10 +488,10 @@ def ReportBleu(prog, eval_params, name: str, logdir: str, num_samples: int = 5) 
     start = time.time()
     bleu, rows = decode.EvaluateBleu(prog.task, eval_params)
     step = prog.CurrentStep()
-    path = os.path.join(logdir, f'decode_{name.lower()}_{step}.tsv')
-    with open(path, 'w', encoding='utf-8') as f:
-        f.write('source\thypothesis\treference\n')
-        f.writelines('\t'.join(row) + '\n' for row in rows)
+    from gpipe_tf.train import logdir as logdir_lib  # pylint: disable=g-import-not-at-top
+    path = logdir_lib.WriteAtomically(
+        os.path.join(logdir, f'decode_{name.lower()}_{step}.tsv'),
+        'source\thypothesis\treference\n' + ''.join('\t'.join(row) + '\n' for row in rows))
     with tf.summary.create_file_writer(os.path.join(logdir, 'eval')).as_default():
         tf.summary.scalar('bleu', bleu, step=step)
     print(f'{name} BLEU {bleu:.2f} on {len(rows)} sentences, greedy decoding '
@@ -422,11 +504,12 @@ def ReportBleu(prog, eval_params, name: str, logdir: str, num_samples: int = 5) 
 def RunEval(p, logdir) -> dict:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
+    found = FindCheckpoint(logdir, writer=False)
+    if found.path is None:
+        raise errors.UserError(f'eval: no checkpoint under {os.path.join(logdir, "train")}; '
+                               'train first (--mode=train).')
     prog = _Program(p, logdir)
-    if not prog.manager.latest_checkpoint:
-        raise FileNotFoundError(f'eval: no checkpoint under {os.path.join(logdir, "train")}; '
-                                'train first (--mode=train).')
-    step = prog.Restore(training=False)
+    step = prog.Restore(training=False, path=found.path)
     eval_params = TaskParams(FLAGS.model, p.train.eval_dataset).input
     writer = tf.summary.create_file_writer(os.path.join(logdir, 'eval'))
     return loop.Evaluate(prog, eval_params, writer, step, p.train.eval_dataset)
@@ -447,11 +530,12 @@ def RunDecode(p, logdir) -> list[str]:
     if TpuAddress() is not None:
         raise ValueError('decode runs eagerly on this machine\'s devices, not on a TPU: drop '
                          '--tpu and --run_locally=tpu.')
+    found = FindCheckpoint(logdir, writer=False)
+    if found.path is None:
+        raise errors.UserError(f'decode: no checkpoint under {os.path.join(logdir, "train")}; '
+                               'train first.')
     prog = _Program(p, logdir)
-    if not prog.manager.latest_checkpoint:
-        raise FileNotFoundError(f'decode: no checkpoint under {os.path.join(logdir, "train")}; '
-                                'train first.')
-    prog.Restore(training=False)
+    prog.Restore(training=False, path=found.path)
     results = decode.Decode(prog.task, p, _DecodeLines(), FLAGS.target_language)
     for source, result in results:
         print(f'{source}\t{result}', flush=True)
@@ -470,10 +554,7 @@ def main(argv):
     p = TaskParams(FLAGS.model)
     logdir = _Logdir()
     if FLAGS.mode == 'inspect_params':
-        text = p.ToText()
-        path = WriteParams(text, logdir)
-        print(text, end='')
-        print(f'# written to {path}', file=sys.stderr)
+        RunInspectParams(p, logdir)
         return
     _SetUpDevices(p, plan_only=FLAGS.mode == 'inspect_model')
     if FLAGS.run_locally == 'gpu' and Cluster() is None:  # (--tpu refuses gpu above.)
@@ -481,8 +562,12 @@ def main(argv):
     if FLAGS.mode == 'inspect_model':
         RunInspectModel(p, FLAGS.model)
         return
-    WriteParams(p.ToText(), logdir)
+    WarnIfClusterIsExposed()
     if FLAGS.mode in ('train', 'train_and_eval'):
+        # Held until the process ends: checkpoints, params.txt and summaries are this run's.
+        LockLogdir(logdir)
+        FindCheckpoint(logdir, writer=True)
+        WriteParams(p.ToText(), logdir)
         RunTrain(p, logdir, with_eval=FLAGS.mode == 'train_and_eval')
     elif FLAGS.mode == 'eval':
         RunEval(p, logdir)
@@ -490,15 +575,73 @@ def main(argv):
         RunDecode(p, logdir)
 
 
+def RunInspectParams(p, logdir: str) -> None:
+    """Prints the Params text and writes it to params.txt, unless a trainer holds the logdir
+    (its params.txt describes its run)."""
+    from gpipe_tf.train import logdir as logdir_lib  # pylint: disable=g-import-not-at-top
+    text = p.ToText()
+    print(text, end='', flush=True)
+    try:
+        with logdir_lib.Lock(logdir) if logdir_lib.IsLocalPath(logdir) else _NoLock():
+            print(f'# written to {WriteParams(text, logdir)}', file=sys.stderr)
+    except logdir_lib.LogdirBusyError as error:
+        print(f'# not written: {error}', file=sys.stderr)
+
+
+class _NoLock:
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def WarnIfClusterIsExposed() -> None:
+    """Once per run: the exposure of a cluster whose tasks are not all on this machine's
+    loopback (the launcher's own clusters are)."""
+    cluster = Cluster()
+    if cluster is None:
+        return
+    addresses = [a for job in cluster.jobs for a in cluster.job_tasks(job)]
+    exposed = [a for a in addresses if not a.rpartition(':')[0] in ('127.0.0.1', 'localhost',
+                                                                     '[::1]', '::1')]
+    if exposed:
+        Warn(f'the cluster\'s tf.distribute.Server tasks ({", ".join(exposed)}) run any op '
+             'that any host reaching their ports sends, without authentication: firewall them '
+             'to the cluster\'s hosts (README, "Reliability and security").')
+
+
 def _Main(argv):
     from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
     try:
         main(argv)
+    except errors.UserError as error:
+        # The user's to resolve, not a bug: the message says what to do; no traceback.
+        print(f'error: {error}', file=sys.stderr, flush=True)
+        sys.exit(2)
     except cluster_lib.ClusterError as error:
-        # The cluster's or the TPU's state, not a bug: the message says what to do; no
-        # traceback.
+        # The cluster's or the TPU's state, not a bug. Exit without closing the Session: with a
+        # worker gone, its Close() retries without a deadline (seen hanging for minutes).
+        # Checkpoints and summaries are flushed already.
+        print(f'error: {error}', file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # pylint: disable=protected-access
+    except loop.NonFiniteLossError as error:
         print(f'error: {error}', file=sys.stderr, flush=True)
         sys.exit(1)
+    except loop.Interrupted as interrupted:
+        saved = (f'saved {interrupted.checkpoint} at step {interrupted.step}'
+                 if interrupted.checkpoint else 'no checkpoint saved')
+        print(f'stopped by {interrupted}: {saved}; run the same command again to resume.',
+              file=sys.stderr, flush=True)
+        sys.exit(128 + interrupted.signum)
+    except KeyboardInterrupt:
+        # Ctrl-C outside the training steps (building, evaluating): nothing new to save.
+        print('stopped by SIGINT outside training; checkpoints already written are kept.',
+              file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 def Run():

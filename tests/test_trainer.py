@@ -1,5 +1,6 @@
 """The trainer binary, run as users run it (subprocesses): train, checkpoint, resume after
-SIGKILL with the same losses, SIGTERM saves, v1 graph mode, eval, inspect modes, decode, the
+SIGKILL with the same losses, recovery from damaged checkpoints, one trainer per logdir,
+SIGTERM saves in one line, v1 graph mode, eval, inspect modes, decode, the
 pipeline pictures (inspect_model's PNGs, training's TensorBoard images) and clear errors."""
 
 import glob
@@ -145,28 +146,6 @@ class TrainAndResumeTest(TrainerTestCase):
             self.assertAllClose(loss, self.reference[step], rtol=1e-6, atol=0,
                                 msg=f'step {step}')
 
-    def testSigtermSavesTheStepItStoppedAt(self):
-        logdir = self.LogDir()
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
-        process = subprocess.Popen(
-            Command(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=100000',
-                    '--model_params_override=train.summary_interval_steps : 1; '
-                    'train.save_interval_steps : 1000'),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-        try:
-            deadline = time.time() + TIMEOUT
-            while len(Scalars(logdir, 'loss')) < 3 and time.time() < deadline:
-                self.assertIsNone(process.poll(), 'the trainer exited early')
-                time.sleep(0.1)
-            process.send_signal(signal.SIGTERM)
-            output, _ = process.communicate(timeout=120)
-        finally:
-            if process.poll() is None:
-                process.kill()
-        self.assertNotEqual(process.returncode, 0)
-        self.assertRegex(output, r'interrupted: saved .*ckpt-\d+ at step \d+')
-        self.assertGreaterEqual(CheckpointSteps(logdir)[-1], 3)
-
     def testV1GraphModeGivesTheSameLossesAndResumes(self):
         logdir = self.LogDir()
         Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=8', '--graph_mode=v1',
@@ -223,6 +202,212 @@ class NonFiniteLossTest(TrainerTestCase):
         bad_step, good_step = int(found.group(1)), int(found.group(2))
         self.assertEqual(good_step, bad_step - 1)
         self.assertEqual(CheckpointSteps(logdir)[-1], good_step)
+
+
+# Checkpoints at steps 4, 8 and 12, all kept; a loss summary every step; no pictures.
+RECOVERY = ('train.summary_interval_steps : 1; train.save_interval_steps : 4; '
+            'train.save_max_to_keep : 5; train.plot_pipeline : False')
+
+
+def Files(logdir):
+    """Every file under <logdir>/train (damaged/ included), by base name."""
+    return {name for _, _, names in os.walk(os.path.join(logdir, 'train')) for name in names}
+
+
+def Damage(path, how):
+    with open(path, 'rb') as f:
+        data = f.read()
+    if how == 'truncate':
+        data = data[:len(data) // 2]
+    elif how == 'flip':
+        middle = len(data) // 2
+        data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:]
+    else:  # 'garble'
+        data = b'model_checkpoint_path: "ckpt-12\n{{{ \x00'
+    with open(path, 'wb') as f:
+        f.write(data)
+
+
+def ErrorLine(result):
+    """The stderr of a run that must end in one line `error: ...` without a traceback."""
+    assert 'Traceback' not in result.stderr, result.stderr[-3000:]
+    return result.stderr.strip().splitlines()[-1]
+
+
+class RecoveryTest(TrainerTestCase):
+    """Accidents to a logdir never lose work: a damaged or missing index or checkpoint falls
+    back to the newest intact one, a second trainer is refused, files are written safely."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.reference_dir = tempfile.mkdtemp(prefix='trainer_recovery_')
+        Run(f'--model={MLP}', f'--logdir={cls.reference_dir}', '--max_steps=12',
+            f'--model_params_override={RECOVERY}')
+        cls.reference = Scalars(cls.reference_dir, 'loss')
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.reference_dir, ignore_errors=True)
+        super().tearDownClass()
+
+    def Copy(self):
+        logdir = os.path.join(self.LogDir(), 'run')
+        shutil.copytree(self.reference_dir, logdir)
+        return logdir
+
+    def Train(self, logdir, max_steps, *flags, check=True):
+        return Run(f'--model={MLP}', f'--logdir={logdir}', f'--max_steps={max_steps}',
+                   f'--model_params_override={RECOVERY}', *flags, check=check)
+
+    def NewLosses(self, logdir):
+        """The losses of the runs on a copy of the reference logdir, not of the reference."""
+        copied = {os.path.basename(p) for p in EventFiles(self.reference_dir)}
+        return Scalars(logdir, 'loss', sorted(p for p in EventFiles(logdir)
+                                              if os.path.basename(p) not in copied))
+
+    def AssertResumedLikeTheReference(self, logdir, result, step, max_steps):
+        self.assertIn(f'resumed from {os.path.join(logdir, "train", f"ckpt-{step}")} at step '
+                      f'{step}', result.stdout)
+        resumed = self.NewLosses(logdir)
+        self.assertEqual(sorted(resumed), list(range(step + 1, max_steps + 1)))
+        for s, loss in resumed.items():
+            self.assertAllClose(loss, self.reference[s], rtol=1e-6, atol=0, msg=f'step {s}')
+
+    def Path(self, logdir, name):
+        return os.path.join(logdir, 'train', name)
+
+    def testMissingIndexAndDamagedNewestResumeFromTheNewestIntact(self):
+        logdir = self.Copy()
+        before = Files(logdir)
+        os.remove(self.Path(logdir, 'checkpoint'))
+        Damage(self.Path(logdir, 'ckpt-12.data-00000-of-00001'), 'flip')
+        Damage(self.Path(logdir, 'ckpt-8.index'), 'truncate')
+        result = self.Train(logdir, 6)
+        self.AssertResumedLikeTheReference(logdir, result, 4, 6)
+        self.assertIn(f'warning: the index {self.Path(logdir, "checkpoint")} is missing; the '
+                      'checkpoint files on disk are used instead.', result.stderr)
+        self.assertRegex(result.stderr, rf'warning: checkpoint {self.Path(logdir, "ckpt-12")} '
+                                        r'is damaged \(.*Checksum does not match.*\); skipped for '
+                                        rf'{self.Path(logdir, "ckpt-4")}\.')
+        self.assertIn(f'warning: checkpoint {self.Path(logdir, "ckpt-8")} is damaged',
+                      result.stderr)
+        self.assertNotIn('Traceback', result.stderr)
+        # Nothing deleted: the damaged ones are in train/damaged/, the intact ones in place.
+        self.assertContainsSubset(before - {'checkpoint'}, Files(logdir))
+        self.assertCountEqual(os.listdir(self.Path(logdir, 'damaged')), [
+            'ckpt-12.index', 'ckpt-12.data-00000-of-00001', 'ckpt-8.index',
+            'ckpt-8.data-00000-of-00001'])
+        self.assertEqual(CheckpointSteps(logdir), [4, 6])
+
+    def testGarbledIndexAndTruncatedNewestResumeFromThePrevious(self):
+        logdir = self.Copy()
+        Damage(self.Path(logdir, 'checkpoint'), 'garble')
+        Damage(self.Path(logdir, 'ckpt-12.data-00000-of-00001'), 'truncate')
+        result = self.Train(logdir, 10)
+        self.AssertResumedLikeTheReference(logdir, result, 8, 10)
+        self.assertRegex(result.stderr, r'warning: the index \S+ is garbled')
+        self.assertRegex(result.stderr, r'ckpt-12 is damaged \(IndexError: Read less bytes')
+
+    def testNoCheckpointThatRestoresIsAnErrorUntilStartingOverDeliberately(self):
+        logdir = self.Copy()
+        for step in (4, 8, 12):
+            Damage(self.Path(logdir, f'ckpt-{step}.data-00000-of-00001'), 'truncate')
+        before = Files(logdir)
+        result = self.Train(logdir, 2, check=False)
+        self.assertEqual(result.returncode, 2, result.stderr[-3000:])
+        line = ErrorLine(result)
+        self.assertRegex(line, rf'^error: {self.Path(logdir, "")[:-1]} holds checkpoint files '
+                               r'but none restores \(.*ckpt-12, .*ckpt-8, .*ckpt-4; .*'
+                               r'pass --start_from_scratch .*or use another --logdir\.$')
+        self.assertEqual(Files(logdir), before)
+        result = self.Train(logdir, 2, '--start_from_scratch')
+        self.assertNotIn('resumed', result.stdout)
+        self.assertContainsSubset(before - {'checkpoint'}, Files(logdir))
+        losses = self.NewLosses(logdir)
+        self.assertEqual(sorted(losses), [1, 2])
+        self.assertAllClose([losses[1], losses[2]], [self.reference[1], self.reference[2]],
+                            rtol=1e-6, atol=0)
+
+    def testASecondTrainerIsRefusedEvalRunsBesideAndSigtermIsOneLine(self):
+        logdir = self.LogDir()
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+        first = subprocess.Popen(
+            Command(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=100000',
+                    f'--model_params_override={RECOVERY}'),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        try:
+            deadline = time.time() + TIMEOUT
+            while not CheckpointSteps(logdir) and time.time() < deadline:
+                self.assertIsNone(first.poll(), 'the first trainer exited early')
+                time.sleep(0.1)
+            with open(os.path.join(logdir, 'params.txt')) as f:
+                params = f.read()
+            second = self.Train(logdir, 100000, '--model_params_override=train.learning_rate '
+                                ': 0.5', check=False)
+            self.assertEqual(second.returncode, 2)
+            self.assertRegex(ErrorLine(second),
+                             rf'^error: {logdir} is in use by another trainer \(pid '
+                             rf'{first.pid} on \S+, started [\dT:+-]+\); wait for it to end, '
+                             r'stop it, or pass another --logdir\.$')
+            with open(os.path.join(logdir, 'params.txt')) as f:
+                self.assertEqual(f.read(), params)
+            evaluation = Run(f'--model={MLP}', f'--logdir={logdir}', '--mode=eval')
+            self.assertRegex(evaluation.stdout, r'eval Test at step \d+: accuracy')
+            self.assertIsNone(first.poll(), 'the first trainer stopped')
+            first.send_signal(signal.SIGTERM)
+            _, stderr = first.communicate(timeout=120)
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.communicate()
+        self.assertEqual(first.returncode, 128 + signal.SIGTERM, stderr[-3000:])
+        self.assertNotIn('Traceback', stderr)
+        found = re.fullmatch(rf'stopped by SIGTERM: saved {logdir}/train/ckpt-(\d+) at step '
+                             r'(\d+); run the same command again to resume\.',
+                             stderr.strip().splitlines()[-1])
+        self.assertIsNotNone(found, stderr[-2000:])
+        self.assertEqual(found.group(1), found.group(2))
+        self.assertEqual(CheckpointSteps(logdir)[-1], int(found.group(1)))
+
+    def testInspectParamsReplacesASymlinkInsteadOfWritingThroughIt(self):
+        logdir = self.LogDir()
+        victim = os.path.join(logdir, 'victim.txt')
+        with open(victim, 'w') as f:
+            f.write('keep me')
+        os.symlink(victim, os.path.join(logdir, 'params.txt'))
+        Run(f'--model={MLP}', f'--logdir={logdir}', '--mode=inspect_params')
+        with open(victim) as f:
+            self.assertEqual(f.read(), 'keep me')
+        self.assertFalse(os.path.islink(os.path.join(logdir, 'params.txt')))
+
+    def testTheDefaultLogdirIsPrivateAndRefusedWhenItIsNot(self):
+        tmp = self.LogDir()
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', TMPDIR=tmp)
+        result = subprocess.run(Command(f'--model={MLP}', '--mode=inspect_params'),
+                                capture_output=True, text=True, timeout=TIMEOUT, env=env)
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        [root] = os.listdir(tmp)
+        self.assertRegex(root, r'^gpipe_tf-\S+$')
+        root = os.path.join(tmp, root)
+        self.assertEqual(os.stat(root).st_mode & 0o777, 0o700)
+        self.assertTrue(os.path.isfile(os.path.join(root, MLP, 'params.txt')))
+        os.chmod(root, 0o777)  # As another user's planted folder would be.
+        result = subprocess.run(Command(f'--model={MLP}', '--max_steps=1'),
+                                capture_output=True, text=True, timeout=TIMEOUT, env=env)
+        self.assertEqual(result.returncode, 2)
+        self.assertEqual(ErrorLine(result),
+                         f'error: {root} is writable by other users (mode 777); refusing to use '
+                         f'it. `chmod 700 {root}` or pass --logdir.')
+
+    def testADeviceThatDoesNotExistIsAnError(self):
+        result = Run(f'--model={MLP}', f'--logdir={self.LogDir()}', '--max_steps=1',
+                     '--worker_split_size=2', '--model_params_override=model.devices : '
+                     "['/device:CPU:0', '/device:CPU:9']", check=False)
+        self.assertEqual(result.returncode, 2, result.stderr[-3000:])
+        line = ErrorLine(result)
+        self.assertIn('/device:CPU:9', line)
+        self.assertIn('/device:CPU:1', line)  # Among the devices present.
 
 
 class ModesTest(TrainerTestCase):
@@ -368,10 +553,10 @@ class ErrorsTest(TrainerTestCase):
     def testOverrideOfTheWrongKindIsAnErrorBeforeTraining(self):
         logdir = self.LogDir()
         result = Run(f'--model={MLP}', f'--logdir={logdir}',
-                     '--model_params_override=train.max_steps : 1.5', check=False)
-        self.assertNotEqual(result.returncode, 0)
-        self.assertIn('train.max_steps is 600 (int); the override gives 1.5 (float)',
-                      result.stderr)
+                     '--model_params_override=input.seed : 1.5', check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertEqual(ErrorLine(result), 'error: --model_params_override: input.seed is 1 '
+                                            '(int); the override gives 1.5 (float).')
         self.assertNotIn('step', result.stdout)
 
     def testEvalWithoutCheckpoint(self):

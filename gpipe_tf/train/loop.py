@@ -14,6 +14,7 @@ creates the optimizer's slots), or its only one.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -67,18 +68,70 @@ class Progress:
         self._print('  '.join(parts), flush=True)
 
 
-class _Interrupted(BaseException):
-    """SIGTERM, raised like KeyboardInterrupt: not an Exception, so that code which must not stop
-    training (the pictures) cannot swallow it."""
+class Interrupted(BaseException):
+    """SIGINT, SIGTERM or SIGHUP stopped training; the step it stopped at is saved. Not an
+    Exception, so that code which must not stop training (the pictures) cannot swallow it.
+
+    Attributes:
+      signum: the signal.
+      step: the last finished step.
+      checkpoint: the checkpoint holding it (None if saving failed).
+    """
+
+    def __init__(self, signum: int, step: int = 0, checkpoint: str | None = None):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
 
 
 class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or infinite: training stops and keeps the last good checkpoint."""
 
 
-def _RaiseInterrupted(signum, frame):
-    del frame
-    raise _Interrupted(signal.Signals(signum).name)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _StopSignals:
+    """While active, SIGINT, SIGTERM and SIGHUP stop training at the next safe point, between
+    two steps: the handler only records the signal, and the loop raises `Interrupted`.
+
+    Raising in the handler itself is unsafe: it runs at whatever Python bytecode comes next,
+    which may be TensorFlow translating one of its C++ errors into Python (seen: pybind11's
+    `error_already_set ... MISMATCH`, the DeadlineExceededError replaced by the signal's) or the
+    middle of a checkpoint write (an orphan data file). A second signal during a step does stop
+    it at once, so that a step that hangs can still be interrupted; never during a save.
+    """
+
+    def __init__(self):
+        self._previous, self._saving, self.pending = {}, False, None
+
+    def __enter__(self):
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._Handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _Handle(self, signum, frame):
+        del frame
+        if self.pending is None:
+            self.pending = signum
+        elif not self._saving:
+            raise Interrupted(self.pending)
+
+    def RaiseIfPending(self) -> None:
+        if self.pending is not None:
+            raise Interrupted(self.pending)
+
+    @contextlib.contextmanager
+    def Saving(self):
+        """A block no signal interrupts (a checkpoint being written)."""
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = False
 
 
 def WriteScalars(writer, step: int, metrics: dict, prefix: str = '') -> None:
@@ -139,6 +192,9 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
           printer=print) -> dict:
     """Trains `program` until `max_steps`; returns the last step's metrics (and `eval_*`).
 
+    SIGINT, SIGTERM and SIGHUP stop training after the step that runs (a second one at once,
+    except while a checkpoint is written), save that step, then raise `Interrupted`.
+
     Args:
       eval_params: input Params evaluated every `eval_interval_steps` and at the end (the
         train_and_eval mode), or None.
@@ -156,10 +212,11 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
     batch_size = task_params.input.batch_size
     progress = Progress(step, max_steps, batch_size, train.progress_interval_seconds, printer)
     traced_step = min(step + 2, max_steps) if train.plot_pipeline else None
-    previous = signal.signal(signal.SIGTERM, _RaiseInterrupted)
     metrics, last_saved = {}, step
+    signals = _StopSignals().__enter__()
     try:
         while step < max_steps:
+            signals.RaiseIfPending()
             start = time.time()
             if step + 1 == traced_step:
                 metrics, step_trace = program.TracedStep()
@@ -184,20 +241,30 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
                     metrics, learning_rate=program.LearningRate(), step_time=elapsed,
                     examples_per_sec=batch_size / elapsed))
             if step % train.save_interval_steps == 0:
-                program.Save()
-                last_saved = step
+                with signals.Saving():
+                    program.Save()
+                    last_saved = step
             if (eval_writer is not None and train.eval_interval_steps and
                     step % train.eval_interval_steps == 0 and step < max_steps):
                 Evaluate(program, eval_params, eval_writer, step, 'during training', printer)
-    except (KeyboardInterrupt, _Interrupted) as error:
-        logging.warning('Interrupted at step %d (%r); saving a checkpoint.', step, error)
+        signals.RaiseIfPending()
         if step != last_saved:
-            printer(f'interrupted: saved {program.Save()} at step {step}', flush=True)
+            with signals.Saving():
+                program.Save()
+                last_saved = step
+    except Interrupted as interrupted:
+        with signals.Saving():
+            # The program's step: a second signal may have stopped a step half-way.
+            interrupted.step = program.CurrentStep()
+            logging.warning('Interrupted at step %d (%s); saving a checkpoint.',
+                            interrupted.step, interrupted)
+            interrupted.checkpoint = (program.Save() if interrupted.step != last_saved else
+                                      program.manager.latest_checkpoint)
+        printer(f'interrupted: saved {interrupted.checkpoint} at step {interrupted.step}',
+                flush=True)
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    if step != last_saved:
-        program.Save()
+        signals.__exit__()
     printer(f'checkpoint {program.manager.latest_checkpoint} at step {step}', flush=True)
     if eval_writer is not None:
         evaluation = Evaluate(program, eval_params, eval_writer, step, 'final', printer)

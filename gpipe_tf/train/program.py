@@ -21,9 +21,11 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
+from gpipe_tf import errors
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.perf import trace
+from gpipe_tf.train import checkpoints
 from gpipe_tf.train import cluster as cluster_lib
 from gpipe_tf.train import update
 
@@ -34,12 +36,29 @@ def CheckpointDir(logdir: str) -> str:
     return os.path.join(logdir, 'train')
 
 
+class CheckpointMismatchError(errors.UserError):
+    """A checkpoint that reads back but does not fit the model being built."""
+
+
 def LatestStep(logdir: str) -> int:
-    """The global step of the latest checkpoint under `logdir` (0 when there is none)."""
-    path = tf.train.latest_checkpoint(CheckpointDir(logdir))
-    if not path:
+    """The global step of the latest checkpoint under `logdir` (0 when there is none).
+
+    A trainer has repaired the index before (`checkpoints.SetAside`); for eval and decode,
+    which leave a damaged logdir as it is, a latest checkpoint that does not read counts as
+    none: they restore the one `checkpoints.Find` chose, and do not read the training data.
+    """
+    try:
+        path = tf.train.latest_checkpoint(CheckpointDir(logdir))
+        return int(tf.train.load_checkpoint(path).get_tensor(STEP_KEY)) if path else 0
+    except Exception:  # pylint: disable=broad-except
         return 0
-    return int(tf.train.load_checkpoint(path).get_tensor(STEP_KEY))
+
+
+def _Mismatch(path: str, error: Exception) -> CheckpointMismatchError:
+    return CheckpointMismatchError(
+        f'checkpoint {path} does not fit the model being built '
+        f'({checkpoints.FirstLine(error)}): it was written by another model or configuration. '
+        'Use another --logdir for this one.')
 
 
 def _Floats(metrics) -> dict:
@@ -106,12 +125,19 @@ class EagerProgram:
         self._train_step = tf.function(self._TrainStep)
         self._eval_step = tf.function(self._EvalStep)
 
-    def Restore(self, training: bool = True) -> int:
-        """Restores the latest checkpoint, if any; returns the step training resumes at.
-        With `training` False (eval, decode) the optimizer's slots are not needed."""
-        path = self.manager.latest_checkpoint
+    def Restore(self, training: bool = True, path: str | None = None) -> int:
+        """Restores checkpoint `path` (default: the latest, if any); returns the step training
+        resumes at. With `training` False (eval, decode) the optimizer's slots are not needed.
+
+        Raises:
+          CheckpointMismatchError: if the checkpoint holds other variables than the model's.
+        """
+        path = path or self.manager.latest_checkpoint
         if path:
-            status = self.checkpoint.restore(path).assert_existing_objects_matched()
+            try:
+                status = self.checkpoint.restore(path).assert_existing_objects_matched()
+            except AssertionError as error:
+                raise _Mismatch(path, error) from None
             if not training:
                 status.expect_partial()
         step = int(self.global_step.numpy())
@@ -205,10 +231,10 @@ class StrategyProgram(EagerProgram):
     def _Distribute(self, dataset):
         return self.strategy.experimental_distribute_dataset(dataset)
 
-    def Restore(self, training: bool = True) -> int:
+    def Restore(self, training: bool = True, path: str | None = None) -> int:
         # Restored optimizer slots are created when first used, and must be the strategy's.
         with self.strategy.scope():
-            return super().Restore(training)
+            return super().Restore(training, path)
 
     def Step(self) -> dict:
         with self.strategy.scope():
@@ -298,13 +324,17 @@ class GraphProgram:
                 raise
             raise cluster_lib.UnreachableError(self._cluster, error, self._job) from error
 
-    def Restore(self, training: bool = True) -> int:
-        del training  # The graph holds every variable: the checkpoint restores them all.
+    def Restore(self, training: bool = True, path: str | None = None) -> int:
+        """As `EagerProgram.Restore`; the graph holds every variable, so the checkpoint
+        restores them all, optimizer slots included."""
         with self._Guard(), self.graph.as_default(), self.session.as_default():
-            path = self.manager.latest_checkpoint
+            path = path or self.manager.latest_checkpoint
             if path:
-                self.checkpoint.restore(path).assert_existing_objects_matched().run_restore_ops(
-                    self.session)
+                try:
+                    status = self.checkpoint.restore(path).assert_existing_objects_matched()
+                except AssertionError as error:
+                    raise _Mismatch(path, error) from None
+                status.run_restore_ops(self.session)
                 # Slot and other variables the checkpoint does not hold start from their
                 # initialisers.
                 self.session.run(tf.compat.v1.variables_initializer(
@@ -313,7 +343,7 @@ class GraphProgram:
             else:
                 self.session.run(tf.compat.v1.global_variables_initializer())
             step = int(self.session.run(self.global_step))
-        if step != self._start_step:
+        if training and step != self._start_step:
             raise RuntimeError(f'Checkpoint step {step} differs from the step the input was '
                                f'built for ({self._start_step}).')
         return step

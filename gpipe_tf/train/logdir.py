@@ -1,0 +1,176 @@
+"""The logdir: one trainer at a time, a private default, and small files written atomically.
+
+- **One trainer per logdir.** A trainer holds an exclusive `flock` on `<logdir>/trainer.lock`
+  for its whole run. The OS releases it when the process dies, however it dies, so a killed
+  trainer never leaves a stale lock; the file keeps the holder's pid, host and start time for
+  the error a second trainer gets. Eval and decode only read, and take no lock.
+- **A private default.** Without `--logdir`, runs go to `<tmp>/gpipe_tf-<user>/<model>`: a
+  folder created owner-only (0700) and refused when it is a symlink, another user's, or
+  writable by others, so nobody else can plant a checkpoint or a symlink there. The `-` in its
+  name keeps it from being imported as the `gpipe_tf` package by a script run from `<tmp>`.
+- **Atomic small files.** `params.txt` and reports are written to a new temporary file beside
+  the target and renamed over it: a crash leaves the old file or the new one, never half of
+  one, and a symlink planted at the target is replaced, not written through.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import getpass
+import json
+import os
+import socket
+import stat
+import tempfile
+
+from gpipe_tf import errors
+
+LOCK_FILE = 'trainer.lock'
+
+
+class LogdirBusyError(errors.UserError):
+    """Another trainer holds the logdir's lock."""
+
+
+class UnsafeLogdirError(errors.UserError):
+    """A directory the trainer must not write into (a symlink, another user's, open to
+    others)."""
+
+
+def IsLocalPath(path: str) -> bool:
+    """False for a filesystem TensorFlow reaches by URL (`gs://...`), where no OS lock exists."""
+    return '://' not in path
+
+
+def _UserName() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # No passwd entry (a container's arbitrary uid).
+        return str(os.geteuid())
+
+
+def _CheckPrivate(path: str) -> None:
+    """Raises UnsafeLogdirError unless `path` is a real directory of this user that no one else
+    may write into."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise UnsafeLogdirError(f'{path} is a symlink (to {os.readlink(path)!r}); refusing to '
+                                'write through it. Remove it or pass --logdir.')
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafeLogdirError(f'{path} is not a directory; remove it or pass --logdir.')
+    if info.st_uid != os.geteuid():
+        raise UnsafeLogdirError(f'{path} belongs to uid {info.st_uid}, not to you (uid '
+                                f'{os.geteuid()}); refusing to use it. Pass --logdir.')
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeLogdirError(f'{path} is writable by other users (mode '
+                                f'{stat.S_IMODE(info.st_mode):o}); refusing to use it. '
+                                f'`chmod 700 {path}` or pass --logdir.')
+
+
+def DefaultRoot() -> str:
+    """`<tmp>/gpipe_tf-<user>`, this user's private root of default logdirs."""
+    return os.path.join(tempfile.gettempdir(), f'gpipe_tf-{_UserName()}')
+
+
+def DefaultLogdir(model: str) -> str:
+    """`<DefaultRoot()>/<model>`, created owner-only if missing and checked to be private.
+
+    Raises:
+      UnsafeLogdirError: if the root or the model's folder is a symlink, another user's, or
+        writable by others.
+    """
+    root = DefaultRoot()
+    for path in (root, os.path.join(root, model)):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        _CheckPrivate(path)
+    return os.path.join(root, model)
+
+
+def WriteAtomically(path: str, text: str) -> str:
+    """Writes `text` to `path` through a temporary file in the same directory renamed over it;
+    returns `path`. A symlink at `path` is replaced, never followed."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=f'.{os.path.basename(path)}.', dir=directory)
+    try:
+        with os.fdopen(fd, 'w', encoding='utf-8') as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(temp, 0o644 & ~_Umask())
+        os.replace(temp, path)
+    except BaseException:
+        if os.path.lexists(temp):
+            os.unlink(temp)
+        raise
+    return path
+
+
+def _Umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class Lock:
+    """The exclusive lock of a logdir, held until `Release()` or the process ends."""
+
+    def __init__(self, logdir: str):
+        self.logdir = logdir
+        self.path = os.path.join(logdir, LOCK_FILE)
+        self._fd = None
+
+    def Acquire(self) -> 'Lock':
+        """Takes the lock, or fails at once.
+
+        Raises:
+          LogdirBusyError: naming the holder (pid, host, start time) when another process has
+            it.
+          UnsafeLogdirError: when the lock file is a symlink.
+        """
+        os.makedirs(self.logdir, exist_ok=True)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as error:
+            if os.path.islink(self.path):
+                raise UnsafeLogdirError(f'{self.path} is a symlink; refusing to follow it. '
+                                        'Remove it.') from None
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _ReadHolder(fd)
+            os.close(fd)
+            raise LogdirBusyError(f'{self.logdir} is in use by another trainer ({holder}); '
+                                  'wait for it to end, stop it, or pass another --logdir.'
+                                  ) from None
+        holder = {'pid': os.getpid(), 'host': socket.gethostname(),
+                  'started': datetime.datetime.now().astimezone().isoformat(timespec='seconds')}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + '\n').encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def Release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # Closing the descriptor releases the flock.
+            self._fd = None
+
+    def __enter__(self):
+        return self.Acquire()
+
+    def __exit__(self, *exc):
+        self.Release()
+
+
+def _ReadHolder(fd: int) -> str:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0).decode() or '{}')
+        return f'pid {holder["pid"]} on {holder["host"]}, started {holder["started"]}'
+    except (ValueError, KeyError, OSError):
+        return 'holder unknown: it is starting'

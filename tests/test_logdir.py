@@ -1,0 +1,137 @@
+"""The logdir: an exclusive trainer lock that dies with its holder, a private default root that
+is refused when unsafe, and atomic writes that never follow a symlink
+(`gpipe_tf.train.logdir`). The trainer's use of them: test_trainer.py (RecoveryTest)."""
+
+import importlib.machinery
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+
+import tensorflow as tf
+
+from gpipe_tf import errors
+from gpipe_tf.train import logdir as logdir_lib
+
+# Holds the lock of argv[1], says so, and sleeps until killed.
+HOLDER = ('import sys, time\n'
+          'from gpipe_tf.train import logdir\n'
+          'logdir.Lock(sys.argv[1]).Acquire()\n'
+          'print("locked", flush=True)\n'
+          'time.sleep(600)\n')
+
+
+class LogdirTestCase(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.dir = tempfile.mkdtemp(prefix='logdir_test_')
+        self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+
+
+class LockTest(LogdirTestCase):
+
+    def testASecondHolderIsRefusedNamingTheFirst(self):
+        with logdir_lib.Lock(self.dir):
+            with self.assertRaisesRegex(
+                    logdir_lib.LogdirBusyError,
+                    rf'^{self.dir} is in use by another trainer \(pid {os.getpid()} on '
+                    r'\S+, started \d{4}-\d\d-\d\dT[\d:]+[+-][\d:]+\); .*--logdir\.$'):
+                logdir_lib.Lock(self.dir).Acquire()
+        logdir_lib.Lock(self.dir).Acquire().Release()  # Released at the end of the block.
+
+    def testAKilledHolderLeavesNoStaleLock(self):
+        holder = subprocess.Popen([sys.executable, '-c', HOLDER, self.dir],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            self.assertEqual(holder.stdout.readline().strip(), 'locked')
+            with self.assertRaisesRegex(logdir_lib.LogdirBusyError, f'pid {holder.pid} '):
+                logdir_lib.Lock(self.dir).Acquire()
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(timeout=60)
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+            holder.stdout.close()
+        logdir_lib.Lock(self.dir).Acquire().Release()
+
+    def testALockFileThatIsASymlinkIsRefused(self):
+        victim = os.path.join(self.dir, 'victim')
+        with open(victim, 'w') as f:
+            f.write('keep')
+        logdir = os.path.join(self.dir, 'run')
+        os.mkdir(logdir)
+        os.symlink(victim, os.path.join(logdir, logdir_lib.LOCK_FILE))
+        with self.assertRaisesRegex(logdir_lib.UnsafeLogdirError, 'is a symlink'):
+            logdir_lib.Lock(logdir).Acquire()
+        with open(victim) as f:
+            self.assertEqual(f.read(), 'keep')
+
+
+class DefaultLogdirTest(LogdirTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.enterContext(tf.compat.v1.test.mock.patch.object(tempfile, 'tempdir', self.dir))
+        self.root = logdir_lib.DefaultRoot()
+
+    def testCreatedOwnerOnlyUnderTheTempDirectory(self):
+        logdir = logdir_lib.DefaultLogdir('examples.PipelinedMLP')
+        self.assertEqual(logdir, os.path.join(self.root, 'examples.PipelinedMLP'))
+        self.assertEqual(os.path.dirname(self.root), self.dir)
+        for path in (self.root, logdir):
+            self.assertEqual(stat.S_IMODE(os.stat(path).st_mode), 0o700)
+        self.assertEqual(logdir_lib.DefaultLogdir('examples.PipelinedMLP'), logdir)
+
+    def testNotImportableFromTheTempDirectory(self):
+        logdir_lib.DefaultLogdir('m')
+        self.assertIsNone(importlib.machinery.PathFinder.find_spec('gpipe_tf', [self.dir]))
+        self.assertFalse(os.path.basename(self.root).isidentifier())  # No `import` names it.
+
+    def testRefusedWhenASymlinkAnotherUsersOrOpenToOthers(self):
+        elsewhere = tempfile.mkdtemp(dir=self.dir)
+        os.symlink(elsewhere, self.root)
+        with self.assertRaisesRegex(logdir_lib.UnsafeLogdirError,
+                                    rf'^{self.root} is a symlink .*--logdir\.$'):
+            logdir_lib.DefaultLogdir('m')
+        os.remove(self.root)
+        os.mkdir(self.root, 0o700)
+        os.chmod(self.root, 0o777)
+        with self.assertRaisesRegex(logdir_lib.UnsafeLogdirError, 'writable by other users'):
+            logdir_lib.DefaultLogdir('m')
+        os.chmod(self.root, 0o700)
+        if os.geteuid() == 0:  # Only root can give a folder away.
+            os.chown(self.root, 12345, 12345)
+            with self.assertRaisesRegex(logdir_lib.UnsafeLogdirError,
+                                        r'belongs to uid 12345, not to you'):
+                logdir_lib.DefaultLogdir('m')
+        self.assertIsInstance(logdir_lib.UnsafeLogdirError('x'), errors.UserError)
+
+
+class WriteAtomicallyTest(LogdirTestCase):
+
+    def testReplacesASymlinkInsteadOfWritingThroughIt(self):
+        victim = os.path.join(self.dir, 'victim')
+        with open(victim, 'w') as f:
+            f.write('keep')
+        path = os.path.join(self.dir, 'params.txt')
+        os.symlink(victim, path)
+        logdir_lib.WriteAtomically(path, 'new text\n')
+        self.assertFalse(os.path.islink(path))
+        with open(path) as f:
+            self.assertEqual(f.read(), 'new text\n')
+        with open(victim) as f:
+            self.assertEqual(f.read(), 'keep')
+
+    def testLeavesNoTemporaryFileBehind(self):
+        path = os.path.join(self.dir, 'params.txt')
+        logdir_lib.WriteAtomically(path, 'a\n')
+        logdir_lib.WriteAtomically(path, 'b\n')
+        self.assertEqual(os.listdir(self.dir), ['params.txt'])
+
+
+if __name__ == '__main__':
+    tf.test.main()
