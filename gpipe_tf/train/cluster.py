@@ -11,12 +11,15 @@ DeadlineExceeded after the timeout, and UnavailableError at once for a killed wo
 way the step fails within a bound; `Diagnose` then finds which task is unreachable (a TCP connect
 for a dead process, a probe run with its own deadline for a stopped one), so the error names it.
 
-A `tf.distribute.Server` listens on every interface, not only the address in its cluster spec:
-firewall the ports of clusters you start.
+A `tf.distribute.Server` listens on every interface, not only the address in its cluster spec,
+and runs any op a client sends: `gpipe_tf.launch` keeps its one-machine clusters in a private
+network namespace; firewall the ports of clusters of several hosts (README, "Reliability and
+security").
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -234,28 +237,97 @@ def LocalClusterSpec(num_workers: int, ports: list[int] | None = None) -> str:
     return f'{DEFAULT_JOB}=' + ','.join(f'127.0.0.1:{p}' for p in ports)
 
 
+def _LoadPrctl():
+    """libc's prctl, resolved here: a child between fork and exec should not load libraries."""
+    if not sys.platform.startswith('linux'):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_PRCTL = _LoadPrctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def StartOwnedProcess(command: list[str], parent_death_signal: int | None = signal.SIGTERM,
+                      **popen_kwargs) -> subprocess.Popen:
+    """Starts `command` as a process that this one owns: one that ends when this one ends.
+
+    The child leads a session of its own, so a terminal's Ctrl-C reaches only this process,
+    which decides what the child receives. On Linux the child gets `parent_death_signal` when
+    this process dies, however it dies (SIGKILL too); Linux sends it when the *thread* that
+    started the child ends, so call this from the main thread. None: the child watches for
+    its parent's death itself (the workers, see `StartServer`).
+
+    Args:
+      command: the argv.
+      parent_death_signal: the child's parent-death signal, or None.
+      **popen_kwargs: passed on to subprocess.Popen (stdout, env, ...).
+    """
+    parent = os.getpid()
+
+    def DieWithParent():
+        _PRCTL(_PR_SET_PDEATHSIG, parent_death_signal, 0, 0, 0)
+        # The parent may have died between fork and prctl; no signal would come then.
+        if os.getppid() != parent:
+            os._exit(1)  # pylint: disable=protected-access
+
+    wanted = parent_death_signal is not None and _PRCTL is not None
+    return subprocess.Popen(command, start_new_session=True,
+                            preexec_fn=DieWithParent if wanted else None, **popen_kwargs)
+
+
+def SignalProcess(process: subprocess.Popen, signum: int) -> None:
+    """Sends `signum` to the process group that `process` leads (StartOwnedProcess's children
+    lead one), else to the process; nothing once the process is reaped, since its id may
+    name another process then."""
+    if process.poll() is not None:
+        return
+    try:
+        if os.getpgid(process.pid) == process.pid:
+            os.killpg(process.pid, signum)
+        else:
+            os.kill(process.pid, signum)
+    except ProcessLookupError:
+        pass
+
+
 def ServerCommand(cluster_spec: str, task: int) -> list[str]:
+    """The argv of worker task `task`, supervised through its stdin (see `StartServer`)."""
     return [sys.executable, '-m', 'gpipe_tf.launch', '--serve', f'--cluster_spec={cluster_spec}',
-            f'--task={task}']
+            f'--task={task}', '--supervised']
 
 
 def StartServer(cluster_spec: str, task: int, log=None) -> subprocess.Popen:
-    """Starts task `task` of the worker job as a process of its own."""
+    """Starts task `task` of the worker job as a process of its own, owned by this one.
+
+    The worker's stdin is a pipe from this process; it exits when the pipe closes, that is
+    when this process ends, however it ends, or drops the returned Popen. Not at once: first
+    it gives the trainer that the launcher named on the pipe time to save its checkpoint,
+    whose variables live on the workers (`gpipe_tf.launch`).
+    """
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get('TF_CPP_MIN_LOG_LEVEL', '2'))
-    return subprocess.Popen(ServerCommand(cluster_spec, task), stdout=log or subprocess.DEVNULL,
-                            stderr=log or subprocess.DEVNULL, env=env)
+    return StartOwnedProcess(ServerCommand(cluster_spec, task), parent_death_signal=None,
+                             stdin=subprocess.PIPE, stdout=log or subprocess.DEVNULL,
+                             stderr=log or subprocess.DEVNULL, env=env)
 
 
 def WaitUntilListening(cluster_spec: str, timeout_s: float = 60.0,
-                       processes: list | None = None) -> None:
-    """Waits until every task accepts connections.
+                       processes: list | None = None, cancelled=None) -> None:
+    """Waits until every task accepts connections, or until `cancelled()` is true (checked
+    every 0.2 s; the caller then knows why it stopped waiting).
 
     Raises:
       ClusterError: naming the tasks still closed after `timeout_s`, or a process that exited.
     """
     cluster = ParseClusterSpec(cluster_spec)
     deadline = time.monotonic() + timeout_s
-    while True:
+    while not (cancelled and cancelled()):
         for i, process in enumerate(processes or []):
             if process.poll() is not None:
                 raise ClusterError(f'Worker task {i} exited with status {process.returncode} '
@@ -271,18 +343,20 @@ def WaitUntilListening(cluster_spec: str, timeout_s: float = 60.0,
 
 
 def StopProcesses(processes: list, grace_s: float = 5.0) -> None:
-    """SIGTERM (SIGCONT first, for stopped ones), then SIGKILL after `grace_s`; by process id."""
+    """SIGTERM (SIGCONT first, for stopped ones), then SIGKILL after `grace_s`; by process id
+    (by process group for the groups they lead, see `SignalProcess`)."""
     for process in processes:
-        if process.poll() is None:
-            try:
-                os.kill(process.pid, signal.SIGCONT)
-                process.terminate()
-            except ProcessLookupError:
-                pass
+        SignalProcess(process, signal.SIGCONT)
+        SignalProcess(process, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for process in processes:
         try:
             process.wait(max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            process.kill()
+            SignalProcess(process, signal.SIGKILL)
             process.wait()
+        if process.stdin:
+            try:
+                process.stdin.close()
+            except OSError:  # Its reader is gone; nothing was left to write.
+                pass
