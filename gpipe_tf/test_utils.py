@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import tensorflow as tf
 
@@ -53,6 +55,29 @@ def MaxRelativeError(actual, expected) -> float:
 
 
 FloatLeaves = recompute.FloatLeaves
+
+
+def DamageFile(path: str, how: str) -> None:
+    """Damages a file as accidents do: 'truncate' (to half its size), 'flip' (one byte in its
+    middle) or 'garble' (replaced by text that does not parse)."""
+    with open(path, 'rb') as f:
+        data = f.read()
+    if how == 'truncate':
+        data = data[:len(data) // 2]
+    elif how == 'flip':
+        middle = len(data) // 2
+        data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:]
+    elif how == 'garble':
+        data = b'model_checkpoint_path: "ckpt-12\n{{{ \x00'
+    else:
+        raise ValueError(f'how must be truncate, flip or garble, got {how!r}.')
+    with open(path, 'wb') as f:
+        f.write(data)
+
+
+def FileNames(directory: str) -> set:
+    """The base names of every file under `directory`, subfolders included."""
+    return {name for _, _, names in os.walk(directory) for name in names}
 
 
 def StepBytes(layer, inputs, loss_fn=None) -> int:

@@ -9,27 +9,14 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
+from gpipe_tf import test_utils
 from gpipe_tf.train import checkpoints
 
 STEPS = (1, 2, 3)
 
 
-def Damage(path: str, how: str) -> None:
-    """Truncates `path` to half its size, or flips one byte in its middle."""
-    with open(path, 'rb') as f:
-        data = f.read()
-    if how == 'truncate':
-        data = data[:len(data) // 2]
-    else:
-        middle = len(data) // 2
-        data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:]
-    with open(path, 'wb') as f:
-        f.write(data)
-
-
-def Files(directory: str) -> set:
-    """Every file under `directory`, by base name."""
-    return {name for _, _, names in os.walk(directory) for name in names}
+Damage = test_utils.DamageFile
+Files = test_utils.FileNames
 
 
 class CheckpointsTest(tf.test.TestCase):

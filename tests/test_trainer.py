@@ -3,7 +3,9 @@ SIGKILL with the same losses, recovery from damaged checkpoints, one trainer per
 SIGTERM saves in one line, v1 graph mode, eval, inspect modes, decode, the
 pipeline pictures (inspect_model's PNGs, training's TensorBoard images) and clear errors."""
 
+import contextlib
 import glob
+import io
 import re
 import os
 import shutil
@@ -16,6 +18,7 @@ import time
 
 import numpy as np
 import tensorflow as tf
+from absl.testing import flagsaver
 
 from gpipe_tf import model_registry
 from gpipe_tf import test_utils
@@ -39,6 +42,14 @@ PLAN_PICTURES = ('cell_costs', 'timeline_predicted', 'memory')
 
 def Command(*flags):
     return [sys.executable, '-m', 'gpipe_tf.trainer'] + list(flags)
+
+
+def StartTrainer(logdir, overrides, **popen_kwargs):
+    """MLP training in `logdir` until it is stopped, as a subprocess."""
+    return subprocess.Popen(
+        Command(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=100000',
+                f'--model_params_override={overrides}'),
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'), **popen_kwargs)
 
 
 def Run(*flags, check=True):
@@ -91,20 +102,28 @@ class TrainerTestCase(tf.test.TestCase):
         return path
 
 
-class TrainAndResumeTest(TrainerTestCase):
+class ReferenceRunTestCase(TrainerTestCase):
+    """Tests against one reference run of MLP: MAX_STEPS steps with OVERRIDES, in
+    `reference_dir`; its stdout and {step: loss}."""
+    MAX_STEPS = 24
+    OVERRIDES = FAST
 
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
         cls.reference_dir = tempfile.mkdtemp(prefix='trainer_reference_')
         cls.reference_output = Run(f'--model={MLP}', f'--logdir={cls.reference_dir}',
-                                   '--max_steps=24', f'--model_params_override={FAST}').stdout
+                                   f'--max_steps={cls.MAX_STEPS}',
+                                   f'--model_params_override={cls.OVERRIDES}').stdout
         cls.reference = Scalars(cls.reference_dir, 'loss')
 
     @classmethod
     def tearDownClass(cls):
         shutil.rmtree(cls.reference_dir, ignore_errors=True)
         super().tearDownClass()
+
+
+class TrainAndResumeTest(ReferenceRunTestCase):
 
     def testTrainsWritesCheckpointsAndProgress(self):
         self.assertEqual(sorted(self.reference), list(range(1, 25)))
@@ -117,11 +136,8 @@ class TrainAndResumeTest(TrainerTestCase):
 
     def testSigkillThenRestartResumesWithTheSameLosses(self):
         logdir = self.LogDir()
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
-        process = subprocess.Popen(
-            Command(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=100000',
-                    f'--model_params_override={FAST}'),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        process = StartTrainer(logdir, FAST, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
         try:
             deadline = time.time() + TIMEOUT
             while not CheckpointSteps(logdir) and time.time() < deadline:
@@ -211,21 +227,10 @@ RECOVERY = ('train.summary_interval_steps : 1; train.save_interval_steps : 4; '
 
 def Files(logdir):
     """Every file under <logdir>/train (damaged/ included), by base name."""
-    return {name for _, _, names in os.walk(os.path.join(logdir, 'train')) for name in names}
+    return test_utils.FileNames(os.path.join(logdir, 'train'))
 
 
-def Damage(path, how):
-    with open(path, 'rb') as f:
-        data = f.read()
-    if how == 'truncate':
-        data = data[:len(data) // 2]
-    elif how == 'flip':
-        middle = len(data) // 2
-        data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:]
-    else:  # 'garble'
-        data = b'model_checkpoint_path: "ckpt-12\n{{{ \x00'
-    with open(path, 'wb') as f:
-        f.write(data)
+Damage = test_utils.DamageFile
 
 
 def ErrorLine(result):
@@ -234,22 +239,11 @@ def ErrorLine(result):
     return result.stderr.strip().splitlines()[-1]
 
 
-class RecoveryTest(TrainerTestCase):
+class RecoveryTest(ReferenceRunTestCase):
     """Accidents to a logdir never lose work: a damaged or missing index or checkpoint falls
     back to the newest intact one, a second trainer is refused, files are written safely."""
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.reference_dir = tempfile.mkdtemp(prefix='trainer_recovery_')
-        Run(f'--model={MLP}', f'--logdir={cls.reference_dir}', '--max_steps=12',
-            f'--model_params_override={RECOVERY}')
-        cls.reference = Scalars(cls.reference_dir, 'loss')
-
-    @classmethod
-    def tearDownClass(cls):
-        shutil.rmtree(cls.reference_dir, ignore_errors=True)
-        super().tearDownClass()
+    MAX_STEPS = 12
+    OVERRIDES = RECOVERY
 
     def Copy(self):
         logdir = os.path.join(self.LogDir(), 'run')
@@ -331,11 +325,8 @@ class RecoveryTest(TrainerTestCase):
 
     def testASecondTrainerIsRefusedEvalRunsBesideAndSigtermIsOneLine(self):
         logdir = self.LogDir()
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
-        first = subprocess.Popen(
-            Command(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=100000',
-                    f'--model_params_override={RECOVERY}'),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        first = StartTrainer(logdir, RECOVERY, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
         try:
             deadline = time.time() + TIMEOUT
             while not CheckpointSteps(logdir) and time.time() < deadline:
@@ -530,6 +521,29 @@ class SmallConfigsTrainTest(TrainerTestCase):
 
     def testLanguageModelTiny(self):
         self._TrainsTwoSteps('lm.TransformerLTiny')
+
+
+class ClusterExposureTest(tf.test.TestCase):
+    """The trainer names, once, the tasks of a cluster that other hosts may reach."""
+
+    def Warnings(self, cluster_spec):
+        if not trainer.FLAGS.is_parsed():
+            trainer.FLAGS.mark_as_parsed()
+        stderr = io.StringIO()
+        with flagsaver.flagsaver(cluster_spec=cluster_spec), \
+                contextlib.redirect_stderr(stderr):
+            trainer.WarnIfClusterIsExposed()
+        return stderr.getvalue().splitlines()
+
+    def testTasksOnOtherHostsAreNamedInOneWarning(self):
+        [line] = self.Warnings('worker=10.0.0.5:2222,127.0.0.1:2223,host-b:2224')
+        self.assertStartsWith(line, 'warning: the cluster\'s tf.distribute.Server tasks '
+                                    '(10.0.0.5:2222, host-b:2224) run any op')
+        self.assertIn('firewall them', line)
+
+    def testALoopbackClusterOrNoneIsNotWarnedAbout(self):
+        self.assertEmpty(self.Warnings('worker=127.0.0.1:2222,localhost:2223'))
+        self.assertEmpty(self.Warnings(None))
 
 
 class ErrorsTest(TrainerTestCase):
