@@ -17,6 +17,7 @@ runs. A user's mistake is one line `error: ...` on stderr and exit status 2.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -101,7 +102,10 @@ def TaskParams(model: str, dataset: str = 'Train'):
 def _TaskParams(model: str, dataset: str):
     from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
     from gpipe_tf.tasks import base_task  # pylint: disable=g-import-not-at-top
-    p = model_registry.GetParams(model, dataset)
+    try:
+        p = model_registry.GetParams(model, dataset)
+    except LookupError as error:  # An unknown model or dataset: the registry names the close ones.
+        raise errors.ConfigError(f'--model={model}: {error}') from None
     if FLAGS.model_params_file_override:
         path = FLAGS.model_params_file_override
         if not os.path.isfile(path):
@@ -501,15 +505,25 @@ def ReportBleu(prog, eval_params, name: str, logdir: str, num_samples: int = 5) 
     return bleu
 
 
+def _RestoredProgram(p, logdir: str):
+    """(the program, its step) with the newest checkpoint that restores, read-only: for eval
+    and decode, which may run beside a trainer.
+
+    Raises:
+      errors.UserError: if `logdir` holds no checkpoint.
+    """
+    found = FindCheckpoint(logdir, writer=False)
+    if found.path is None:
+        raise errors.UserError(f'{FLAGS.mode}: no checkpoint under '
+                               f'{os.path.join(logdir, "train")}; train first (--mode=train).')
+    prog = _Program(p, logdir)
+    return prog, prog.Restore(training=False, path=found.path)
+
+
 def RunEval(p, logdir) -> dict:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
-    found = FindCheckpoint(logdir, writer=False)
-    if found.path is None:
-        raise errors.UserError(f'eval: no checkpoint under {os.path.join(logdir, "train")}; '
-                               'train first (--mode=train).')
-    prog = _Program(p, logdir)
-    step = prog.Restore(training=False, path=found.path)
+    prog, step = _RestoredProgram(p, logdir)
     eval_params = TaskParams(FLAGS.model, p.train.eval_dataset).input
     writer = tf.summary.create_file_writer(os.path.join(logdir, 'eval'))
     return loop.Evaluate(prog, eval_params, writer, step, p.train.eval_dataset)
@@ -530,12 +544,7 @@ def RunDecode(p, logdir) -> list[str]:
     if TpuAddress() is not None:
         raise ValueError('decode runs eagerly on this machine\'s devices, not on a TPU: drop '
                          '--tpu and --run_locally=tpu.')
-    found = FindCheckpoint(logdir, writer=False)
-    if found.path is None:
-        raise errors.UserError(f'decode: no checkpoint under {os.path.join(logdir, "train")}; '
-                               'train first.')
-    prog = _Program(p, logdir)
-    prog.Restore(training=False, path=found.path)
+    prog, _ = _RestoredProgram(p, logdir)
     results = decode.Decode(prog.task, p, _DecodeLines(), FLAGS.target_language)
     for source, result in results:
         print(f'{source}\t{result}', flush=True)
@@ -582,19 +591,11 @@ def RunInspectParams(p, logdir: str) -> None:
     text = p.ToText()
     print(text, end='', flush=True)
     try:
-        with logdir_lib.Lock(logdir) if logdir_lib.IsLocalPath(logdir) else _NoLock():
+        with (logdir_lib.Lock(logdir) if logdir_lib.IsLocalPath(logdir) else
+              contextlib.nullcontext()):
             print(f'# written to {WriteParams(text, logdir)}', file=sys.stderr)
     except logdir_lib.LogdirBusyError as error:
         print(f'# not written: {error}', file=sys.stderr)
-
-
-class _NoLock:
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
 
 
 def WarnIfClusterIsExposed() -> None:
@@ -604,8 +605,8 @@ def WarnIfClusterIsExposed() -> None:
     if cluster is None:
         return
     addresses = [a for job in cluster.jobs for a in cluster.job_tasks(job)]
-    exposed = [a for a in addresses if not a.rpartition(':')[0] in ('127.0.0.1', 'localhost',
-                                                                     '[::1]', '::1')]
+    exposed = [a for a in addresses
+               if a.rpartition(':')[0] not in ('127.0.0.1', 'localhost', '[::1]', '::1')]
     if exposed:
         Warn(f'the cluster\'s tf.distribute.Server tasks ({", ".join(exposed)}) run any op '
              'that any host reaching their ports sends, without authentication: firewall them '

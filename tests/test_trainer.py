@@ -557,8 +557,11 @@ class ErrorsTest(TrainerTestCase):
         self.AssertFails(r'--model is required')
 
     def testUnknownModelSuggestsCloseNames(self):
-        self.AssertFails(r'PipelinedMLP', '--model=examples.PipelinedMLQ',
-                         '--mode=inspect_params')
+        result = Run('--model=examples.PipelinedMLQ', '--mode=inspect_params', check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertRegex(ErrorLine(result), r"^error: --model=examples\.PipelinedMLQ: Unknown "
+                                            r"model 'examples\.PipelinedMLQ'; closest registered "
+                                            r'models: .*examples\.PipelinedMLP')
 
     def testMalformedOverrideNamesTheLine(self):
         self.AssertFails(r"Line 1 \('train.no_such_field : 1'\)", f'--model={MLP}',

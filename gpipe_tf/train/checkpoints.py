@@ -27,6 +27,7 @@ import re
 import tensorflow as tf
 
 from gpipe_tf import errors
+from gpipe_tf.train import cluster as cluster_lib
 
 PREFIX = 'ckpt'
 DAMAGED_DIR = 'damaged'
@@ -99,9 +100,10 @@ def Unfinished(directory: str) -> list[str]:
 
 
 def FirstLine(error: Exception) -> str:
-    """`Type: first line of the message`, at most 200 characters."""
-    text = str(getattr(error, 'message', error)).strip().splitlines()
-    return f'{type(error).__name__}: {text[0][:200] if text else ""}'.rstrip(': ')
+    """`Type: the first line of the message that says something`, at most 200 characters of
+    it."""
+    line = cluster_lib.FirstLine(error)[:200]
+    return f'{type(error).__name__}: {line}' if line else type(error).__name__
 
 
 def Verify(prefix: str) -> str | None:

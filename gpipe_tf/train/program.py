@@ -54,11 +54,20 @@ def LatestStep(logdir: str) -> int:
         return 0
 
 
-def _Mismatch(path: str, error: Exception) -> CheckpointMismatchError:
-    return CheckpointMismatchError(
-        f'checkpoint {path} does not fit the model being built '
-        f'({checkpoints.FirstLine(error)}): it was written by another model or configuration. '
-        'Use another --logdir for this one.')
+def _RestoreMatched(checkpoint, path: str):
+    """`checkpoint.restore(path)`'s status, once every object of the model is known to be in
+    the checkpoint.
+
+    Raises:
+      CheckpointMismatchError: if the checkpoint holds other variables than the model's.
+    """
+    try:
+        return checkpoint.restore(path).assert_existing_objects_matched()
+    except AssertionError as error:
+        raise CheckpointMismatchError(
+            f'checkpoint {path} does not fit the model being built '
+            f'({checkpoints.FirstLine(error)}): it was written by another model or '
+            'configuration. Use another --logdir for this one.') from None
 
 
 def _Floats(metrics) -> dict:
@@ -134,10 +143,7 @@ class EagerProgram:
         """
         path = path or self.manager.latest_checkpoint
         if path:
-            try:
-                status = self.checkpoint.restore(path).assert_existing_objects_matched()
-            except AssertionError as error:
-                raise _Mismatch(path, error) from None
+            status = _RestoreMatched(self.checkpoint, path)
             if not training:
                 status.expect_partial()
         step = int(self.global_step.numpy())
@@ -330,11 +336,7 @@ class GraphProgram:
         with self._Guard(), self.graph.as_default(), self.session.as_default():
             path = path or self.manager.latest_checkpoint
             if path:
-                try:
-                    status = self.checkpoint.restore(path).assert_existing_objects_matched()
-                except AssertionError as error:
-                    raise _Mismatch(path, error) from None
-                status.run_restore_ops(self.session)
+                _RestoreMatched(self.checkpoint, path).run_restore_ops(self.session)
                 # Slot and other variables the checkpoint does not hold start from their
                 # initialisers.
                 self.session.run(tf.compat.v1.variables_initializer(
