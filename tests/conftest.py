@@ -1,4 +1,10 @@
-"""pytest: configure TensorFlow for the tests before any test touches it."""
+"""pytest: configure TensorFlow for the tests before any test touches it, and the test tiers.
+
+Tiers: `python -m pytest -q -m unit tests` runs the fast tier (pure Python and small graphs, about
+a minute on 2 cores), the contributor's inner loop; `python -m pytest -q tests` runs everything
+(the README's and `.ci/run`'s command). A test module joins the fast tier with
+`pytestmark = pytest.mark.unit`, a class with `@pytest.mark.unit`.
+"""
 
 import os
 
@@ -8,6 +14,12 @@ os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')
 from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
 
 test_utils.ConfigureVirtualCpus()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        'markers', 'unit: the fast tier (pure Python and small graphs); '
+        '`python -m pytest -q -m unit tests`')
 
 
 def pytest_collection_modifyitems(config, items):

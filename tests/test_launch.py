@@ -89,8 +89,16 @@ def KillIfSame(pid: int, start_time: str) -> None:
 def RunProbe(test, prefix=()) -> int:
     """Starts _PROBE (under `prefix`, e.g. another user); the port it listens on inside its
     namespace. Skips the test where the OS forbids the namespace."""
-    probe = subprocess.Popen(list(prefix) + [sys.executable, '-c', _PROBE, launch.__file__],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # Another user may not read this checkout (Bazel's runfiles sit under root's 0700 home):
+    # the probe runs a world-readable copy of launch.py, in a folder it can enter.
+    folder = tempfile.mkdtemp()
+    test.addCleanup(shutil.rmtree, folder)
+    os.chmod(folder, 0o755)
+    source = shutil.copy(launch.__file__, folder)
+    os.chmod(source, 0o644)
+    probe = subprocess.Popen(list(prefix) + [sys.executable, '-c', _PROBE, source],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             cwd=folder)
     test.addCleanup(cluster_lib.StopProcesses, [probe])
     test.addCleanup(probe.stdout.close)
     ready, _, _ = select.select([probe.stdout], [], [], 60)
