@@ -29,7 +29,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top,g-bad-import-orde
 
 from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
-from gpipe_tf.layers import pipeline  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
 
 NUM_CELLS = 2
@@ -40,7 +40,7 @@ def BuildGraph(args, devices):
     with graph.as_default():
         layers = [basic.DenseLayer.Params().Set(input_dim=args.width, output_dim=args.width,
                                                 activation='relu') for _ in range(args.layers)]
-        layer = pipeline.PipeliningLayer.Params().Set(
+        layer = pipelining_layer.PipeliningLayer.Params().Set(
             name='pipe', layer_tpl=layers, num_cells=NUM_CELLS, num_micro_batches=args.m,
             input_shapes=[args.batch, args.width], devices=devices).Instantiate()
         with tf.device(devices[0]):

@@ -31,10 +31,10 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top,g-bad-import-orde
 
 from gpipe_tf import hyperparams  # pylint: disable=g-import-not-at-top
 from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
-from gpipe_tf.layers import partition  # pylint: disable=g-import-not-at-top
-from gpipe_tf.layers import pipeline  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import sequential  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import plot  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import partition  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 
 # The paper's name of each model -> its registry key.
 MODELS = {
@@ -66,7 +66,7 @@ def LayerCosts(p: hyperparams.Params) -> list[int]:
                          f'layer_tpl={p.layer_tpl is not None}, input_shapes={p.input_shapes}.')
     before = list(p.before_tpl)
     _, metas = sequential.ChainMeta(before + list(p.layer_tpl),
-                                    *pipeline.PipeliningLayer.InputShapes(p))
+                                    *pipelining_layer.PipeliningLayer.InputShapes(p))
     return [m.flops for m in metas[len(before):]]
 
 

@@ -44,8 +44,8 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top,g-bad-import-orde
 
 from gpipe_tf import hyperparams  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import base_layer  # pylint: disable=g-import-not-at-top
-from gpipe_tf.layers import pipeline  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import simulator  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 # Same directory (a script's folder is on sys.path): the models and their Params.
 from partition_quality import MODELS, PipelineParams  # pylint: disable=g-import-not-at-top
 
@@ -64,7 +64,7 @@ LINK_GBPS = 50.0  # Default link bandwidth, GB/s; see the module docstring.
 
 def BatchSize(p: hyperparams.Params) -> int:
     """The global batch of PipeliningLayer Params `p`: its first input's batch dimension."""
-    return base_layer.FlattenShapes(pipeline.PipeliningLayer.InputShapes(p))[0][p.batch_dim]
+    return base_layer.FlattenShapes(pipelining_layer.PipeliningLayer.InputShapes(p))[0][p.batch_dim]
 
 
 def CellPlan(p: hyperparams.Params, num_cells: int) -> tuple[list[int], list[int]]:
@@ -74,7 +74,7 @@ def CellPlan(p: hyperparams.Params, num_cells: int) -> tuple[list[int], list[int
       (per cell its forward FLOPs on one mini-batch, per boundary (K - 1 of them) the bytes of
       the activations crossing it for one mini-batch).
     """
-    _, metas = pipeline.PipeliningLayer.PlanCells(p.Copy().Set(num_cells=num_cells))
+    _, metas = pipelining_layer.PipeliningLayer.PlanCells(p.Copy().Set(num_cells=num_cells))
     element_bytes = tf.as_dtype(p.dtype).size
     boundary_bytes = [
         element_bytes * sum(s.num_elements() for s in base_layer.FlattenShapes(m.out_shapes))

@@ -34,11 +34,11 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top,g-bad-import-orde
 
 from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
-from gpipe_tf.layers import pipeline  # pylint: disable=g-import-not-at-top
-from gpipe_tf.layers import unrolled  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import plot  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import simulator  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import trace  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import executor  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 
 NUM_CELLS = 2
 TOLERANCE = 0.20
@@ -76,7 +76,7 @@ def BoxSeconds(fn, args, repeats: int) -> dict:
 def BuildPipeline(args, devices, num_micro_batches):
     layers = [basic.DenseLayer.Params().Set(input_dim=args.width, output_dim=args.width,
                                             activation='relu') for _ in range(args.layers)]
-    return pipeline.PipeliningLayer.Params().Set(
+    return pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', layer_tpl=layers, num_cells=NUM_CELLS, num_micro_batches=num_micro_batches,
         recompute='always', input_shapes=[args.batch, args.width], devices=devices).Instantiate()
 
@@ -94,12 +94,12 @@ def CellCosts(layer, micro_batch_size: int, width: int, repeats: int) -> simulat
 
         @tf.function
         def Forward(x, k=k, fn=fn, theta=theta):
-            with tf.name_scope(unrolled.OpScope(k, 0, 'fwd')):
+            with tf.name_scope(executor.OpScope(k, 0, 'fwd')):
                 return fn.Forward(theta, x, step, micro_batch)[0]
 
         @tf.function
         def Backward(x, dy, k=k, fn=fn, theta=theta):
-            with tf.name_scope(unrolled.OpScope(k, 0, 'bwd')):
+            with tf.name_scope(executor.OpScope(k, 0, 'bwd')):
                 return [g for g in tf.nest.flatten(fn.Backward(theta, x, step, micro_batch, dy))
                         if g is not None]
 

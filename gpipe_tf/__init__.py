@@ -12,11 +12,11 @@ from gpipe_tf.layers.base_layer import LayerMeta
 from gpipe_tf.layers.base_layer import WeightInit
 from gpipe_tf.layers.base_layer import WeightParams
 from gpipe_tf.layers.fprop_context import Scope as FPropScope
-from gpipe_tf.layers.pipeline import PipeliningLayer
 from gpipe_tf.model_registry import GetParams
 from gpipe_tf.model_registry import ListModels
 from gpipe_tf.model_registry import RegisterSingleTaskModel
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline.pipelining_layer import PipeliningLayer
 
 __version__ = '0.1.0'
 

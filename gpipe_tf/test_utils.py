@@ -11,34 +11,16 @@ from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import normalization
-from gpipe_tf.layers import recompute
+from gpipe_tf.pipeline import devices
+from gpipe_tf.pipeline import recompute
 
 # Tests split the CPU into this many logical devices, enough for K = 8 cells.
 NUM_VIRTUAL_CPUS = 8
 
 
 def ConfigureVirtualCpus(num_devices: int = NUM_VIRTUAL_CPUS) -> list[str]:
-    """Splits the physical CPU into `num_devices` logical devices (once per process).
-
-    Must run before TensorFlow initialises its devices; later calls check the count instead.
-
-    Returns:
-      The logical CPU device names.
-
-    Raises:
-      RuntimeError: if TF was initialised with fewer logical CPUs than asked for.
-    """
-    cpu = tf.config.list_physical_devices('CPU')[0]
-    try:
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices)
-    except RuntimeError:
-        pass  # Already initialised; checked below.
-    devices = [d.name for d in tf.config.list_logical_devices('CPU')]
-    if len(devices) < num_devices:
-        raise RuntimeError(f'Need {num_devices} logical CPUs but TensorFlow was initialised with '
-                           f'{len(devices)}; configure devices before any TF op runs.')
-    return devices
+    """`devices.VirtualCpus` with the tests' default count."""
+    return devices.VirtualCpus(num_devices)
 
 
 def MaxRelativeError(actual, expected) -> float:

@@ -25,7 +25,7 @@ from absl import app
 from absl import flags
 
 from gpipe_tf import errors
-from gpipe_tf.train import devices as devices_lib
+from gpipe_tf.pipeline import devices as devices_lib
 
 MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model', 'decode')
 
@@ -251,11 +251,11 @@ def _SetUpDevices(p, plan_only: bool = False) -> list[str]:
 def InspectModel(p, name: str) -> str:
     """The partition table of task Params `p`'s pipeline from Params alone (no variables, no
     TF ops)."""
-    from gpipe_tf.layers import partition  # pylint: disable=g-import-not-at-top
-    from gpipe_tf.layers import pipeline  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.pipeline import partition  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
     model = p.model
     cells, metas = model.cls.PlanCells(model)
-    stages = pipeline.StageDevices(model.devices, len(cells), model.round_robin)
+    stages = pipelining_layer.StageDevices(model.devices, len(cells), model.round_robin)
     rows = [partition.ReportRow(cell=k, device=stages[k], layers=[l.name for l in cell],
                                 flops=metas[k].flops if metas else None,
                                 num_params=metas[k].num_params if metas else None,
@@ -310,8 +310,8 @@ def GpuMemoryReport(p) -> str:
     """Each cell's planned memory against the free memory of the GPU it runs on, read with
     nvidia-smi; a line saying why when there is no report (no plan, R > 1 replicas, devices
     that are not this machine's GPUs)."""
-    from gpipe_tf.layers import pipeline  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import pictures  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import gpu  # pylint: disable=g-import-not-at-top
     model = p.model
     if 'num_replicas' in model and model.num_replicas > 1:
@@ -320,7 +320,7 @@ def GpuMemoryReport(p) -> str:
                 f'{model.num_replicas} replicas.')
     try:
         plan = pictures.Plan(p)
-        stages = pipeline.StageDevices(model.devices, _NumCells(p), model.round_robin)
+        stages = pipelining_layer.StageDevices(model.devices, _NumCells(p), model.round_robin)
         report = gpu.Report(plan.memory, stages)
     except ValueError as error:  # Informational: never stops the run.
         return f'No GPU memory report: {error}'

@@ -8,13 +8,13 @@ from absl.testing import parameterized
 
 from gpipe_tf import model_registry
 from gpipe_tf import test_utils
-from gpipe_tf.layers import amoebanet
-from gpipe_tf.layers import amoebanet_ops
 from gpipe_tf.layers import fprop_context
-from gpipe_tf.layers import pipeline
 from gpipe_tf.layers import sequential
+from gpipe_tf.models.amoebanet import network as amoebanet
+from gpipe_tf.models.amoebanet import ops as amoebanet_ops
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.params.image import amoebanet as amoebanet_params
+from gpipe_tf.pipeline import pipelining_layer
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 TOLERANCE = 1e-5
@@ -96,7 +96,7 @@ class PaperSizeTest(tf.test.TestCase, parameterized.TestCase):
 
     def testRegisteredParamsRoundTripThroughText(self):
         p = amoebanet_params.AmoebaNetD_18_208().Pipeline()
-        q = pipeline.PipeliningLayer.Params().FromText(p.ToText())
+        q = pipelining_layer.PipeliningLayer.Params().FromText(p.ToText())
         self.assertEqual(q, p)
         self.assertEqual(q.ToText(), p.ToText())
 

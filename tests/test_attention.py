@@ -9,8 +9,8 @@ from gpipe_tf import test_utils
 from gpipe_tf.layers import attention
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
-from gpipe_tf.layers import pipeline
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import pipelining_layer
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 TOLERANCE = 1e-5
@@ -298,7 +298,7 @@ def _Pipeline(cross=False, **kwargs):
     if cross:
         input_shapes.update(encoder_vec=[BATCH, SOURCE_TIME, DIM],
                             encoder_paddings=[BATCH, SOURCE_TIME])
-    return pipeline.PipeliningLayer.Params().Set(
+    return pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', layer_tpl=blocks, num_cells=2, num_micro_batches=2,
         input_shapes=input_shapes, devices=DEVICES[:2]).Instantiate()
 

@@ -10,8 +10,8 @@ from unittest import mock
 import tensorflow as tf
 
 from gpipe_tf.layers import basic
-from gpipe_tf.layers import pipeline
 from gpipe_tf.perf import memory
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.train import gpu as gpu_lib
 
 MIB = 2**20
@@ -27,7 +27,7 @@ GPU_DEVICES = ['/device:GPU:0', '/job:localhost/replica:0/task:0/device:GPU:1']
 def _Plan(num_cells=4):
     """The plan of a small pipeline whose cell k has k + 1 layers: every cell's peak differs."""
     dense = basic.DenseLayer.Params().Set(input_dim=256, output_dim=256, activation='relu')
-    p = pipeline.PipeliningLayer.Params().Set(
+    p = pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', num_micro_batches=4, recompute='always', input_shapes=[128, 256],
         cell_tpl=[[dense.Copy() for _ in range(k + 1)] for k in range(num_cells)])
     return memory.PlanMemory(p, slots_per_param=2)
@@ -164,7 +164,7 @@ class MemoryReportTest(tf.test.TestCase):
 
     def testRoundRobinSumsPerGpuAndReportsTheShortfall(self):
         plan = _Plan(num_cells=4)
-        devices = pipeline.StageDevices(GPU_DEVICES, 4)  # Cells 0, 2 on GPU 0; 1, 3 on GPU 1.
+        devices = pipelining_layer.StageDevices(GPU_DEVICES, 4)  # Cells 0, 2 on GPU 0; 1, 3 on GPU 1.
         self.assertEqual(devices, GPU_DEVICES * 2)
         totals = [cell.total for cell in plan.cells]
         self.assertLen(set(totals), 4)  # So a cell counted on the wrong GPU changes a sum.

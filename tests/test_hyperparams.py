@@ -17,8 +17,8 @@ import gpipe_tf
 from gpipe_tf import hyperparams
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import basic
-from gpipe_tf.layers import pipeline
 from gpipe_tf.layers import sequential
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.train import tpu
 
 
@@ -273,7 +273,7 @@ class TextRoundTripTest(tf.test.TestCase):
         self.assertEqual(_RoundTrip([tf.float32, (tf.int32,)]), [tf.float32, (tf.int32,)])
 
     def test_classes_of_the_package_round_trip(self):
-        for cls in (basic.DenseLayer, pipeline.PipeliningLayer, hyperparams.InstantiableParams):
+        for cls in (basic.DenseLayer, pipelining_layer.PipeliningLayer, hyperparams.InstantiableParams):
             with self.subTest(cls=cls):
                 self.assertIs(_RoundTrip(cls), cls)
 

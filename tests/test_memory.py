@@ -12,15 +12,15 @@ from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
 from gpipe_tf import optimizer  # pylint: disable=g-import-not-at-top
 from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
-from gpipe_tf.layers import pipeline  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import memory  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 MIB = 2**20
 
 
 def _Dense(num_cells=2, m=4, recompute='always', layers=16, width=512, batch=1024):
-    return pipeline.PipeliningLayer.Params().Set(
+    return pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', num_cells=num_cells, num_micro_batches=m, recompute=recompute,
         layer_tpl=[basic.DenseLayer.Params().Set(input_dim=width, output_dim=width,
                                                  activation='relu') for _ in range(layers)],

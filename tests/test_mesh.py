@@ -8,7 +8,7 @@ from absl.testing import parameterized
 from gpipe_tf import test_utils
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import normalization
-from gpipe_tf.layers import pipeline
+from gpipe_tf.pipeline import pipelining_layer
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 TOLERANCE = 1e-5
@@ -18,7 +18,7 @@ BATCH, DIM = 16, 8
 def _Layer(num_replicas=2, num_cells=2, m=2, recompute='always', layers=None, devices=None):
     layers = layers or [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM,
                                                       activation='tanh') for _ in range(6)]
-    return pipeline.PipeliningLayer.Params().Set(
+    return pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', layer_tpl=layers, num_cells=num_cells, num_micro_batches=m,
         recompute=recompute, num_replicas=num_replicas, input_shapes=[BATCH, DIM],
         devices=devices or DEVICES[:num_replicas * num_cells]).Instantiate()
@@ -31,31 +31,31 @@ def _Inputs():
 class MeshDevicesTest(parameterized.TestCase):
 
     def testFlatListIsReplicaMajor(self):
-        self.assertEqual(pipeline.MeshDevices(['a', 'b', 'c', 'd'], 2, 2),
+        self.assertEqual(pipelining_layer.MeshDevices(['a', 'b', 'c', 'd'], 2, 2),
                          [['a', 'b'], ['c', 'd']])
 
     def testFunctionOfReplicaAndStage(self):
-        self.assertEqual(pipeline.MeshDevices(lambda r, k: f'{r}{k}', 2, 3),
+        self.assertEqual(pipelining_layer.MeshDevices(lambda r, k: f'{r}{k}', 2, 3),
                          [['00', '01', '02'], ['10', '11', '12']])
 
     def testNestedList(self):
-        self.assertEqual(pipeline.MeshDevices([['a', 'b'], ['c', 'd']], 2, 2),
+        self.assertEqual(pipelining_layer.MeshDevices([['a', 'b'], ['c', 'd']], 2, 2),
                          [['a', 'b'], ['c', 'd']])
 
     def testBadMeshes(self):
         with self.assertRaisesRegex(ValueError, 'must be 2 replicas x 2 stages, got \\[2, 1\\]'):
-            pipeline.MeshDevices([['a', 'b'], ['c']], 2, 2)
+            pipelining_layer.MeshDevices([['a', 'b'], ['c']], 2, 2)
         with self.assertRaisesRegex(ValueError, 'function of \\(replica, stage\\)'):
-            pipeline.MeshDevices(lambda k: 'a', 2, 2)
+            pipelining_layer.MeshDevices(lambda k: 'a', 2, 2)
         with self.assertRaisesRegex(ValueError, '2 replicas of 2 cells need 4 devices'):
-            pipeline.MeshDevices(['a', 'b', 'c'], 2, 2, round_robin=False)
+            pipelining_layer.MeshDevices(['a', 'b', 'c'], 2, 2, round_robin=False)
         with self.assertRaisesRegex(ValueError, 'num_replicas must be >= 1'):
-            pipeline.MeshDevices(None, 0, 2)
+            pipelining_layer.MeshDevices(None, 0, 2)
 
 
 class DataParallelTest(tf.test.TestCase, parameterized.TestCase):
 
-    @parameterized.product(recompute=pipeline.RECOMPUTE_MODES, m=[1, 2, 4])
+    @parameterized.product(recompute=pipelining_layer.RECOMPUTE_MODES, m=[1, 2, 4])
     def testGradientsAndUpdateEqualUnpartitionedOnTheGlobalBatch(self, recompute, m):
         layer = _Layer(m=m, recompute=recompute)
         x = _Inputs()

@@ -13,9 +13,9 @@ import tensorflow as tf
 from gpipe_tf import hyperparams
 from gpipe_tf import model_registry
 from gpipe_tf.layers import basic
-from gpipe_tf.layers import pipeline
-from gpipe_tf.tasks import classifier
 from gpipe_tf.params import examples
+from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.tasks import classifier
 
 EXAMPLE = 'examples.PipelinedMLP'
 
@@ -279,7 +279,7 @@ class ExampleModelTest(tf.test.TestCase):
         p = model_registry.GetParams(EXAMPLE, 'Train')
         self.assertIs(p.cls, classifier.ClassifierTask)
         model = p.model
-        self.assertIs(model.cls, pipeline.PipeliningLayer)
+        self.assertIs(model.cls, pipelining_layer.PipeliningLayer)
         self.assertEqual((model.num_cells, model.num_micro_batches), (4, 8))
         self.assertEqual([s.cls for s in model.layer_tpl], [basic.DenseLayer] * 4)
         self.assertEqual([(s.input_dim, s.output_dim) for s in model.layer_tpl],

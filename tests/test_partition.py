@@ -6,7 +6,7 @@ import random
 import tensorflow as tf
 from absl.testing import parameterized
 
-from gpipe_tf.layers import partition
+from gpipe_tf.pipeline import partition
 
 
 def BruteForceMinMax(costs, k):

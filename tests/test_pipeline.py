@@ -13,8 +13,8 @@ from gpipe_tf.layers import basic
 from gpipe_tf.layers import embedding
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import normalization
-from gpipe_tf.layers import pipeline
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import pipelining_layer
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 TOLERANCE = 1e-5
@@ -27,7 +27,7 @@ def DenseStack(num_layers=NUM_LAYERS, dim=DIM):
 
 
 def PipelineParams(num_cells, num_micro_batches, recompute='always', layers=None, **kw):
-    return pipeline.PipeliningLayer.Params().Set(
+    return pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', layer_tpl=layers or DenseStack(), num_cells=num_cells,
         num_micro_batches=num_micro_batches, recompute=recompute,
         input_shapes=[BATCH, DIM], devices=DEVICES[:4], **kw)
@@ -60,7 +60,7 @@ def RandomInputs(shape=(BATCH, DIM)):
     return tf.random.stateless_normal(shape, [7, 11])
 
 
-GRID = list(itertools.product([1, 2, 4], [1, 2, 4, 8], pipeline.RECOMPUTE_MODES))
+GRID = list(itertools.product([1, 2, 4], [1, 2, 4, 8], pipelining_layer.RECOMPUTE_MODES))
 
 
 class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
@@ -90,7 +90,7 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
     def testExplicitCellsMatchUnpartitioned(self):
         stack = DenseStack(6)
-        layer = pipeline.PipeliningLayer.Params().Set(
+        layer = pipelining_layer.PipeliningLayer.Params().Set(
             name='pipe', cell_tpl=[stack[:1], stack[1:5], stack[5]], num_micro_batches=4,
             devices=DEVICES[:3]).Instantiate()
         self.assertEqual([len(c.sequence) for c in layer.cells], [1, 4, 1])
@@ -131,7 +131,7 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
     def testSparseEmbeddingGradientsAreSummedOverMicroBatches(self):
         layers = [embedding.EmbeddingLayer.Params().Set(vocab_size=50, embedding_dim=DIM)]
         layers += DenseStack(3)
-        layer = pipeline.PipeliningLayer.Params().Set(
+        layer = pipelining_layer.PipeliningLayer.Params().Set(
             name='pipe', layer_tpl=layers, num_cells=2, num_micro_batches=4,
             input_shapes=[BATCH, 5], devices=DEVICES[:2]).Instantiate()
         ids = tf.random.stateless_uniform([BATCH, 5], [3, 4], maxval=50, dtype=tf.int32)
@@ -185,12 +185,12 @@ class StructuredInputTest(tf.test.TestCase, parameterized.TestCase):
 
     def _Layer(self, batch_dim, mode):
         shape = [BATCH, 3, DIM] if batch_dim == 0 else [3, BATCH, DIM]
-        return pipeline.PipeliningLayer.Params().Set(
+        return pipelining_layer.PipeliningLayer.Params().Set(
             name='pipe', layer_tpl=[NestedInputLayer.Params() for _ in range(4)], num_cells=2,
             num_micro_batches=4, batch_dim=batch_dim, recompute=mode, devices=DEVICES[:2],
             input_shapes={'x': shape, 'bias': shape, 'ids': shape[:2]}).Instantiate()
 
-    @parameterized.product(batch_dim=[0, 1], mode=pipeline.RECOMPUTE_MODES)
+    @parameterized.product(batch_dim=[0, 1], mode=pipelining_layer.RECOMPUTE_MODES)
     def testNestedMapInputsInTfFunction(self, batch_dim, mode):
         layer = self._Layer(batch_dim, mode)
         inputs = self._Inputs(batch_dim)
@@ -217,7 +217,7 @@ class DropoutTest(tf.test.TestCase, parameterized.TestCase):
                        basic.DropoutLayer.Params().Set(keep_prob=0.7)]
         return PipelineParams(2, 4, mode, layers=layers).Instantiate()
 
-    @parameterized.parameters(*pipeline.RECOMPUTE_MODES)
+    @parameterized.parameters(*pipelining_layer.RECOMPUTE_MODES)
     def testPipelineEqualsReferenceWithSameSeeds(self, mode):
         layer = self._Layer(mode)
         x = RandomInputs()
@@ -259,7 +259,7 @@ class BatchNormTest(tf.test.TestCase, parameterized.TestCase):
                                     decay * l.vars.moving_variance + (1 - decay) * var)
         return expected
 
-    @parameterized.product(mode=pipeline.RECOMPUTE_MODES, m=[1, 4])
+    @parameterized.product(mode=pipelining_layer.RECOMPUTE_MODES, m=[1, 4])
     def testTrainingMatchesPerMicroBatchReferenceAndUpdatesOnce(self, mode, m):
         layer = self._Layer(mode, m)
         x = RandomInputs() * 3.0 + 1.0
@@ -289,7 +289,7 @@ class BatchNormTest(tf.test.TestCase, parameterized.TestCase):
 class PlacementTest(tf.test.TestCase, parameterized.TestCase):
     """Every op of cell k, forward and backward, is on device k; each cell runs M micro-batches."""
 
-    @parameterized.parameters(*pipeline.RECOMPUTE_MODES)
+    @parameterized.parameters(*pipelining_layer.RECOMPUTE_MODES)
     def testOpsOfEachCellAreOnItsDevice(self, mode):
         k_cells, m = 4, 4
         graph = tf.Graph()
@@ -386,7 +386,7 @@ class MemoryTest(tf.test.TestCase, parameterized.TestCase):
         layers = [basic.DenseLayer.Params().Set(input_dim=128, output_dim=128, activation='tanh')
                   for _ in range(32)]
         shape = [64, 64, 128]
-        p = pipeline.PipeliningLayer.Params().Set(
+        p = pipelining_layer.PipeliningLayer.Params().Set(
             name='pipe', layer_tpl=layers, num_cells=4, num_micro_batches=8, recompute=mode,
             input_shapes=shape, devices=DEVICES[:4])
         x_value = np.random.RandomState(0).normal(size=shape).astype(np.float32)
@@ -510,14 +510,14 @@ class MissingDeviceTest(tf.test.TestCase):
     def testCheckDevicesAgainstAGivenList(self):
         available = ['/job:worker/replica:0/task:0/device:CPU:0',
                      '/job:worker/replica:0/task:1/device:CPU:0']
-        pipeline.CheckDevices([['/job:worker/task:0/device:CPU:0',
+        pipelining_layer.CheckDevices([['/job:worker/task:0/device:CPU:0',
                                 '/job:worker/task:1/device:CPU:0']], available)
-        pipeline.CheckDevices([['', '/device:TPU_REPLICATED_CORE:0']], available)
+        pipelining_layer.CheckDevices([['', '/device:TPU_REPLICATED_CORE:0']], available)
         with self.assertRaisesRegex(
                 ValueError, r'/job:worker/task:2/device:CPU:0 \(stage 1 of replica 0\) is not '
                 'among the devices available: /job:worker/replica:0/task:0/device:CPU:0, '
                 '/job:worker/replica:0/task:1/device:CPU:0.$'):
-            pipeline.CheckDevices([['/job:worker/task:1/device:CPU:0',
+            pipelining_layer.CheckDevices([['/job:worker/task:1/device:CPU:0',
                                     '/job:worker/task:2/device:CPU:0']], available)
 
 

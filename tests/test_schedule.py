@@ -3,7 +3,7 @@
 import tensorflow as tf
 from absl.testing import parameterized
 
-from gpipe_tf.layers import schedule
+from gpipe_tf.pipeline import schedule
 
 
 class ScheduleTest(tf.test.TestCase, parameterized.TestCase):

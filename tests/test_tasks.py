@@ -17,9 +17,9 @@ from gpipe_tf import test_utils
 from gpipe_tf.input import base_input
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import fprop_context
-from gpipe_tf.layers import pipeline
-from gpipe_tf.layers import transformer_model
+from gpipe_tf.models.transformer import network as transformer_model
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.tasks import base_task
 from gpipe_tf.tasks import classifier
 from gpipe_tf.tasks import sequence
@@ -357,7 +357,7 @@ class UpdateTest(tf.test.TestCase):
 # ---- SyncInputShapes ----------------------------------------------------------------------------
 def _ShapesParams(input_shapes, batch_size=8, batch_dim=0):
     p = hyperparams.Params()
-    p.Define('model', pipeline.PipeliningLayer.Params().Set(input_shapes=input_shapes,
+    p.Define('model', pipelining_layer.PipeliningLayer.Params().Set(input_shapes=input_shapes,
                                                             batch_dim=batch_dim), '')
     p.Define('input', base_input.BaseInput.Params().Set(batch_size=batch_size), '')
     return p

@@ -13,7 +13,7 @@ import tensorflow as tf
 from gpipe_tf import test_utils
 from gpipe_tf.input import text
 from gpipe_tf.input import vocabulary
-from gpipe_tf.layers import transformer_model
+from gpipe_tf.models.transformer import network as transformer_model
 from gpipe_tf.tools import make_multilingual_corpus as corpus_tool
 
 DEVICES = test_utils.ConfigureVirtualCpus()

@@ -15,7 +15,7 @@ from absl.testing import parameterized
 from gpipe_tf import test_utils
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import fprop_context
-from gpipe_tf.layers import pipeline
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.train import cluster as cluster_lib
 from gpipe_tf.train import tpu
 
@@ -27,7 +27,7 @@ def _Pipeline(recompute, num_micro_batches=2, **params):
     """K cells of 6 dense tanh layers over M micro-batches, with `params` set."""
     layers = [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM, activation='tanh')
               for _ in range(6)]
-    return pipeline.PipeliningLayer.Params().Set(
+    return pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', layer_tpl=layers, num_cells=K, num_micro_batches=num_micro_batches,
         recompute=recompute, input_shapes=[BATCH, DIM], **params).Instantiate()
 
@@ -273,7 +273,7 @@ class LogicalDeviceTest(tf.test.TestCase, parameterized.TestCase):
             with fprop_context.Scope(training=True, step=tf.constant(0, tf.int64)):
                 layer(tf.zeros([BATCH, DIM]))
         with self.assertRaisesRegex(ValueError, 'num_replicas must be 1, got 2'):
-            pipeline.PipeliningLayer.Params().Set(
+            pipelining_layer.PipeliningLayer.Params().Set(
                 name='pipe', layer_tpl=[basic.DenseLayer.Params().Set(input_dim=2, output_dim=2)],
                 num_replicas=2, logical_device_fn=tpu.ShardingAssign).Instantiate()
 

@@ -11,10 +11,10 @@ from absl.testing import parameterized
 
 from gpipe_tf import test_utils
 from gpipe_tf.layers import basic
-from gpipe_tf.layers import pipeline
 from gpipe_tf.perf import plot
 from gpipe_tf.perf import simulator
 from gpipe_tf.perf import trace
+from gpipe_tf.pipeline import pipelining_layer
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 
@@ -89,7 +89,7 @@ K, M, BATCH, DIM = 3, 4, 192, 512
 def _Pipeline(recompute):
     layers = [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM, activation='relu')
               for _ in range(6)]
-    return pipeline.PipeliningLayer.Params().Set(
+    return pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', layer_tpl=layers, num_cells=K, num_micro_batches=M, recompute=recompute,
         input_shapes=[BATCH, DIM], devices=DEVICES[:K])
 

@@ -1,4 +1,4 @@
-"""Tests of the Transformer LM and multilingual models (layers/transformer_model.py) and their
+"""Tests of the Transformer LM and multilingual models (models/transformer/network.py) and their
 registered params (params/lm.py, params/mt/multilingual.py): parameter counts against the GPipe
 paper, FPropMeta against reality, pipelined gradients against un-pipelined ones, training, the
 causal and padding masks, and the paper's two trainability fixes."""
@@ -12,15 +12,15 @@ from absl.testing import parameterized
 
 from gpipe_tf import model_registry
 from gpipe_tf import test_utils
+from gpipe_tf.layers import attention
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
-from gpipe_tf.layers import pipeline
 from gpipe_tf.layers import sequential
-from gpipe_tf.layers import attention
-from gpipe_tf.layers import transformer_model
+from gpipe_tf.models.transformer import network as transformer_model
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.params import lm
 from gpipe_tf.params.mt import multilingual
+from gpipe_tf.pipeline import pipelining_layer
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 TOLERANCE = 1e-5
@@ -231,7 +231,7 @@ class TinyModelTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(*TINY)
     def testParamsRoundTripThroughText(self, key):
         task, _ = TinyTask(key)
-        self.assertEqual(pipeline.PipeliningLayer.Params().FromText(task.ToText()), task)
+        self.assertEqual(pipelining_layer.PipeliningLayer.Params().FromText(task.ToText()), task)
 
 
 class MaskTest(tf.test.TestCase):

@@ -6,7 +6,7 @@ from gpipe_tf import hyperparams
 from gpipe_tf import model_registry
 from gpipe_tf.input import image
 from gpipe_tf.layers import basic
-from gpipe_tf.layers import pipeline
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.tasks import classifier
 
 
@@ -28,7 +28,7 @@ class PipelinedMLP:
             layers.append(basic.DenseLayer.Params().Set(
                 name=f'dense_{i}', input_dim=input_dim, output_dim=output_dim,
                 activation='none' if last else 'relu'))
-        return pipeline.PipeliningLayer.Params().Set(
+        return pipelining_layer.PipeliningLayer.Params().Set(
             name='mlp', layer_tpl=layers, num_cells=4, num_micro_batches=8,
             input_shapes=[self.BATCH_SIZE, dims[0]])
 

@@ -31,9 +31,9 @@ from gpipe_tf import learning_rate
 from gpipe_tf import model_registry
 from gpipe_tf import optimizer
 from gpipe_tf.input import synthetic_text
-from gpipe_tf.layers import pipeline
-from gpipe_tf.layers import transformer_model
+from gpipe_tf.models.transformer import network as transformer_model
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.tasks import sequence
 
 
@@ -73,7 +73,7 @@ class TransformerLm:
 
     def Pipeline(self) -> hyperparams.Params:
         """The PipeliningLayer Params: embedding, L Transformer layers, softmax over K cells."""
-        return pipeline.PipeliningLayer.Params().Set(
+        return pipelining_layer.PipeliningLayer.Params().Set(
             name='lm', layer_tpl=transformer_model.LmLayers(self.ModelParams()),
             num_cells=self.NUM_CELLS, num_micro_batches=self.NUM_MICRO_BATCHES,
             recompute=self.RECOMPUTE,

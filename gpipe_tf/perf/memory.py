@@ -1,7 +1,7 @@
 """Plans a pipeline's memory per device from Params alone: parameters, gradients, optimizer slots
 and activations, with and without re-materialization.
 
-The model follows what the graph keeps alive (`layers/unrolled.py`, `layers/recompute.py`):
+The model follows what the graph keeps alive (`pipeline/executor.py`, `pipeline/recompute.py`):
 
 * Cell k's device holds its variables, the running sum of its weight gradients (and, from the
   second micro-batch on, the micro-batch's gradient being added to it), and the optimizer's slots (`slots_per_param` copies: Adam and RMSProp with momentum keep 2, Momentum 1,
@@ -27,9 +27,9 @@ import tensorflow as tf
 
 from gpipe_tf import optimizer as optimizer_lib
 from gpipe_tf.layers import base_layer
-from gpipe_tf.layers import microbatch
-from gpipe_tf.layers import pipeline
 from gpipe_tf.layers import sequential
+from gpipe_tf.pipeline import microbatch
+from gpipe_tf.pipeline import pipelining_layer
 
 # The parts of a device's memory, in the order the plots stack them.
 COMPONENTS = ('params', 'gradients', 'slots', 'stored_activations', 'working_activations')
@@ -206,8 +206,8 @@ def _Configure(p, num_cells, num_micro_batches, batch_size, recompute):
         p.num_micro_batches, p.micro_batch_size = num_micro_batches, None
     if recompute is not None:
         p.recompute = recompute
-    if p.recompute not in pipeline.RECOMPUTE_MODES:
-        raise ValueError(f'recompute must be one of {pipeline.RECOMPUTE_MODES}, got '
+    if p.recompute not in pipelining_layer.RECOMPUTE_MODES:
+        raise ValueError(f'recompute must be one of {pipelining_layer.RECOMPUTE_MODES}, got '
                          f'{p.recompute!r}.')
     return p
 
@@ -227,8 +227,8 @@ def PlanMemory(p, slots_per_param: int = 1, num_cells: int | None = None,
       ValueError: for Params without input_shapes, or a K, M or batch that do not fit them.
     """
     p = _Configure(p, num_cells, num_micro_batches, batch_size, recompute)
-    cells, _ = pipeline.PipeliningLayer.PlanCells(p)
-    shapes = pipeline.PipeliningLayer.InputShapes(p)
+    cells, _ = pipelining_layer.PipeliningLayer.PlanCells(p)
+    shapes = pipelining_layer.PipeliningLayer.InputShapes(p)
     batch = int(base_layer.FlattenShapes(shapes)[0][p.batch_dim])
     m = microbatch.NumMicroBatches(batch, p.num_micro_batches, p.micro_batch_size)
     bytes_per = tf.as_dtype(p.dtype).size
@@ -298,7 +298,7 @@ def SuggestPipeline(p, device_bytes: float, slots_per_param: int = 1,
     if p.layer_tpl is None:
         raise ValueError(f'{p.name}: suggesting K needs layer_tpl (layers to partition).')
     max_cells = max_cells or len(p.layer_tpl)
-    batch = int(base_layer.FlattenShapes(pipeline.PipeliningLayer.InputShapes(p))[0][p.batch_dim])
+    batch = int(base_layer.FlattenShapes(pipelining_layer.PipeliningLayer.InputShapes(p))[0][p.batch_dim])
     divisors = _Divisors(batch)
     best = None
     for k in range(1, max_cells + 1):

@@ -1,6 +1,6 @@
 """Predicts a GPipe step's timeline from per-cell costs, walking the graph builder's schedule.
 
-The model follows `layers/unrolled.py`: cell k runs on device k; its forward of micro-batch m
+The model follows `pipeline/executor.py`: cell k runs on device k; its forward of micro-batch m
 waits for cell k-1's forward of m plus one boundary transfer; the backward starts once the last
 forward is done (the loss needs every output); cell k's backward of m (a recompute of its forward,
 then its gradients, when re-materializing) waits for cell k+1's backward of m plus one transfer.
@@ -20,7 +20,7 @@ import dataclasses
 import math
 from typing import NamedTuple, Sequence
 
-from gpipe_tf.layers import schedule
+from gpipe_tf.pipeline import schedule
 
 KINDS = ('forward', 'recompute', 'backward')
 

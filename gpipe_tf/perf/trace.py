@@ -3,7 +3,7 @@
 One training step is traced with TensorFlow's own tools: the profiler
 (`tf.profiler.experimental`, for eager code and `tf.function`s) or a v1 Session's FULL_TRACE
 `RunMetadata`. Every op the pipeline creates is under a `cell_<k>_mb_<m>_<part>` name scope
-(`unrolled.OpScope`), and a re-materializing backward's recompute under a further `recompute`
+(`executor.OpScope`), and a re-materializing backward's recompute under a further `recompute`
 scope, so an op's name says which box of the schedule it belongs to. The ops of one box are
 merged into one interval on cell k's device (device k runs cell k, which the placement tests
 check); a device's busy time is the union of its ops' run times, so two ops that overlap on two
@@ -20,8 +20,8 @@ import tempfile
 
 import tensorflow as tf
 
-from gpipe_tf.layers import recompute as recompute_lib
 from gpipe_tf.perf import simulator
+from gpipe_tf.pipeline import recompute as recompute_lib
 
 # `cell_<k>_mb_<m>_<part>` (uniquified `_<n>` when the pipeline is built twice in one graph),
 # anywhere in an op's name (a v1 graph puts it under `gradients/...`).

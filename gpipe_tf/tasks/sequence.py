@@ -1,4 +1,4 @@
-"""Sequence tasks over the Transformer stacks of `gpipe_tf.layers.transformer_model`:
+"""Sequence tasks over the Transformer stacks of `gpipe_tf.models.transformer.network`:
 translation (encoder-decoder, one model for many language pairs) and language modelling.
 
 Metrics are per target token: `loss` (label-smoothed cross-entropy, what is minimised),
@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from gpipe_tf.layers import fprop_context
-from gpipe_tf.layers import transformer_model
+from gpipe_tf.models.transformer import network as transformer_model
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.tasks import base_task
 

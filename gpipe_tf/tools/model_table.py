@@ -22,7 +22,7 @@ from absl import flags
 
 from gpipe_tf import model_registry
 from gpipe_tf.layers import base_layer
-from gpipe_tf.layers import pipeline
+from gpipe_tf.pipeline import pipelining_layer
 
 flags.DEFINE_string('models', '', 'Only models whose key contains this string.')
 flags.DEFINE_string('json', None, 'Also write the rows to this JSON file.')
@@ -54,7 +54,7 @@ def Row(key: str) -> ModelRow:
     p = model_registry.GetParams(key, model_registry.GetDatasets(key)[0])
     if 'model' in p:  # Task Params: the pipeline is their model.
         p = p.model
-    if not issubclass(p.cls, pipeline.PipeliningLayer) or p.input_shapes is None:
+    if not issubclass(p.cls, pipelining_layer.PipeliningLayer) or p.input_shapes is None:
         raise ValueError(f'{key}: expected PipeliningLayer Params with input_shapes, got '
                          f'{p.cls.__name__}.')
     cells, metas = p.cls.PlanCells(p)

@@ -1,6 +1,6 @@
 """AmoebaNet models of the GPipe paper, registered as `image.amoebanet.<ClassName>`.
 
-AmoebaNet-D (L, D) has L normal cells and D filters (see `gpipe_tf.layers.amoebanet`). The
+AmoebaNet-D (L, D) has L normal cells and D filters (see `gpipe_tf.models.amoebanet.network`). The
 Table 1 models are registered with that column's number of partitions K; parameter counts from
 `FPropMeta` (tests/test_amoebanet.py, 1000 classes, aux head, batch norm moving statistics
 included):
@@ -25,7 +25,7 @@ from gpipe_tf import learning_rate
 from gpipe_tf import model_registry
 from gpipe_tf import optimizer
 from gpipe_tf.input import image
-from gpipe_tf.layers import amoebanet
+from gpipe_tf.models.amoebanet import network as amoebanet
 from gpipe_tf.tasks import classifier
 
 

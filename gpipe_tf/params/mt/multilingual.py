@@ -33,9 +33,9 @@ from gpipe_tf import learning_rate
 from gpipe_tf import model_registry
 from gpipe_tf import optimizer
 from gpipe_tf.input import text
-from gpipe_tf.layers import pipeline
-from gpipe_tf.layers import transformer_model
+from gpipe_tf.models.transformer import network as transformer_model
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.tasks import sequence
 
 # Token ids of the synthetic data: padding, begin and end of sentence, then one token per
@@ -122,7 +122,7 @@ class MultilingualTransformer:
 
     def Pipeline(self) -> hyperparams.Params:
         """The PipeliningLayer Params: the encoder-decoder as a flat layer list over K cells."""
-        return pipeline.PipeliningLayer.Params().Set(
+        return pipelining_layer.PipeliningLayer.Params().Set(
             name='mt', layer_tpl=transformer_model.MtLayers(self.ModelParams()),
             num_cells=self.NUM_CELLS, num_micro_batches=self.NUM_MICRO_BATCHES,
             input_shapes=transformer_model.MtInputShapes(self.BATCH_SIZE, self.MAX_LENGTH,

@@ -8,7 +8,7 @@ pool, dropout, dense, softmax cross-entropy). `NetworkLayers` lists it as one Pa
 with an `FPropMeta`, so PipeliningLayer balances its cells by FLOPs; `PipelineParams` builds the
 PipeliningLayer. With the reference's normal-cell concat (states 0, 3, 4, 6) this reproduces the
 GPipe paper's parameter counts (tests/test_amoebanet.py).
-The genotypes and each operation's layers are in `gpipe_tf.layers.amoebanet_ops`.
+The genotypes and each operation's layers are in `gpipe_tf.models.amoebanet.ops`.
 
 "Cell" below is AmoebaNet's word for its repeated block (one layer here); a pipeline's cells are
 its partitions, groups of these layers.
@@ -39,10 +39,10 @@ from gpipe_tf.layers import basic
 from gpipe_tf.layers import conv
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import losses
-from gpipe_tf.layers import pipeline
 from gpipe_tf.layers import pooling
 from gpipe_tf.layers import sequential
-from gpipe_tf.layers.amoebanet_ops import (GENOTYPES, NUM_COMBINATIONS, BatchNorm, CellSpec,
+from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.models.amoebanet.ops import (GENOTYPES, NUM_COMBINATIONS, BatchNorm, CellSpec,
                                            Conv, DefineBatchNorm, FactorizedReductionLayer,
                                            OperationLayers, ReluConvBn, Sequence, SumMetas)
 from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
@@ -596,7 +596,7 @@ def PipelineParams(p, batch_size: int, num_cells: int, num_micro_batches: int,
       recompute: PipeliningLayer's re-materialization mode.
       name: the layer's name.
     """
-    return pipeline.PipeliningLayer.Params().Set(
+    return pipelining_layer.PipeliningLayer.Params().Set(
         name=name, dtype=p.dtype, layer_tpl=NetworkLayers(p), num_cells=num_cells,
         num_micro_batches=num_micro_batches, recompute=recompute,
         input_shapes=InputShapes(p, batch_size))

@@ -1,8 +1,8 @@
-"""Devices a local run places its cells on: `--run_locally=cpu|gpu|tpu`."""
+"""Devices a local run places its cells on: `--run_locally=cpu|gpu|tpu`, and virtual CPUs."""
 
 from __future__ import annotations
 
-from gpipe_tf import test_utils
+import tensorflow as tf
 
 RUN_LOCALLY = ('cpu', 'gpu', 'tpu')
 
@@ -24,8 +24,7 @@ def LocalDevices(run_locally: str, num_devices: int) -> list[str]:
     if num_devices < 0:
         raise ValueError(f'--num_devices must be >= 0, got {num_devices}.')
     if run_locally == 'cpu':
-        return test_utils.ConfigureVirtualCpus(max(num_devices, 1))
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+        return VirtualCpus(max(num_devices, 1))
     if run_locally == 'tpu':
         # A TPU is reached through a TPUClusterResolver and a TPUStrategy, not as local
         # devices: the trainer's --run_locally=tpu is --tpu=local (gpipe_tf.train.tpu).
@@ -41,3 +40,27 @@ def LocalDevices(run_locally: str, num_devices: int) -> list[str]:
         raise ValueError(f'--num_devices={num_devices} but only {len(gpus)} GPUs are present.')
     names = [d.name for d in tf.config.list_logical_devices('GPU')]
     return names[:num_devices] if num_devices else names
+
+
+def VirtualCpus(num_devices: int) -> list[str]:
+    """Splits the physical CPU into `num_devices` logical devices (once per process).
+
+    Must run before TensorFlow initialises its devices; later calls check the count instead.
+
+    Returns:
+      The logical CPU device names.
+
+    Raises:
+      RuntimeError: if TF was initialised with fewer logical CPUs than asked for.
+    """
+    cpu = tf.config.list_physical_devices('CPU')[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * num_devices)
+    except RuntimeError:
+        pass  # Already initialised; checked below.
+    devices = [d.name for d in tf.config.list_logical_devices('CPU')]
+    if len(devices) < num_devices:
+        raise RuntimeError(f'Need {num_devices} logical CPUs but TensorFlow was initialised with '
+                           f'{len(devices)}; configure devices before any TF op runs.')
+    return devices

@@ -3,7 +3,7 @@
 The genotypes are the reference's `model_specs.py` (tensorflow/tpu, models/official/amoeba_net);
 `OperationLayers` builds one operation of a cell as the reference's `_apply_operation` does, as
 a list of existing layers' Params; `FactorizedReductionLayer` is its `factorized_reduction`. The
-cells, stem and heads that use them are in `gpipe_tf.layers.amoebanet`.
+cells, stem and heads that use them are in `gpipe_tf.models.amoebanet.network`.
 """
 
 from __future__ import annotations

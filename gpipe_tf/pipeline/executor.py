@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from gpipe_tf.layers import microbatch
-from gpipe_tf.layers import recompute
-from gpipe_tf.layers import schedule
+from gpipe_tf.pipeline import microbatch
+from gpipe_tf.pipeline import recompute
+from gpipe_tf.pipeline import schedule
 
 
 def OpScope(cell: int, micro_batch: int, part: str) -> str:

@@ -20,13 +20,13 @@ from gpipe_tf import errors
 from gpipe_tf import hyperparams
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
-from gpipe_tf.layers import microbatch
-from gpipe_tf.layers import partition
-from gpipe_tf.layers import recompute
 from gpipe_tf.layers import sequential
-from gpipe_tf.layers import unrolled
 from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import executor
+from gpipe_tf.pipeline import microbatch
+from gpipe_tf.pipeline import partition
+from gpipe_tf.pipeline import recompute
 
 RECOMPUTE_MODES = ('always', 'except_last', 'never')
 PARTITION_METHODS = ('flops', 'params', 'uniform')
@@ -411,13 +411,13 @@ class PipeliningLayer(BaseLayer):
         ctx = fprop_context.Current()
         recomputes = [self._Recomputes(k) for k in range(self._num_cells)]
         assign = self._LogicalDeviceFn()
-        runs = [unrolled.UnrolledSchedule(functions, recomputes, num_micro_batches, p.batch_dim,
+        runs = [executor.UnrolledSchedule(functions, recomputes, num_micro_batches, p.batch_dim,
                                           tf.cast(ctx.step, tf.int64), assign)
                 for functions in self._replica_functions]
         thetas = []
         for k in range(self._num_cells):
             with tf.name_scope(f'cell_{k}_theta'):
-                thetas.append(unrolled.AssignNest(assign, k, theta[f'cell_{k}']))
+                thetas.append(executor.AssignNest(assign, k, theta[f'cell_{k}']))
         if not ctx.training:  # Forward only, micro-batched, no re-materialization.
             return self._Replicated(
                 lambda r, shard: runs[r].Forward(thetas, shard, training=False)[0], inputs)

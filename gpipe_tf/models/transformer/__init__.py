@@ -1,0 +1,2 @@
+"""The Transformer language model and multilingual translation model: their embedding, hand-off
+and softmax layers and the networks assembled from them (`network`)."""
