@@ -1,0 +1,54 @@
+"""Module paths from before the layout of 0.1 (pipeline/, models/) still import, as the moved
+module itself, with a DeprecationWarning; Params text that names them still loads."""
+
+import importlib
+import sys
+import warnings
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import pytest
+
+from gpipe_tf import model_registry
+
+pytestmark = pytest.mark.unit
+
+MOVED = {
+    'gpipe_tf.layers.pipeline': 'gpipe_tf.pipeline.pipelining_layer',
+    'gpipe_tf.layers.unrolled': 'gpipe_tf.pipeline.executor',
+    'gpipe_tf.layers.partition': 'gpipe_tf.pipeline.partition',
+    'gpipe_tf.layers.schedule': 'gpipe_tf.pipeline.schedule',
+    'gpipe_tf.layers.microbatch': 'gpipe_tf.pipeline.microbatch',
+    'gpipe_tf.layers.recompute': 'gpipe_tf.pipeline.recompute',
+    'gpipe_tf.train.devices': 'gpipe_tf.pipeline.devices',
+    'gpipe_tf.layers.amoebanet': 'gpipe_tf.models.amoebanet.network',
+    'gpipe_tf.layers.amoebanet_ops': 'gpipe_tf.models.amoebanet.ops',
+    'gpipe_tf.layers.transformer_model': 'gpipe_tf.models.transformer.network',
+}
+
+
+class MovedModulesTest(parameterized.TestCase):
+
+    @parameterized.parameters(*MOVED.items())
+    def testOldPathIsTheNewModuleWithAWarning(self, old, new):
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            module = importlib.import_module(old)
+        self.assertIs(module, importlib.import_module(new))
+        self.assertEqual([str(w.message) for w in caught if w.category is DeprecationWarning],
+                         [f'{old} moved to {new}; the old path goes away in gpipe_tf 0.2.'])
+
+    def testParamsTextNamingAnOldPathLoads(self):
+        p = model_registry.GetParams('examples.PipelinedMLP', 'Train')
+        text = p.ToText()
+        old = text.replace('gpipe_tf.pipeline.pipelining_layer', 'gpipe_tf.layers.pipeline')
+        self.assertNotEqual(old, text)
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', DeprecationWarning)
+            loaded = model_registry.GetParams('examples.PipelinedMLP', 'Train').FromText(old)
+        self.assertEqual(loaded, p)
+
+
+if __name__ == '__main__':
+    absltest.main()
