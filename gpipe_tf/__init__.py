@@ -1,27 +1,43 @@
 """gpipe_tf: GPipe pipeline parallelism for TensorFlow, in the style of Lingvo.
 
-The public API is re-exported here; everything else is importable but not promised.
+The public API is re-exported here; everything else is importable but not promised. The names
+load on first use (PEP 562), so that `import gpipe_tf` alone does not import TensorFlow: the
+trainer and the launcher decide how TensorFlow starts (its logging, a private network) first.
 """
 
-from gpipe_tf.hyperparams import InstantiableParams
-from gpipe_tf.hyperparams import Params
-from gpipe_tf.layers.attention import MultiHeadAttentionLayer
-from gpipe_tf.layers.attention import TransformerLayer
-from gpipe_tf.layers.base_layer import BaseLayer
-from gpipe_tf.layers.base_layer import LayerMeta
-from gpipe_tf.layers.base_layer import WeightInit
-from gpipe_tf.layers.base_layer import WeightParams
-from gpipe_tf.layers.fprop_context import Scope as FPropScope
-from gpipe_tf.model_registry import GetParams
-from gpipe_tf.model_registry import ListModels
-from gpipe_tf.model_registry import RegisterSingleTaskModel
-from gpipe_tf.nested_map import NestedMap
-from gpipe_tf.pipeline.pipelining_layer import PipeliningLayer
+import importlib
 
 __version__ = '0.1.0'
 
-__all__ = [
-    'BaseLayer', 'FPropScope', 'GetParams', 'InstantiableParams', 'LayerMeta', 'ListModels',
-    'MultiHeadAttentionLayer', 'NestedMap', 'Params', 'PipeliningLayer',
-    'RegisterSingleTaskModel', 'TransformerLayer', 'WeightInit', 'WeightParams',
-]
+_EXPORTS = {
+    'BaseLayer': 'gpipe_tf.layers.base_layer',
+    'FPropScope': ('gpipe_tf.layers.fprop_context', 'Scope'),
+    'GetParams': 'gpipe_tf.model_registry',
+    'InstantiableParams': 'gpipe_tf.hyperparams',
+    'LayerMeta': 'gpipe_tf.layers.base_layer',
+    'ListModels': 'gpipe_tf.model_registry',
+    'MultiHeadAttentionLayer': 'gpipe_tf.layers.attention',
+    'NestedMap': 'gpipe_tf.nested_map',
+    'Params': 'gpipe_tf.hyperparams',
+    'PipeliningLayer': 'gpipe_tf.pipeline.pipelining_layer',
+    'RegisterSingleTaskModel': 'gpipe_tf.model_registry',
+    'TransformerLayer': 'gpipe_tf.layers.attention',
+    'WeightInit': 'gpipe_tf.layers.base_layer',
+    'WeightParams': 'gpipe_tf.layers.base_layer',
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+    module, attribute = (_EXPORTS[name] if isinstance(_EXPORTS[name], tuple) else
+                         (_EXPORTS[name], name))
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

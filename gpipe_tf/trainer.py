@@ -18,8 +18,11 @@ runs. A user's mistake is one line `error: ...` on stderr and exit status 2.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
+import tempfile
+import traceback
 
 from absl import app
 from absl import flags
@@ -29,69 +32,151 @@ from gpipe_tf.pipeline import devices as devices_lib
 
 MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model', 'decode')
 
-flags.DEFINE_string('model', None, 'Registry key of the model, e.g. '
-                    'image.amoebanet.AmoebaNetD_Small (see --list_models).')
-flags.DEFINE_bool('list_models', False, 'Print the registered models and exit.')
-flags.DEFINE_string('logdir', None, 'Checkpoints, summaries and params.txt go here '
-                    '(default: <tmp>/gpipe_tf-<user>/<model>, private to the user).')
-flags.DEFINE_bool('start_from_scratch', False, 'Start at step 0 although <logdir>/train holds '
-                  'checkpoint files, none of which restores (they are moved to train/damaged/, '
-                  'not deleted). Refused while a checkpoint restores.')
-flags.DEFINE_enum('mode', 'train', MODES, 'What to do.')
-flags.DEFINE_integer('max_steps', None, 'Train until this global step (default: the '
-                     'model\'s train.max_steps).')
-flags.DEFINE_string('model_params_override', None, 'Params text applied to the task Params, '
-                    'lines separated by ";", e.g. "train.learning_rate : 0.01; input.seed : 3".')
-flags.DEFINE_string('model_params_file_override', None, 'A file of Params text applied to the '
-                    'task Params (before --model_params_override).')
-flags.DEFINE_enum('run_locally', 'cpu', list(devices_lib.RUN_LOCALLY), 'Local devices: cpu '
-                  '(--num_devices virtual CPUs), gpu (the GPUs present; the partition report '
-                  'shows each cell\'s planned memory against each GPU\'s free memory) or tpu '
-                  '(this Cloud TPU VM\'s TPU, as --tpu=local).')
-flags.DEFINE_integer('num_devices', None, 'Devices to use (default: one per stage of every '
-                     'replica, R x K).')
-flags.DEFINE_integer('worker_split_size', None, 'Override K, the number of cells.')
-flags.DEFINE_integer('num_micro_batches', None, 'Override M, the number of micro-batches.')
-flags.DEFINE_integer('worker_replicas', None, 'Override R, the replicas of the pipeline (data '
-                     'parallelism: each runs on 1/R of the batch; gradients are summed).')
-flags.DEFINE_enum('graph_mode', 'tf_function', ['tf_function', 'v1'], 'Run the training step '
-                  'in a tf.function, or in a tf.compat.v1 graph with a Session.')
-flags.DEFINE_string('cluster_spec', None, 'Run the stages on a TF cluster: Lingvo\'s form '
-                    '"worker=host:port,host:port" (jobs separated by @) or TF_CONFIG JSON; also '
-                    'read from the TF_CONFIG environment variable. Stage k of replica r runs on '
-                    'task r*K+k of --cluster_job; the step runs in a v1 Session on task 0.')
-flags.DEFINE_string('cluster_job', 'worker', 'The cluster job whose tasks run the stages.')
-flags.DEFINE_float('cluster_timeout_s', 60.0, 'A step (any Session.run) the cluster does not '
-                   'finish in this many seconds fails, naming the unreachable task.')
-flags.DEFINE_string('tpu', None, 'Train on a Cloud TPU: "local" on a TPU VM, the TPU\'s name, '
-                    'or grpc://<ip>:8470 of a TPU node. A tf.distribute.TPUStrategy runs R '
-                    'replicas (--worker_replicas), each with its K cells on K logical devices; '
-                    'the tf_function path only.')
-flags.DEFINE_float('tpu_timeout_s', 600.0, 'Connecting to and initializing the TPU may take this '
-                   'many seconds before it counts as unreachable.')
-flags.DEFINE_string('data_dir', None, 'Directory of the dataset\'s files, for inputs that '
-                    'read one (Fashion-MNIST\'s IDX files; default: the input Params\').')
-flags.DEFINE_string('plot_dir', None, 'inspect_model: also write the plan pictures here: '
-                    'cell_costs.png, timeline_predicted.png and memory.png.')
-flags.DEFINE_float('device_memory_gb', None, 'inspect_model: an accelerator\'s memory in GiB; '
-                   'the memory plan says which cells fit, and memory.png draws it as a line.')
-flags.DEFINE_integer('seed', None, 'Seed of initialisation and data order (default: Params).')
-flags.DEFINE_list('decode_input', [], 'decode mode: image files, or sentences to translate.')
-flags.DEFINE_string('decode_input_file', None, 'decode mode: a file with one image path or '
-                    'one sentence per line.')
-flags.DEFINE_string('target_language', None, 'decode mode, translation: language to '
-                    'translate into (e.g. de).')
+
+def DefineFlags(flag_values: flags.FlagValues) -> None:
+    """Defines the trainer's flags on `flag_values` (the process's FLAGS, or a test's own)."""
+    flags.DEFINE_string('model', None, 'Registry key of the model, e.g. '
+                        'image.amoebanet.AmoebaNetD_Small (see --list_models).',
+                        flag_values=flag_values)
+    flags.DEFINE_bool('list_models', False, 'Print the registered models and exit.',
+                      flag_values=flag_values)
+    flags.DEFINE_string('logdir', None, 'Checkpoints, summaries and params.txt go here '
+                        '(default: <tmp>/gpipe_tf-<user>/<model>, private to the user).',
+                        flag_values=flag_values)
+    flags.DEFINE_bool('start_from_scratch', False, 'Start at step 0 although <logdir>/train holds '
+                      'checkpoint files, none of which restores (they are moved to train/damaged/, '
+                      'not deleted). Refused while a checkpoint restores.', flag_values=flag_values)
+    flags.DEFINE_enum('mode', 'train', MODES, 'What to do.', flag_values=flag_values)
+    flags.DEFINE_integer('max_steps', None, 'Train until this global step (default: the '
+                         'model\'s train.max_steps).', flag_values=flag_values)
+    flags.DEFINE_string('model_params_override', None, 'Params text applied to the task Params, '
+                        'lines separated by ";", e.g. "train.learning_rate : 0.01; input.seed : 3".',
+                        flag_values=flag_values)
+    flags.DEFINE_string('model_params_file_override', None, 'A file of Params text applied to the '
+                        'task Params (before --model_params_override).', flag_values=flag_values)
+    flags.DEFINE_enum('run_locally', 'cpu', list(devices_lib.RUN_LOCALLY), 'Local devices: cpu '
+                      '(--num_devices virtual CPUs), gpu (the GPUs present; the partition report '
+                      'shows each cell\'s planned memory against each GPU\'s free memory) or tpu '
+                      '(this Cloud TPU VM\'s TPU, as --tpu=local).', flag_values=flag_values)
+    flags.DEFINE_integer('num_devices', None, 'Devices to use (default: one per stage of every '
+                         'replica, R x K).', flag_values=flag_values)
+    flags.DEFINE_integer('worker_split_size', None, 'Override K, the number of cells.',
+                         flag_values=flag_values)
+    flags.DEFINE_integer('num_micro_batches', None, 'Override M, the number of micro-batches.',
+                         flag_values=flag_values)
+    flags.DEFINE_integer('worker_replicas', None, 'Override R, the replicas of the pipeline (data '
+                         'parallelism: each runs on 1/R of the batch; gradients are summed).',
+                         flag_values=flag_values)
+    flags.DEFINE_enum('graph_mode', 'tf_function', ['tf_function', 'v1'], 'Run the training step '
+                      'in a tf.function, or in a tf.compat.v1 graph with a Session.',
+                      flag_values=flag_values)
+    flags.DEFINE_string('cluster_spec', None, 'Run the stages on a TF cluster: Lingvo\'s form '
+                        '"worker=host:port,host:port" (jobs separated by @) or TF_CONFIG JSON; also '
+                        'read from the TF_CONFIG environment variable. Stage k of replica r runs on '
+                        'task r*K+k of --cluster_job; the step runs in a v1 Session on task 0.',
+                        flag_values=flag_values)
+    flags.DEFINE_string('cluster_job', 'worker', 'The cluster job whose tasks run the stages.',
+                        flag_values=flag_values)
+    flags.DEFINE_float('cluster_timeout_s', 60.0, 'A step (any Session.run) the cluster does not '
+                       'finish in this many seconds fails, naming the unreachable task.',
+                       flag_values=flag_values)
+    flags.DEFINE_string('tpu', None, 'Train on a Cloud TPU: "local" on a TPU VM, the TPU\'s name, '
+                        'or grpc://<ip>:8470 of a TPU node. A tf.distribute.TPUStrategy runs R '
+                        'replicas (--worker_replicas), each with its K cells on K logical devices; '
+                        'the tf_function path only.', flag_values=flag_values)
+    flags.DEFINE_float('tpu_timeout_s', 600.0, 'Connecting to and initializing the TPU may take this '
+                       'many seconds before it counts as unreachable.', flag_values=flag_values)
+    flags.DEFINE_string('data_dir', None, 'Directory of the dataset\'s files, for inputs that '
+                        'read one (Fashion-MNIST\'s IDX files; default: the input Params\').',
+                        flag_values=flag_values)
+    flags.DEFINE_string('plot_dir', None, 'inspect_model: also write the plan pictures here: '
+                        'cell_costs.png, timeline_predicted.png and memory.png.',
+                        flag_values=flag_values)
+    flags.DEFINE_float('device_memory_gb', None, 'inspect_model: an accelerator\'s memory in GiB; '
+                       'the memory plan says which cells fit, and memory.png draws it as a line.',
+                       flag_values=flag_values)
+    flags.DEFINE_integer('seed', None, 'Seed of initialisation and data order (default: Params).',
+                         flag_values=flag_values)
+    flags.DEFINE_list('decode_input', [], 'decode mode: image files, or sentences to translate.',
+                      flag_values=flag_values)
+    flags.DEFINE_string('decode_input_file', None, 'decode mode: a file with one image path or '
+                        'one sentence per line.', flag_values=flag_values)
+    flags.DEFINE_string('target_language', None, 'decode mode, translation: language to '
+                        'translate into (e.g. de).', flag_values=flag_values)
+    flags.DEFINE_bool('verbose', default=False,
+                      help='Show TensorFlow\'s own log lines and, for an error, its traceback.',
+                      flag_values=flag_values)
+
+
 FLAGS = flags.FLAGS
+DefineFlags(FLAGS)
 
 
-def TaskParams(model: str, dataset: str = 'Train'):
-    """The task Params of `model` with the command line's overrides applied.
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The trainer's command line as values: `main` reads the flags once, into one of these, and
+    passes it down; tests build one with `ParseConfig` and call `Main` in process."""
+    model: str | None
+    list_models: bool
+    logdir: str | None
+    start_from_scratch: bool
+    mode: str
+    max_steps: int | None
+    model_params_override: str | None
+    model_params_file_override: str | None
+    run_locally: str
+    num_devices: int | None
+    worker_split_size: int | None
+    num_micro_batches: int | None
+    worker_replicas: int | None
+    graph_mode: str
+    graph_mode_given: bool  # --graph_mode was on the command line (a cluster refuses tf_function).
+    cluster_spec: str | None
+    cluster_job: str
+    cluster_timeout_s: float
+    tpu: str | None
+    tpu_timeout_s: float
+    data_dir: str | None
+    plot_dir: str | None
+    device_memory_gb: float | None
+    seed: int | None
+    decode_input: tuple[str, ...]
+    decode_input_file: str | None
+    target_language: str | None
+    verbose: bool
+
+    @classmethod
+    def FromFlags(cls, flag_values: flags.FlagValues) -> Config:
+        values = {f.name: flag_values[f.name].value for f in dataclasses.fields(cls)
+                  if f.name in flag_values}
+        values['decode_input'] = tuple(values['decode_input'])
+        return cls(graph_mode_given=flag_values['graph_mode'].present, **values)
+
+
+def ParseConfig(argv: list[str]) -> Config:
+    """The Config of trainer flags `argv` (e.g. ['--model=examples.PipelinedMLP']), parsed on a
+    FlagValues of its own: the process's FLAGS are untouched.
+
+    Raises:
+      errors.UserError: for an unknown flag or a bad flag value.
+    """
+    flag_values = flags.FlagValues()
+    DefineFlags(flag_values)
+    try:
+        flag_values(['gpipe-train'] + list(argv))
+    except flags.Error as error:
+        raise errors.UserError(str(error)) from None
+    return Config.FromFlags(flag_values)
+
+
+def TaskParams(config: Config, dataset: str = 'Train'):
+    """The task Params of `config.model` with the command line's overrides applied.
 
     Raises:
       errors.ConfigError: for an override or flag that the Params refuse.
     """
     try:
-        return _TaskParams(model, dataset)
+        return _TaskParams(config, dataset)
     except errors.ConfigError:
         raise
     except (ValueError, FileNotFoundError) as error:
@@ -99,21 +184,22 @@ def TaskParams(model: str, dataset: str = 'Train'):
         raise errors.ConfigError(str(error)) from None
 
 
-def _TaskParams(model: str, dataset: str):
+def _TaskParams(config: Config, dataset: str):
     from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
     from gpipe_tf.tasks import base_task  # pylint: disable=g-import-not-at-top
+    model = config.model
     try:
         p = model_registry.GetParams(model, dataset)
     except LookupError as error:  # An unknown model or dataset: the registry names the close ones.
         raise errors.ConfigError(f'--model={model}: {error}') from None
-    if FLAGS.model_params_file_override:
-        path = FLAGS.model_params_file_override
+    if config.model_params_file_override:
+        path = config.model_params_file_override
         if not os.path.isfile(path):
             raise FileNotFoundError(f'--model_params_file_override: no file {path!r}.')
         with open(path, encoding='utf-8') as f:
             ApplyOverride(p, f.read(), f'--model_params_file_override={path}')
-    if FLAGS.model_params_override:
-        ApplyOverride(p, '\n'.join(line.strip() for line in FLAGS.model_params_override.split(';')
+    if config.model_params_override:
+        ApplyOverride(p, '\n'.join(line.strip() for line in config.model_params_override.split(';')
                                    if line.strip()), '--model_params_override')
     if 'model' not in p or 'train' not in p:
         raise ValueError(f'{model}: the trainer needs task Params (gpipe_tf.tasks) with `model` '
@@ -122,7 +208,7 @@ def _TaskParams(model: str, dataset: str):
                       ('num_micro_batches', 'model.num_micro_batches'),
                       ('worker_replicas', 'model.num_replicas'),
                       ('max_steps', 'train.max_steps')):
-        value = FLAGS[flag].value
+        value = getattr(config, flag)
         if value is None:
             continue
         if key == 'model.num_replicas' and 'num_replicas' not in p.model:
@@ -132,15 +218,15 @@ def _TaskParams(model: str, dataset: str):
             p.Set(**{key: value})  # The field's own check names it: `must be >= 1, got 0`.
         except ValueError as error:
             raise ValueError(f'--{flag}: {error}') from None
-    if FLAGS.data_dir is not None:
+    if config.data_dir is not None:
         if 'data_dir' not in p.input:
             raise ValueError(f'--data_dir: the input of {model} ({p.input.cls.__name__}) reads '
                              'no data directory.')
-        p.input.data_dir = FLAGS.data_dir
-    if FLAGS.seed is not None:
-        p.random_seed = FLAGS.seed
-        p.model.random_seed = FLAGS.seed
-        p.input.seed = FLAGS.seed
+        p.input.data_dir = config.data_dir
+    if config.seed is not None:
+        p.random_seed = config.seed
+        p.model.random_seed = config.seed
+        p.input.seed = config.seed
     return base_task.SyncInputShapes(p)
 
 
@@ -195,17 +281,17 @@ def _NumDevices(p) -> int:
     return _NumCells(p) * p.model.num_replicas
 
 
-def TpuAddress() -> str | None:
+def TpuAddress(config: Config) -> str | None:
     """--tpu, or 'local' for --run_locally=tpu; None for a run without a TPU."""
-    if FLAGS.tpu is not None:
-        return FLAGS.tpu
-    return 'local' if FLAGS.run_locally == 'tpu' else None
+    if config.tpu is not None:
+        return config.tpu
+    return 'local' if config.run_locally == 'tpu' else None
 
 
-def Cluster():
+def Cluster(config: Config):
     """The tf.train.ClusterSpec of --cluster_spec (or TF_CONFIG), or None for a local run."""
     from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-    text = FLAGS.cluster_spec
+    text = config.cluster_spec
     if text is None and os.environ.get('TF_CONFIG'):
         return cluster_lib.FromTfConfig(os.environ['TF_CONFIG'])
     if text is None:
@@ -215,14 +301,14 @@ def Cluster():
     return cluster_lib.ParseClusterSpec(text)
 
 
-def _SetUpDevices(p, plan_only: bool = False) -> list[str]:
+def _SetUpDevices(config: Config, p, plan_only: bool = False) -> list[str]:
     """Configures the local devices (or the cluster's) and puts them in the pipeline's Params;
     with `plan_only`, only names them (`inspect_model` builds nothing, so K may exceed the
     devices present)."""
-    if TpuAddress() is not None:
+    if TpuAddress(config) is not None:
         from gpipe_tf.train import tpu  # pylint: disable=g-import-not-at-top
-        if FLAGS.num_devices is not None or FLAGS.run_locally == 'gpu':
-            raise ValueError('--tpu uses R x K TPU cores (--worker_replicas x '
+        if config.num_devices is not None or config.run_locally == 'gpu':
+            raise errors.UserError('--tpu uses R x K TPU cores (--worker_replicas x '
                              '--worker_split_size); drop --num_devices and --run_locally=gpu.')
         # Cell k runs on logical device k of every replica: named for the plan; a training run
         # places the cells through the strategy instead (`_TpuProgram`).
@@ -230,15 +316,18 @@ def _SetUpDevices(p, plan_only: bool = False) -> list[str]:
         if plan_only and 'devices' in p.model:
             p.model.devices = devices
         return devices
-    count = FLAGS.num_devices if FLAGS.num_devices is not None else _NumDevices(p)
-    cluster = Cluster()
+    count = config.num_devices if config.num_devices is not None else _NumDevices(p)
+    cluster = Cluster(config)
     if cluster is not None:
         from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-        devices = cluster_lib.StageDevices(cluster, count, FLAGS.cluster_job)
-    elif plan_only and FLAGS.run_locally == 'cpu':
+        devices = cluster_lib.StageDevices(cluster, count, config.cluster_job)
+    elif plan_only and config.run_locally == 'cpu':
         devices = [f'/job:localhost/replica:0/task:0/device:CPU:{i}' for i in range(count)]
     else:
-        devices = devices_lib.LocalDevices(FLAGS.run_locally, count)
+        try:
+            devices = devices_lib.LocalDevices(config.run_locally, count)
+        except (ValueError, RuntimeError) as error:  # Asked for devices this machine lacks.
+            raise errors.UserError(str(error)) from None
     devices = devices[:count] if count else devices
     if 'devices' in p.model:
         if p.model.devices:
@@ -288,19 +377,21 @@ def InspectMemory(p, name: str, device_bytes: float | None = None,
     return '\n'.join(lines)
 
 
-def RunInspectModel(p, name: str) -> None:
+def RunInspectModel(config: Config, p) -> None:
     """Prints the partition table and the memory plan, and writes the pictures (--plot_dir)."""
     device_bytes = None
-    if FLAGS.device_memory_gb is not None:
-        if not FLAGS.device_memory_gb > 0:
-            raise ValueError(f'--device_memory_gb must be > 0, got {FLAGS.device_memory_gb}.')
-        device_bytes = FLAGS.device_memory_gb * 2**30
+    if config.device_memory_gb is not None:
+        if not config.device_memory_gb > 0:
+            raise errors.ConfigError(f'--device_memory_gb must be > 0, got '
+                                     f'{config.device_memory_gb}.')
+        device_bytes = config.device_memory_gb * 2**30
+    name = config.model
     print(InspectModel(p, name))
     try:
-        report = InspectMemory(p, name, device_bytes, FLAGS.plot_dir)
+        report = InspectMemory(p, name, device_bytes, config.plot_dir)
     except ValueError as error:
-        if FLAGS.plot_dir or device_bytes is not None:
-            raise
+        if config.plot_dir or device_bytes is not None:
+            raise errors.ConfigError(str(error)) from None
         # The partition table is the mode's promise; the memory plan needs more of the Params.
         report = f'No memory plan: {error}'
     print(report, flush=True)
@@ -339,13 +430,15 @@ def WriteParams(text: str, logdir: str) -> str:
 _OLD_DEFAULT_ROOT = '/tmp/gpipe_tf'
 
 
-def _Logdir() -> str:
+def _Logdir(config: Config) -> str:
     """--logdir, or the user's private default (created and checked)."""
     from gpipe_tf.train import logdir as logdir_lib  # pylint: disable=g-import-not-at-top
-    if FLAGS.logdir:
-        return FLAGS.logdir
-    logdir = logdir_lib.DefaultLogdir(FLAGS.model)
-    old = os.path.join(_OLD_DEFAULT_ROOT, FLAGS.model, 'train')
+    if config.logdir:
+        if os.path.exists(config.logdir) and not os.path.isdir(config.logdir):
+            raise errors.UserError(f'--logdir={config.logdir} is a file, not a directory.')
+        return config.logdir
+    logdir = logdir_lib.DefaultLogdir(config.model)
+    old = os.path.join(_OLD_DEFAULT_ROOT, config.model, 'train')
     if not os.listdir(logdir) and os.path.isdir(old) and any(
             name.endswith('.index') for name in os.listdir(old)):
         Warn(f'the default logdir is now {logdir}; checkpoints of an earlier run are in the old '
@@ -360,16 +453,17 @@ def Warn(text: str) -> None:
 
 
 def LockLogdir(logdir: str):
-    """Takes the logdir's trainer lock for the rest of the process (a warning, and no lock, for
-    a logdir that is not a local path). Raises logdir.LogdirBusyError naming the holder."""
+    """The logdir's trainer lock, as a context manager that takes and releases it (a warning,
+    and no lock, for a logdir that is not a local path). Entering raises
+    logdir.LogdirBusyError naming the holder."""
     from gpipe_tf.train import logdir as logdir_lib  # pylint: disable=g-import-not-at-top
     if not logdir_lib.IsLocalPath(logdir):
         Warn(f'{logdir} is not a local path: no lock keeps a second trainer out of it.')
-        return None
-    return logdir_lib.Lock(logdir).Acquire()
+        return contextlib.nullcontext()
+    return logdir_lib.Lock(logdir)
 
 
-def FindCheckpoint(logdir: str, writer: bool):
+def FindCheckpoint(logdir: str, writer: bool, start_from_scratch: bool = False):
     """The newest checkpoint under `logdir` that restores (`checkpoints.Found`), after a
     warning per damaged or unfinished one. A `writer` (a trainer, holding the lock) moves those
     to train/damaged/ and repairs the index.
@@ -384,10 +478,10 @@ def FindCheckpoint(logdir: str, writer: bool):
     found = checkpoints.Find(directory)
     for line in checkpoints.Warnings(found):
         Warn(line)
-    if found.path is None and found.any_files and not (writer and FLAGS.start_from_scratch):
+    if found.path is None and found.any_files and not (writer and start_from_scratch):
         raise checkpoints.NoCheckpointRestoresError(checkpoints.NoneRestoresMessage(
             directory, found, '--start_from_scratch'))
-    if found.path is not None and FLAGS.start_from_scratch:
+    if found.path is not None and start_from_scratch:
         raise errors.UserError(f'--start_from_scratch: {found.path} restores; resume from it '
                                '(drop the flag), or pass another --logdir to start over.')
     if writer and found.any_files:
@@ -398,46 +492,47 @@ def FindCheckpoint(logdir: str, writer: bool):
     return found
 
 
-def _GraphMode() -> str:
+def _GraphMode(config: Config) -> str:
     """--graph_mode, except that a cluster always runs the v1 graph path."""
-    return 'v1' if Cluster() is not None else FLAGS.graph_mode
+    return 'v1' if Cluster(config) is not None else config.graph_mode
 
 
-def _Program(p, logdir):
+def _Program(config: Config, p, logdir):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
-    tf.config.experimental.enable_op_determinism()
-    cluster = Cluster()
-    if TpuAddress() is not None:
+    cluster = Cluster(config)
+    if TpuAddress(config) is not None:
         if cluster is not None:
-            raise ValueError('--tpu (or --run_locally=tpu) and --cluster_spec: give one; a TPU '
+            raise errors.UserError('--tpu (or --run_locally=tpu) and --cluster_spec: give one; a TPU '
                              'brings its own workers.')
-        if FLAGS.graph_mode == 'v1':
-            raise ValueError('--tpu runs the tf_function path (a TPUStrategy). The v1 TPU path '
+        if config.graph_mode == 'v1':
+            raise errors.UserError('--tpu runs the tf_function path (a TPUStrategy). The v1 TPU path '
                              'is library-level: build the step inside tf.compat.v1.tpu.rewrite '
                              'with PipeliningLayer devices=gpipe_tf.train.tpu.CoreDevices(K) '
                              '(README, "Cloud TPU").')
-        return _TpuProgram(p, logdir, TpuAddress())
+        tf.config.experimental.enable_op_determinism()
+        return _TpuProgram(config, p, logdir)
+    tf.config.experimental.enable_op_determinism()
     if cluster is not None:
         from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-        if FLAGS['graph_mode'].present and FLAGS.graph_mode != 'v1':
-            raise ValueError('--cluster_spec runs the v1 graph path (a Session with an operation '
+        if config.graph_mode_given and config.graph_mode != 'v1':
+            raise errors.UserError('--cluster_spec runs the v1 graph path (a Session with an operation '
                              'timeout: TF2 remote eager hangs on a stopped worker); drop '
-                             f'--graph_mode={FLAGS.graph_mode}.')
-        return program.GraphProgram(p, logdir, cluster_lib.SessionConfig(FLAGS.cluster_timeout_s),
-                                    cluster=cluster, job=FLAGS.cluster_job)
-    if FLAGS.graph_mode == 'v1':
+                             f'--graph_mode={config.graph_mode}.')
+        return program.GraphProgram(p, logdir, cluster_lib.SessionConfig(config.cluster_timeout_s),
+                                    cluster=cluster, job=config.cluster_job)
+    if config.graph_mode == 'v1':
         return program.GraphProgram(p, logdir)
     return program.EagerProgram(p, logdir)
 
 
-def _TpuProgram(p, logdir, address: str):
+def _TpuProgram(config: Config, p, logdir):
     """A StrategyProgram on the TPU at `address`: R replicas of K logical devices, cell k's
     variables and ops on logical device k. Raises tpu.TpuError when there is no usable TPU."""
     from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import tpu  # pylint: disable=g-import-not-at-top
     num_cells = _NumCells(p)
-    resolver, topology = tpu.Connect(address, FLAGS.tpu_timeout_s)
+    resolver, topology = tpu.Connect(TpuAddress(config), config.tpu_timeout_s)
     strategy = tpu.Strategy(resolver, topology, num_cells, p.model.num_replicas)
     # The replicas are the strategy's. Within one, cell k's variables are created on logical
     # device k, its ops run under core k's device scope, and the tensors crossing its boundary
@@ -448,29 +543,29 @@ def _TpuProgram(p, logdir, address: str):
     return program.StrategyProgram(p, logdir, strategy)
 
 
-def _Where(prog) -> str:
+def _Where(config: Config, prog) -> str:
     """Where training runs, for the first line of a training run."""
     model = prog.task.model
     strategy = getattr(prog, 'strategy', None)
     if strategy is not None:
         return (f'R={strategy.num_replicas_in_sync} replicas x K={model.num_cells} logical '
-                f'devices on the TPU {TpuAddress()}')
+                f'devices on the TPU {TpuAddress(config)}')
     replicas = f'R={len(model.mesh)} replicas x ' if len(model.mesh) > 1 else ''
     return (f'{replicas}K={len(model.devices)} cells on '
             f'{model.mesh if len(model.mesh) > 1 else model.devices}')
 
 
-def RunTrain(p, logdir, with_eval: bool) -> dict:
+def RunTrain(config: Config, p, logdir, with_eval: bool) -> dict:
     from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
-    eval_params = TaskParams(FLAGS.model, p.train.eval_dataset).input if with_eval else None
-    prog = _Program(p, logdir)
-    print(f'training {FLAGS.model} in {logdir}: {_Where(prog)}, '
-          f'M={p.model.num_micro_batches or 1}, batch {p.input.batch_size}, {_GraphMode()}',
+    eval_params = TaskParams(config, p.train.eval_dataset).input if with_eval else None
+    prog = _Program(config, p, logdir)
+    print(f'training {config.model} in {logdir}: {_Where(config, prog)}, '
+          f'M={p.model.num_micro_batches or 1}, batch {p.input.batch_size}, {_GraphMode(config)}',
           flush=True)
     metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params)
     # Greedy decoding runs eagerly, outside a TPU strategy's replicas.
-    if (with_eval and _Translates(prog.task) and _GraphMode() != 'v1' and
-            TpuAddress() is None):
+    if (with_eval and _Translates(prog.task) and _GraphMode(config) != 'v1' and
+            TpuAddress(config) is None):
         metrics['eval_bleu'] = ReportBleu(prog, eval_params, p.train.eval_dataset, logdir)
     if 'eval_accuracy' in metrics:
         print(f'final {p.train.eval_dataset.lower()} accuracy {metrics["eval_accuracy"]:.4f}',
@@ -505,7 +600,7 @@ def ReportBleu(prog, eval_params, name: str, logdir: str, num_samples: int = 5) 
     return bleu
 
 
-def _RestoredProgram(p, logdir: str):
+def _RestoredProgram(config: Config, p, logdir: str):
     """(the program, its step) with the newest checkpoint that restores, read-only: for eval
     and decode, which may run beside a trainer.
 
@@ -514,74 +609,114 @@ def _RestoredProgram(p, logdir: str):
     """
     found = FindCheckpoint(logdir, writer=False)
     if found.path is None:
-        raise errors.UserError(f'{FLAGS.mode}: no checkpoint under '
+        raise errors.UserError(f'{config.mode}: no checkpoint under '
                                f'{os.path.join(logdir, "train")}; train first (--mode=train).')
-    prog = _Program(p, logdir)
+    prog = _Program(config, p, logdir)
     return prog, prog.Restore(training=False, path=found.path)
 
 
-def RunEval(p, logdir) -> dict:
+def RunEval(config: Config, p, logdir) -> dict:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
-    prog, step = _RestoredProgram(p, logdir)
-    eval_params = TaskParams(FLAGS.model, p.train.eval_dataset).input
+    prog, step = _RestoredProgram(config, p, logdir)
+    eval_params = TaskParams(config, p.train.eval_dataset).input
     writer = tf.summary.create_file_writer(os.path.join(logdir, 'eval'))
     return loop.Evaluate(prog, eval_params, writer, step, p.train.eval_dataset)
 
 
-def _DecodeLines() -> list[str]:
-    lines = list(FLAGS.decode_input)
-    if FLAGS.decode_input_file:
-        with open(FLAGS.decode_input_file, encoding='utf-8') as f:
+def _DecodeLines(config: Config) -> list[str]:
+    lines = list(config.decode_input)
+    if config.decode_input_file:
+        if not os.path.isfile(config.decode_input_file):
+            raise errors.UserError(f'--decode_input_file: no file {config.decode_input_file}.')
+        with open(config.decode_input_file, encoding='utf-8') as f:
             lines += [line.rstrip('\n') for line in f if line.strip()]
     if not lines:
-        raise ValueError('decode: give --decode_input (comma-separated) or --decode_input_file.')
+        raise errors.UserError('decode: give --decode_input (comma-separated) or '
+                               '--decode_input_file.')
     return lines
 
 
-def RunDecode(p, logdir) -> list[str]:
+def RunDecode(config: Config, p, logdir) -> list[str]:
     from gpipe_tf.train import decode  # pylint: disable=g-import-not-at-top
-    if TpuAddress() is not None:
-        raise ValueError('decode runs eagerly on this machine\'s devices, not on a TPU: drop '
+    if TpuAddress(config) is not None:
+        raise errors.UserError('decode runs eagerly on this machine\'s devices, not on a TPU: drop '
                          '--tpu and --run_locally=tpu.')
-    prog, _ = _RestoredProgram(p, logdir)
-    results = decode.Decode(prog.task, p, _DecodeLines(), FLAGS.target_language)
+    prog, _ = _RestoredProgram(config, p, logdir)
+    results = decode.Decode(prog.task, p, _DecodeLines(config), config.target_language)
     for source, result in results:
         print(f'{source}\t{result}', flush=True)
     return results
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-    if FLAGS.list_models:
+def CheckPlan(p) -> None:
+    """Checks what the Params allow before anything is built or written: K against the layers
+    (and the cells' shapes), the batch against R replicas and M micro-batches.
+
+    Raises:
+      errors.ConfigError: naming the flag to change and the values that would work.
+    """
+    from gpipe_tf.pipeline import microbatch  # pylint: disable=g-import-not-at-top
+    model = p.model
+    if 'num_cells' not in model:
+        return
+    model.cls.PlanCells(model)  # K > layers, cells whose shapes do not chain: ConfigError.
+    batch, replicas = p.input.batch_size, model.num_replicas
+    if batch % replicas:
+        raise errors.ConfigError(f'--worker_replicas={replicas}: the batch of {batch} examples '
+                                 f'does not split into {replicas} equal replicas.')
+    per_replica = batch // replicas
+    try:
+        microbatch.NumMicroBatches(per_replica, model.num_micro_batches, model.micro_batch_size)
+    except ValueError as error:
+        divisors = [m for m in range(1, per_replica + 1) if per_replica % m == 0]
+        raise errors.ConfigError(f'--num_micro_batches: {error} M must divide the '
+                                 f'{per_replica} examples of a replica: one of {divisors}.'
+                                 ) from None
+
+
+def CheckDataDir(p) -> None:
+    """A local data directory the input reads must exist (else the run would fail after
+    building the model)."""
+    path = p.input.data_dir if 'data_dir' in p.input else None
+    if path and '://' not in path and not os.path.isdir(path):
+        raise errors.ConfigError(f'--data_dir: {path} is not a directory; '
+                                 f'{p.input.cls.__name__} reads its files there.')
+
+
+def main(config: Config) -> None:
+    """Runs `config.mode`. User mistakes raise errors.UserError before a logdir is created."""
+    if config.list_models:
         from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
         print('\n'.join(model_registry.ListModels()))
         return
-    if not FLAGS.model:
-        raise app.UsageError('--model is required (see --list_models).')
-    p = TaskParams(FLAGS.model)
-    logdir = _Logdir()
-    if FLAGS.mode == 'inspect_params':
-        RunInspectParams(p, logdir)
+    if not config.model:
+        raise errors.UserError('--model is required (see --list_models).')
+    p = TaskParams(config)
+    if config.mode == 'inspect_params':
+        RunInspectParams(p, _Logdir(config))
         return
-    _SetUpDevices(p, plan_only=FLAGS.mode == 'inspect_model')
-    if FLAGS.run_locally == 'gpu' and Cluster() is None:  # (--tpu refuses gpu above.)
+    CheckPlan(p)
+    if config.mode in ('train', 'train_and_eval', 'eval'):
+        CheckDataDir(p)
+    _SetUpDevices(config, p, plan_only=config.mode == 'inspect_model')
+    if config.run_locally == 'gpu' and Cluster(config) is None:  # (--tpu refuses gpu above.)
         print(GpuMemoryReport(p), flush=True)
-    if FLAGS.mode == 'inspect_model':
-        RunInspectModel(p, FLAGS.model)
+    if config.mode == 'inspect_model':
+        RunInspectModel(config, p)
         return
-    WarnIfClusterIsExposed()
-    if FLAGS.mode in ('train', 'train_and_eval'):
-        # Held until the process ends: checkpoints, params.txt and summaries are this run's.
-        LockLogdir(logdir)
-        FindCheckpoint(logdir, writer=True)
-        WriteParams(p.ToText(), logdir)
-        RunTrain(p, logdir, with_eval=FLAGS.mode == 'train_and_eval')
-    elif FLAGS.mode == 'eval':
-        RunEval(p, logdir)
+    logdir = _Logdir(config)
+    WarnIfClusterIsExposed(config)
+    if config.mode in ('train', 'train_and_eval'):
+        # Held for the whole run: checkpoints, params.txt and summaries are this run's.
+        with LockLogdir(logdir):
+            FindCheckpoint(logdir, writer=True, start_from_scratch=config.start_from_scratch)
+            WriteParams(p.ToText(), logdir)
+            RunTrain(config, p, logdir, with_eval=config.mode == 'train_and_eval')
+    elif config.mode == 'eval':
+        RunEval(config, p, logdir)
     else:
-        RunDecode(p, logdir)
+        RunDecode(config, p, logdir)
 
 
 def RunInspectParams(p, logdir: str) -> None:
@@ -598,10 +733,10 @@ def RunInspectParams(p, logdir: str) -> None:
         print(f'# not written: {error}', file=sys.stderr)
 
 
-def WarnIfClusterIsExposed() -> None:
+def WarnIfClusterIsExposed(config: Config) -> None:
     """Once per run: the exposure of a cluster whose tasks are not all on this machine's
     loopback (the launcher's own clusters are)."""
-    cluster = Cluster()
+    cluster = Cluster(config)
     if cluster is None:
         return
     addresses = [a for job in cluster.jobs for a in cluster.job_tasks(job)]
@@ -613,41 +748,114 @@ def WarnIfClusterIsExposed() -> None:
              'to the cluster\'s hosts (README, "Reliability and security").')
 
 
-def _Main(argv):
-    from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+def Main(config: Config) -> int:
+    """Runs the trainer in this process; returns its exit status: 0, 2 for a user's mistake,
+    1 for a non-finite loss, 128 + the signal's number when stopped by one. A user's mistake
+    is one line `error: ...` on stderr (with --verbose, also its traceback).
+
+    Raises:
+      cluster.ClusterError: when a task of the cluster (or the TPU) cannot be reached.
+    """
     from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
     try:
-        main(argv)
+        main(config)
+        return 0
     except errors.UserError as error:
-        # The user's to resolve, not a bug: the message says what to do; no traceback.
-        print(f'error: {error}', file=sys.stderr, flush=True)
-        sys.exit(2)
-    except cluster_lib.ClusterError as error:
-        # The cluster's or the TPU's state, not a bug. Exit without closing the Session: with a
-        # worker gone, its Close() retries without a deadline (seen hanging for minutes).
-        # Checkpoints and summaries are flushed already.
-        print(f'error: {error}', file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)  # pylint: disable=protected-access
+        # The user's to resolve, not a bug: the message says what to do.
+        _Error(error, config.verbose)
+        return 2
     except loop.NonFiniteLossError as error:
-        print(f'error: {error}', file=sys.stderr, flush=True)
-        sys.exit(1)
+        _Error(error, config.verbose)
+        return 1
     except loop.Interrupted as interrupted:
         saved = (f'saved {interrupted.checkpoint} at step {interrupted.step}'
                  if interrupted.checkpoint else 'no checkpoint saved')
         print(f'stopped by {interrupted}: {saved}; run the same command again to resume.',
               file=sys.stderr, flush=True)
-        sys.exit(128 + interrupted.signum)
+        return 128 + interrupted.signum
     except KeyboardInterrupt:
         # Ctrl-C outside the training steps (building, evaluating): nothing new to save.
         print('stopped by SIGINT outside training; checkpoints already written are kept.',
               file=sys.stderr, flush=True)
-        sys.exit(130)
+        return 130
 
 
-def Run():
+def _Error(error: BaseException, verbose: bool) -> None:
+    if verbose:
+        traceback.print_exception(error)
+    print(f'error: {error}', file=sys.stderr, flush=True)
+
+
+def _Quiet() -> None:
+    """Keeps TensorFlow's own log lines (start-up banners, `failed call to cuInit` on a machine
+    without a GPU) and its Python warnings out of the user's terminal; --verbose keeps them.
+    Works only before TensorFlow is imported, which is why `import gpipe_tf` does not."""
+    os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+    # Lines logged while TensorFlow's libraries load come before its C++ logging reads the
+    # variable above (TF 2.21): they go to a file, shown only if the import fails.
+    with tempfile.TemporaryFile() as captured:
+        stderr = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+        except BaseException:
+            os.dup2(stderr, 2)
+            captured.seek(0)
+            sys.stderr.write(captured.read().decode(errors='replace'))
+            raise
+        finally:
+            os.dup2(stderr, 2)
+            os.close(stderr)
+    from absl import logging  # pylint: disable=g-import-not-at-top
+    logging.set_verbosity(logging.ERROR)
+
+
+def _Main(argv):
+    if len(argv) > 1:
+        print(f'error: unexpected arguments {argv[1:]} (flags are --name=value; see --help).',
+              file=sys.stderr, flush=True)
+        sys.exit(2)
+    config = Config.FromFlags(FLAGS)
+    if not config.verbose:
+        _Quiet()
+    from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+    try:
+        status = Main(config)
+    except cluster_lib.ClusterError as error:
+        # The cluster's or the TPU's state, not a bug. Exit without closing the Session: with a
+        # worker gone, its Close() retries without a deadline (seen hanging for minutes).
+        # Checkpoints and summaries are flushed already.
+        _Error(error, config.verbose)
+        sys.stdout.flush()
+        os._exit(1)  # pylint: disable=protected-access
+    sys.exit(status)
+
+
+def _Help() -> str:
+    """The trainer's own flags (absl's --help would list those of the script that ran it)."""
+    flag_values = flags.FlagValues()
+    DefineFlags(flag_values)
+    module = next(iter(flag_values.flags_by_module_dict()))
+    flag_lines = flag_values.module_help(module).split('\n', 2)[-1]
+    return (f'{__doc__.strip()}\n\nflags:\n{flag_lines}')
+
+
+def Run(argv: list[str] | None = None):
     """Entry point of the `gpipe-train` console script."""
-    app.run(_Main)
+    argv = sys.argv if argv is None else argv
+    if any(arg in ('-h', '--help', '-help', '--helpshort', '--helpfull') for arg in argv[1:]):
+        print(_Help())
+        sys.exit(0)
+    app.run(_Main, argv=argv, flags_parser=_ParseFlags)
+
+
+def _ParseFlags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with a bad flag as one line `error: ...` and exit status 2."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as error:
+        print(f'error: {error} (see --help).', file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == '__main__':

@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 import tensorflow as tf
-from absl.testing import flagsaver
 
+from gpipe_tf import errors
 from gpipe_tf import model_registry
 from gpipe_tf import test_utils
 from gpipe_tf import trainer
@@ -59,6 +59,24 @@ def Run(*flags, check=True):
     if check and result.returncode != 0:
         raise AssertionError(f'trainer failed ({result.returncode}):\n{result.stdout}\n'
                              f'{result.stderr[-3000:]}')
+    return result
+
+
+def InProcess(*flags, check=True):
+    """Runs the trainer with `flags` in this process (trainer.Main): a CompletedProcess with
+    its exit status and what it printed. For runs that build no TF program of their own
+    (errors, inspect modes); training runs as a subprocess, as users run it."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            status = trainer.Main(trainer.ParseConfig(list(flags)))
+        except errors.UserError as error:  # A bad flag, as _ParseFlags reports it.
+            print(f'error: {error}', file=sys.stderr)
+            status = 2
+    result = subprocess.CompletedProcess(list(flags), status, stdout.getvalue(),
+                                         stderr.getvalue())
+    if check and status != 0:
+        raise AssertionError(f'trainer failed ({status}):\n{result.stdout}\n{result.stderr}')
     return result
 
 
@@ -239,6 +257,11 @@ def ErrorLine(result):
     return result.stderr.strip().splitlines()[-1]
 
 
+def LastLine(result):
+    """The last line of stderr, traceback or not."""
+    return result.stderr.strip().splitlines()[-1]
+
+
 class RecoveryTest(ReferenceRunTestCase):
     """Accidents to a logdir never lose work: a damaged or missing index or checkpoint falls
     back to the newest intact one, a second trainer is refused, files are written safely."""
@@ -404,14 +427,14 @@ class RecoveryTest(ReferenceRunTestCase):
 class ModesTest(TrainerTestCase):
 
     def testListModels(self):
-        output = Run('--list_models').stdout
+        output = InProcess('--list_models').stdout
         self.assertIn('image.amoebanet.AmoebaNetD_Small', output.split())
         self.assertIn('mt.multilingual.TransformerTiny', output.split())
 
     def testInspectParamsPrintsAndWritesLoadableParams(self):
         logdir = self.LogDir()
-        output = Run(f'--model={MLP}', f'--logdir={logdir}', '--mode=inspect_params',
-                     '--model_params_override=train.learning_rate : 0.125').stdout
+        output = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--mode=inspect_params',
+                           '--model_params_override=train.learning_rate : 0.125').stdout
         with open(os.path.join(logdir, 'params.txt'), encoding='utf-8') as f:
             text = f.read()
         self.assertEqual(output, text)
@@ -424,10 +447,10 @@ class ModesTest(TrainerTestCase):
         override = os.path.join(logdir, 'override.txt')
         with open(override, 'w', encoding='utf-8') as f:
             f.write('train.learning_rate : 0.5\ninput.batch_size : 32\n')
-        output = Run(f'--model={MLP}', f'--logdir={logdir}', '--mode=inspect_params',
-                     f'--model_params_file_override={override}',
-                     '--model_params_override=train.learning_rate : 0.25',
-                     '--worker_split_size=2', '--num_micro_batches=4').stdout
+        output = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--mode=inspect_params',
+                           f'--model_params_file_override={override}',
+                           '--model_params_override=train.learning_rate : 0.25',
+                           '--worker_split_size=2', '--num_micro_batches=4').stdout
         p = classifier.ClassifierTask.Params().FromText(output)
         self.assertEqual(p.train.learning_rate, 0.25)
         self.assertEqual((p.model.num_cells, p.model.num_micro_batches), (2, 4))
@@ -445,14 +468,14 @@ class ModesTest(TrainerTestCase):
         self.assertEmpty(graph.get_operations())
 
     def testInspectModelOfAPaperSizeModelOnMoreCellsThanDevices(self):
-        output = Run('--model=lm.TransformerL_1663', '--mode=inspect_model').stdout
+        output = InProcess('--model=lm.TransformerL_1663', '--mode=inspect_model').stdout
         rows = [line for line in output.splitlines() if line[:1].isdigit()]
         self.assertLen(rows, 128)
         self.assertIn('device:CPU:127', rows[-1])
 
     def testInspectModelPrintsOneRowPerCell(self):
-        output = Run('--model=image.amoebanet.AmoebaNetD_Small', '--mode=inspect_model',
-                     '--worker_split_size=3').stdout
+        output = InProcess('--model=image.amoebanet.AmoebaNetD_Small', '--mode=inspect_model',
+                           '--worker_split_size=3').stdout
         rows = [line for line in output.splitlines() if line[:1].isdigit()]
         self.assertLen(rows, 3)
         self.assertIn('/device:CPU:2', rows[2])
@@ -527,12 +550,10 @@ class ClusterExposureTest(tf.test.TestCase):
     """The trainer names, once, the tasks of a cluster that other hosts may reach."""
 
     def Warnings(self, cluster_spec):
-        if not trainer.FLAGS.is_parsed():
-            trainer.FLAGS.mark_as_parsed()
+        config = trainer.ParseConfig([f'--cluster_spec={cluster_spec}'] if cluster_spec else [])
         stderr = io.StringIO()
-        with flagsaver.flagsaver(cluster_spec=cluster_spec), \
-                contextlib.redirect_stderr(stderr):
-            trainer.WarnIfClusterIsExposed()
+        with contextlib.redirect_stderr(stderr):
+            trainer.WarnIfClusterIsExposed(config)
         return stderr.getvalue().splitlines()
 
     def testTasksOnOtherHostsAreNamedInOneWarning(self):
@@ -549,32 +570,90 @@ class ClusterExposureTest(tf.test.TestCase):
 class ErrorsTest(TrainerTestCase):
 
     def AssertFails(self, pattern, *flags):
-        result = Run(*flags, check=False)
-        self.assertNotEqual(result.returncode, 0)
-        self.assertRegex(result.stdout + result.stderr, pattern)
+        """The trainer, in process, ends in one line `error: ...` matching `pattern` and exit
+        status 2."""
+        result = InProcess(*flags, check=False)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertRegex(ErrorLine(result), pattern)
+        return result
 
     def testMissingModel(self):
         self.AssertFails(r'--model is required')
 
     def testUnknownModelSuggestsCloseNames(self):
-        result = Run('--model=examples.PipelinedMLQ', '--mode=inspect_params', check=False)
-        self.assertEqual(result.returncode, 2)
-        self.assertRegex(ErrorLine(result), r"^error: --model=examples\.PipelinedMLQ: Unknown "
-                                            r"model 'examples\.PipelinedMLQ'; closest registered "
-                                            r'models: .*examples\.PipelinedMLP')
+        self.AssertFails(r"^error: --model=examples\.PipelinedMLQ: Unknown "
+                         r"model 'examples\.PipelinedMLQ'; closest registered "
+                         r'models: .*examples\.PipelinedMLP',
+                         '--model=examples.PipelinedMLQ', '--mode=inspect_params')
 
     def testMalformedOverrideNamesTheLine(self):
         self.AssertFails(r"Line 1 \('train.no_such_field : 1'\)", f'--model={MLP}',
                          '--mode=inspect_params', '--model_params_override=train.no_such_field : 1')
 
     def testOverrideOfTheWrongKindIsAnErrorBeforeTraining(self):
-        logdir = self.LogDir()
-        result = Run(f'--model={MLP}', f'--logdir={logdir}',
-                     '--model_params_override=input.seed : 1.5', check=False)
-        self.assertEqual(result.returncode, 2)
-        self.assertEqual(ErrorLine(result), 'error: --model_params_override: input.seed is 1 '
-                                            '(int); the override gives 1.5 (float).')
+        logdir = os.path.join(self.LogDir(), 'run')
+        result = self.AssertFails(r'^error: --model_params_override: input\.seed is 1 \(int\); '
+                                  r'the override gives 1\.5 \(float\)\.$', f'--model={MLP}',
+                                  f'--logdir={logdir}', '--model_params_override=input.seed : 1.5')
         self.assertNotIn('step', result.stdout)
+        self.assertFalse(os.path.exists(logdir))
+
+    def AssertFailsBeforeTheLogdir(self, pattern, *flags):
+        """Training with `flags` is one line `error: ...` matching `pattern`, exit status 2,
+        and no logdir."""
+        logdir = os.path.join(self.LogDir(), 'run')
+        self.AssertFails(pattern, f'--model={MLP}', f'--logdir={logdir}', *flags)
+        self.assertFalse(os.path.exists(logdir))
+
+    def testMicroBatchesThatDoNotDivideTheBatch(self):
+        self.AssertFailsBeforeTheLogdir(
+            r'^error: --num_micro_batches: Batch size 64 is not divisible by num_micro_batches '
+            r'\(7\)\. M must divide the 64 examples of a replica: one of \[1, 2, 4, 8, 16, 32, '
+            r'64\]\.$', '--num_micro_batches=7')
+
+    def testMoreMicroBatchesThanExamples(self):
+        self.AssertFailsBeforeTheLogdir(r'num_micro_batches \(128\) is larger than the batch '
+                                        r'size \(64\)', '--num_micro_batches=128')
+
+    def testReplicasThatDoNotDivideTheBatch(self):
+        self.AssertFailsBeforeTheLogdir(r'--worker_replicas=3: the batch of 64 examples does not '
+                                        r'split into 3 equal replicas', '--worker_replicas=3')
+
+    def testMoreCellsThanLayers(self):
+        self.AssertFailsBeforeTheLogdir(r'num_cells \(9\) is larger than the number of layers '
+                                        r'\(4\)', '--worker_split_size=9')
+
+    def testNegativeMaxSteps(self):
+        self.AssertFailsBeforeTheLogdir(r'^error: --max_steps: train\.max_steps must be an '
+                                        r'integer >= 0, got -1\.$', '--max_steps=-1')
+
+    def testUnknownFlag(self):
+        self.AssertFailsBeforeTheLogdir(r"^error: Unknown command line flag 'no_such_flag'",
+                                        '--no_such_flag=1')
+
+    def testALogdirThatIsAFile(self):
+        path = os.path.join(self.LogDir(), 'file')
+        with open(path, 'w', encoding='utf-8') as f:
+            f.write('not a logdir')
+        self.AssertFails(rf'^error: --logdir={path} is a file, not a directory\.$',
+                         f'--model={MLP}', f'--logdir={path}', '--max_steps=1')
+
+    def testHelpListsTheTrainersFlagsAndExitsZero(self):
+        # A subprocess, as users run it; it imports no TensorFlow, so it is quick.
+        result = Run('--help')
+        for flag in ('model', 'num_micro_batches', 'worker_split_size', 'verbose'):
+            self.assertRegex(result.stdout, rf'\n  --(\[no\])?{flag}:')
+
+    def testAMistakeIsOneLineQuicklyAndTheTracebackOnlyWithVerbose(self):
+        # As users run it: TensorFlow's start-up lines stay out of stderr.
+        result = Run(f'--model={MLP}', '--num_micro_batches=7', check=False)
+        self.assertEqual(result.returncode, 2)
+        self.assertEqual(len(result.stderr.strip().splitlines()), 1, result.stderr)
+        self.assertStartsWith(result.stderr, 'error: --num_micro_batches: ')
+        verbose = Run(f'--model={MLP}', '--num_micro_batches=7', '--verbose', check=False)
+        self.assertEqual(verbose.returncode, 2)
+        self.assertIn('Traceback', verbose.stderr)
+        self.assertEqual(LastLine(verbose), result.stderr.strip())
 
     def testEvalWithoutCheckpoint(self):
         logdir = self.LogDir()
@@ -641,7 +720,7 @@ class ErrorsTest(TrainerTestCase):
                          f'--logdir={self.LogDir()}', '--tpu=local', '--graph_mode=v1')
 
     def testInspectModelPlansTpuCoresWithoutATpu(self):
-        output = Run(f'--model={MLP}', '--run_locally=tpu', '--mode=inspect_model').stdout
+        output = InProcess(f'--model={MLP}', '--run_locally=tpu', '--mode=inspect_model').stdout
         for k in range(4):
             self.assertRegex(output, rf'\n\s*{k}\s+device:TPU_REPLICATED_CORE:{k}\s')
 
@@ -667,8 +746,8 @@ class PipelinePicturesTest(TrainerTestCase):
 
     def testInspectModelWritesThePlanPicturesAndPrintsTheMemoryPlan(self):
         plot_dir = os.path.join(self.LogDir(), 'plots')
-        output = Run(f'--model={MLP}', '--mode=inspect_model', f'--plot_dir={plot_dir}',
-                     '--device_memory_gb=16').stdout
+        output = InProcess(f'--model={MLP}', '--mode=inspect_model', f'--plot_dir={plot_dir}',
+                           '--device_memory_gb=16').stdout
         self.AssertPngs(plot_dir, output)
         table = output[output.index('planned memory per device'):]
         rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
@@ -677,30 +756,28 @@ class PipelinePicturesTest(TrainerTestCase):
         self.assertIn('peak per device', table)
 
     def testInspectModelPrintsTheMemoryPlanWithoutPlotDir(self):
-        output = Run(f'--model={MLP}', '--mode=inspect_model').stdout
+        output = InProcess(f'--model={MLP}', '--mode=inspect_model').stdout
         self.assertIn('planned memory per device', output)
         self.assertNotIn('wrote', output)
 
     def testInspectModelPlotsAPaperSizeModelWithoutBuildingIt(self):
         # K=128 cells of 83.9B parameters: planned and drawn from Params alone.
         plot_dir = os.path.join(self.LogDir(), 'plots')
-        start = time.time()
-        output = Run('--model=lm.TransformerL_1663', '--mode=inspect_model',
-                     f'--plot_dir={plot_dir}', '--device_memory_gb=16').stdout
-        self.assertLess(time.time() - start, 120)
+        output = InProcess('--model=lm.TransformerL_1663', '--mode=inspect_model',
+                           f'--plot_dir={plot_dir}', '--device_memory_gb=16').stdout
         self.AssertPngs(plot_dir, output)
         self.assertIn('K=128 M=32 batch=32', output)
 
     def testInspectModelWithPlotDirNeedsInputShapes(self):
-        result = Run(f'--model={MLP}', '--mode=inspect_model', f'--plot_dir={self.LogDir()}',
-                     "--model_params_override=model.partition_method : 'uniform'; "
-                     'model.input_shapes : None', check=False)
+        result = InProcess(f'--model={MLP}', '--mode=inspect_model', f'--plot_dir={self.LogDir()}',
+                           "--model_params_override=model.partition_method : 'uniform'; "
+                           'model.input_shapes : None', check=False)
         self.assertNotEqual(result.returncode, 0)
         self.assertIn('the plan pictures need model.input_shapes', result.stderr)
 
     def testDeviceMemoryMustBePositive(self):
-        result = Run(f'--model={MLP}', '--mode=inspect_model', '--device_memory_gb=0',
-                     check=False)
+        result = InProcess(f'--model={MLP}', '--mode=inspect_model', '--device_memory_gb=0',
+                           check=False)
         self.assertNotEqual(result.returncode, 0)
         self.assertIn('--device_memory_gb must be > 0, got 0.0', result.stderr)
 

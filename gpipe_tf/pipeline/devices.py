@@ -1,8 +1,9 @@
-"""Devices a local run places its cells on: `--run_locally=cpu|gpu|tpu`, and virtual CPUs."""
+"""Devices a local run places its cells on: `--run_locally=cpu|gpu|tpu`, and virtual CPUs.
+
+TensorFlow is imported inside the functions: the trainer reads RUN_LOCALLY for its flags before
+it decides how quiet TensorFlow starts."""
 
 from __future__ import annotations
-
-import tensorflow as tf
 
 RUN_LOCALLY = ('cpu', 'gpu', 'tpu')
 
@@ -25,6 +26,7 @@ def LocalDevices(run_locally: str, num_devices: int) -> list[str]:
         raise ValueError(f'--num_devices must be >= 0, got {num_devices}.')
     if run_locally == 'cpu':
         return VirtualCpus(max(num_devices, 1))
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     if run_locally == 'tpu':
         # A TPU is reached through a TPUClusterResolver and a TPUStrategy, not as local
         # devices: the trainer's --run_locally=tpu is --tpu=local (gpipe_tf.train.tpu).
@@ -53,6 +55,7 @@ def VirtualCpus(num_devices: int) -> list[str]:
     Raises:
       RuntimeError: if TF was initialised with fewer logical CPUs than asked for.
     """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     cpu = tf.config.list_physical_devices('CPU')[0]
     try:
         tf.config.set_logical_device_configuration(
