@@ -6,11 +6,14 @@ import os
 import shutil
 import tempfile
 
+import pytest
 import numpy as np
 import tensorflow as tf
 
 from gpipe_tf import test_utils
 from gpipe_tf.train import checkpoints
+
+pytestmark = pytest.mark.unit
 
 STEPS = (1, 2, 3)
 

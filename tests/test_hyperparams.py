@@ -10,6 +10,7 @@ import tempfile
 import uuid
 from unittest import mock
 
+import pytest
 import numpy as np
 import tensorflow as tf
 
@@ -70,6 +71,7 @@ def _MlpParams() -> hyperparams.Params:
     return p
 
 
+@pytest.mark.unit
 class DefineGetSetTest(tf.test.TestCase):
 
     def test_define_sets_default_and_description(self):
@@ -126,6 +128,7 @@ class DefineGetSetTest(tf.test.TestCase):
         self.assertEqual(p.Get('a.b.c'), 3)
 
 
+@pytest.mark.unit
 class CopyTest(tf.test.TestCase):
 
     def test_copy_is_independent_of_nested_params(self):
@@ -165,6 +168,7 @@ class CopyTest(tf.test.TestCase):
         self.assertEqual(q.child.x, 2)
 
 
+@pytest.mark.unit
 class FreezeTest(tf.test.TestCase):
 
     def test_freeze_blocks_top_level_assignment(self):
@@ -198,6 +202,7 @@ class FreezeTest(tf.test.TestCase):
         self.assertTrue(p.frozen)
 
 
+@pytest.mark.unit
 class EqualityTest(tf.test.TestCase):
 
     def test_params_with_equal_values_are_equal(self):
@@ -221,6 +226,7 @@ class EqualityTest(tf.test.TestCase):
         self.assertNotEqual(_Params(x=1), {'x': 1})
 
 
+@pytest.mark.unit
 class TextRoundTripTest(tf.test.TestCase):
 
     def assertRoundTrips(self, value):
@@ -370,6 +376,7 @@ class TextRoundTripTest(tf.test.TestCase):
         self.assertEqual((p.x, p.y), (1, -2))
 
 
+@pytest.mark.unit
 class FromTextErrorTest(tf.test.TestCase):
 
     def test_line_without_separator_names_its_line(self):
@@ -414,6 +421,7 @@ def _PlantModule(directory: str, marker: str) -> str:
     return name
 
 
+@pytest.mark.unit
 class TextNamesOnlyThePackageTest(tf.test.TestCase):
     """`type/` and `callable/` values resolve to the gpipe_tf package's own classes and
     functions; nothing else is imported, let alone run."""
@@ -490,6 +498,7 @@ class TextNamesOnlyThePackageTest(tf.test.TestCase):
                 'x : 1\nmodel.cls : type/subprocess/Popen\n')
 
 
+@pytest.mark.unit
 class CheckTest(tf.test.TestCase):
     """Checks declared with Define hold for every value a param takes."""
 
@@ -616,6 +625,7 @@ class TrainingParamsAreCheckedTest(tf.test.TestCase):
                 self.assertEqual(model_registry.GetParams(name, 'Train').FromText(p.ToText()), p)
 
 
+@pytest.mark.unit
 class TextDiffTest(tf.test.TestCase):
 
     def test_equal_params_have_empty_diff(self):
@@ -632,6 +642,7 @@ class TextDiffTest(tf.test.TestCase):
         self.assertEqual(p.TextDiff(q), '- sub[0].output_dim : 8\n+ sub[0].output_dim : 16\n')
 
 
+@pytest.mark.unit
 class InstantiableParamsTest(tf.test.TestCase):
 
     def test_instantiate_calls_cls_with_params_and_kwargs(self):

@@ -9,11 +9,14 @@ import sys
 import tempfile
 from unittest import mock
 
+import pytest
 import numpy as np
 import tensorflow as tf
 
 from gpipe_tf import test_utils
 from gpipe_tf.input import image
+
+pytestmark = pytest.mark.unit
 
 test_utils.ConfigureVirtualCpus()
 

@@ -4,11 +4,14 @@ tensors and inside tf.function, and the errors for bad Params."""
 
 import math
 
+import pytest
 import numpy as np
 import tensorflow as tf
 
 from gpipe_tf import learning_rate
 from gpipe_tf import test_utils
+
+pytestmark = pytest.mark.unit
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
 import tensorflow as tf
 
 from gpipe_tf import errors
@@ -71,6 +72,7 @@ class LockTest(LogdirTestCase):
             self.assertEqual(f.read(), 'keep')
 
 
+@pytest.mark.unit
 class DefaultLogdirTest(LogdirTestCase):
 
     def setUp(self):
@@ -111,6 +113,7 @@ class DefaultLogdirTest(LogdirTestCase):
         self.assertIsInstance(logdir_lib.UnsafeLogdirError('x'), errors.UserError)
 
 
+@pytest.mark.unit
 class WriteAtomicallyTest(LogdirTestCase):
 
     def testReplacesASymlinkInsteadOfWritingThroughIt(self):

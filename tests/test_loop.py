@@ -9,10 +9,13 @@ import signal
 import tempfile
 import types
 
+import pytest
 import tensorflow as tf
 
 from gpipe_tf import model_registry
 from gpipe_tf.train import loop
+
+pytestmark = pytest.mark.unit
 
 
 class RecordingProgram:

@@ -8,6 +8,7 @@ import tempfile
 import textwrap
 import uuid
 
+import pytest
 import tensorflow as tf
 
 from gpipe_tf import hyperparams
@@ -16,6 +17,8 @@ from gpipe_tf.layers import basic
 from gpipe_tf.params import examples
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.tasks import classifier
+
+pytestmark = pytest.mark.unit
 
 EXAMPLE = 'examples.PipelinedMLP'
 

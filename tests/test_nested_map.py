@@ -3,9 +3,12 @@
 import copy
 import pickle
 
+import pytest
 import tensorflow as tf
 
 from gpipe_tf.nested_map import NestedMap
+
+pytestmark = pytest.mark.unit
 
 
 def _Example() -> NestedMap:

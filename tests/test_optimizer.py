@@ -6,12 +6,15 @@ import os
 import shutil
 import tempfile
 
+import pytest
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
 from gpipe_tf import optimizer
 from gpipe_tf import test_utils
+
+pytestmark = pytest.mark.unit
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 

@@ -3,10 +3,13 @@
 import itertools
 import random
 
+import pytest
 import tensorflow as tf
 from absl.testing import parameterized
 
 from gpipe_tf.pipeline import partition
+
+pytestmark = pytest.mark.unit
 
 
 def BruteForceMinMax(costs, k):

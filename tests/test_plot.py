@@ -5,8 +5,8 @@ import os
 import shutil
 import struct
 import tempfile
-import time
 
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 from matplotlib import colors
@@ -15,6 +15,8 @@ from matplotlib import image as mpimage
 from gpipe_tf.perf import memory
 from gpipe_tf.perf import plot
 from gpipe_tf.perf import simulator
+
+pytestmark = pytest.mark.unit
 
 _PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
 
@@ -137,12 +139,10 @@ class TimelineFigureTest(parameterized.TestCase):
         long = plot.TimelineFigure(_Timeline(2, 2)).axes[0]
         self.assertEqual(long.get_xlabel(), 'time (s)')
 
-    def testLargeTimelineDrawsQuickly(self):
+    def testLargeTimelineDraws(self):
         timeline = _Timeline(8, 64)
         self.assertGreater(len(timeline.intervals), 1500)
-        start = time.perf_counter()
         data = plot.PngBytes(plot.TimelineFigure(timeline))
-        self.assertLess(time.perf_counter() - start, 5.0)
         self.assertTrue(data.startswith(_PNG_SIGNATURE))
 
     def testEmptyTimelineRaises(self):

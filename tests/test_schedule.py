@@ -1,9 +1,12 @@
 """The GPipe clock: ticks, and the bubble fraction the paper states."""
 
+import pytest
 import tensorflow as tf
 from absl.testing import parameterized
 
 from gpipe_tf.pipeline import schedule
+
+pytestmark = pytest.mark.unit
 
 
 class ScheduleTest(tf.test.TestCase, parameterized.TestCase):

@@ -2,10 +2,13 @@
 
 import collections
 
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 
 from gpipe_tf.perf import simulator
+
+pytestmark = pytest.mark.unit
 
 
 def _Uniform(k, f=1.0, b=2.0, r=None, transfer=0.0):

@@ -7,6 +7,7 @@ import os
 import sys
 from unittest import mock
 
+import pytest
 import numpy as np
 import tensorflow as tf
 
@@ -15,6 +16,8 @@ from gpipe_tf.input import text
 from gpipe_tf.input import vocabulary
 from gpipe_tf.models.transformer import network as transformer_model
 from gpipe_tf.tools import make_multilingual_corpus as corpus_tool
+
+pytestmark = pytest.mark.unit
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 

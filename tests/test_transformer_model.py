@@ -4,7 +4,6 @@ paper, FPropMeta against reality, pipelined gradients against un-pipelined ones,
 causal and padding masks, and the paper's two trainability fixes."""
 
 import math
-import time
 
 import numpy as np
 import tensorflow as tf
@@ -79,13 +78,10 @@ class PaperSizeTest(tf.test.TestCase, parameterized.TestCase):
 
     def testParamCountsFromParamsAloneMatchThePaper(self):
         graph = tf.Graph()
-        start = time.perf_counter()
         with graph.as_default():
             counts = {key: transformer_model.PipelineMeta(
                 model_registry.GetParams(key, 'Train').model).num_params for key in PAPER_MODELS}
-        elapsed = time.perf_counter() - start
         self.assertEmpty(graph.get_operations(), 'FPropMeta created TF ops')
-        self.assertLess(elapsed, 30.0)
         for key, (exact, paper, tolerance) in PAPER_MODELS.items():
             with self.subTest(key=key):
                 self.assertEqual(counts[key], exact)

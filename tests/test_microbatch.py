@@ -1,0 +1,191 @@
+"""Splitting a mini-batch into micro-batches and gathering them back (`pipeline/microbatch.py`):
+the batch size of a nest, the choice of M, and Split/Concat against numpy's split/concatenate."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from absl.testing import parameterized
+
+from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import microbatch
+
+pytestmark = pytest.mark.unit
+
+
+def Arange(shape, dtype=np.float64):
+    return np.arange(np.prod(shape), dtype=dtype).reshape(shape)
+
+
+class BatchSizeTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.parameters((0, 6), (1, 4), (2, 3), (-1, 3))
+    def testIsTheSizeOfBatchDim(self, batch_dim, expected):
+        x = tf.zeros([6, 4, 3])
+        self.assertEqual(microbatch.BatchSize(x, batch_dim), expected)
+
+    def testNoneLeavesAreIgnored(self):
+        inputs = NestedMap(x=tf.zeros([8, 2]), mask=None, ids=tf.zeros([8], tf.int32))
+        self.assertEqual(microbatch.BatchSize(inputs, 0), 8)
+
+    def testIsNoneWhenTheBatchDimIsUnknown(self):
+        sizes = []
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32)])
+        def Traced(x):
+            sizes.append(microbatch.BatchSize((x, None), 0))
+            return x
+
+        Traced.get_concrete_function()
+        self.assertEqual(sizes, [None])
+
+    def testUnknownSizesDoNotHideAKnownOne(self):
+        sizes = []
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32),
+                                      tf.TensorSpec(None, tf.float32)])
+        def Traced(x, y):
+            sizes.append(microbatch.BatchSize([x, y, tf.zeros([5, 3])], 0))
+            return x
+
+        Traced.get_concrete_function()
+        self.assertEqual(sizes, [5])
+
+    def testEmptyNestHasNoBatchSize(self):
+        self.assertIsNone(microbatch.BatchSize(NestedMap(), 0))
+        self.assertIsNone(microbatch.BatchSize([None, None], 0))
+
+    def testDisagreementNamesTheSizesAndTheDim(self):
+        inputs = [tf.zeros([4, 6]), tf.zeros([2, 6]), tf.zeros([3, 6])]
+        self.assertEqual(microbatch.BatchSize(inputs, 1), 6)
+        with self.assertRaisesRegex(ValueError, r'batch_dim 0: \[2, 3, 4\]'):
+            microbatch.BatchSize(inputs, 0)
+
+    def testRankTooSmallNamesTheShapeAndTheDim(self):
+        with self.assertRaisesRegex(ValueError, r'shape \(4, 6\) has no batch_dim 2'):
+            microbatch.BatchSize([tf.zeros([4, 6, 2]), tf.zeros([4, 6])], 2)
+        with self.assertRaisesRegex(ValueError, r'shape \(\) has no batch_dim 0'):
+            microbatch.BatchSize(tf.constant(1.0), 0)
+
+
+class NumMicroBatchesTest(tf.test.TestCase, parameterized.TestCase):
+
+    def testNeitherGivenMeansOne(self):
+        self.assertEqual(microbatch.NumMicroBatches(7, None, None), 1)
+
+    def testAcceptsExactlyTheDivisorsOfTheBatch(self):
+        for batch in range(1, 13):
+            for m in range(1, 15):
+                if batch % m == 0:
+                    self.assertEqual(microbatch.NumMicroBatches(batch, m, None), m)
+                else:
+                    with self.assertRaises(ValueError, msg=(batch, m)):
+                        microbatch.NumMicroBatches(batch, m, None)
+
+    def testMicroBatchSizeGivesBatchOverSize(self):
+        for batch in range(1, 13):
+            for size in range(1, 15):
+                if batch % size == 0:
+                    self.assertEqual(microbatch.NumMicroBatches(batch, None, size), batch // size)
+                else:
+                    with self.assertRaises(ValueError, msg=(batch, size)):
+                        microbatch.NumMicroBatches(batch, None, size)
+
+    @parameterized.named_parameters(
+        ('both', 8, 2, 4, r'exactly one of num_micro_batches and micro_batch_size, got 2 and 4'),
+        ('size_not_divisor', 8, None, 3, r'Batch size 8 is not divisible by micro_batch_size 3'),
+        ('size_zero', 8, None, 0, r'micro_batch_size 0'),
+        ('m_zero', 8, 0, None, r'must be >= 1, got 0'),
+        ('m_negative', 8, -2, None, r'must be >= 1, got -2'),
+        ('m_larger_than_batch', 4, 5, None, r'\(5\) is larger than the batch size \(4\)'),
+        ('m_not_divisor', 10, 4, None,
+         r'Batch size 10 is not divisible by num_micro_batches \(4\)'),
+    )
+    def testErrorsStateTheValues(self, batch, m, size, message):
+        with self.assertRaisesRegex(ValueError, message):
+            microbatch.NumMicroBatches(batch, m, size)
+
+
+class SplitTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.product(batch_dim=[0, 1, 2], m=[1, 2, 4])
+    def testEqualsNumpySplit(self, batch_dim, m):
+        x = Arange([4, 8, 4])
+        parts = microbatch.Split(tf.constant(x), m, batch_dim)
+        expected = np.split(x, m, axis=batch_dim)
+        self.assertLen(parts, m)
+        for part, want in zip(parts, expected):
+            self.assertAllEqual(part, want)
+
+    def testSplitsEveryLeafOfANestAndKeepsItsStructure(self):
+        x, ids = Arange([6, 2]), Arange([6], np.int32)
+        pair = (Arange([6, 3, 2]), Arange([6]))
+        inputs = NestedMap(x=tf.constant(x), ids=tf.constant(ids), mask=None,
+                           pair=tuple(tf.constant(a) for a in pair))
+        parts = microbatch.Split(inputs, 3)
+        self.assertLen(parts, 3)
+        for m, part in enumerate(parts):
+            self.assertIsInstance(part, NestedMap)
+            self.assertIsInstance(part.pair, tuple)
+            self.assertIsNone(part.mask)
+            self.assertEqual(part.ids.dtype, tf.int32)
+            self.assertAllEqual(part.x, np.split(x, 3)[m])
+            self.assertAllEqual(part.ids, np.split(ids, 3)[m])
+            self.assertAllEqual(part.pair[0], np.split(pair[0], 3)[m])
+            self.assertAllEqual(part.pair[1], np.split(pair[1], 3)[m])
+
+    def testAnUnevenSplitRaises(self):
+        with self.assertRaises((ValueError, tf.errors.InvalidArgumentError)):
+            microbatch.Split(tf.zeros([5, 2]), 2)
+
+    def testWorksOnAnUnknownBatchInsideAFunction(self):
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float64)])
+        def SplitSums(x):
+            return [tf.reduce_sum(p, 0) for p in microbatch.Split(x, 2)]
+
+        x = Arange([6, 3])
+        expected = [p.sum(0) for p in np.split(x, 2)]
+        for got, want in zip(SplitSums(tf.constant(x)), expected):
+            self.assertAllEqual(got, want)
+
+
+class ConcatTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.parameters(0, 1, 2)
+    def testEqualsNumpyConcatenate(self, batch_dim):
+        rng = np.random.default_rng(batch_dim)
+        sizes = [1, 3, 2]
+        parts = []
+        for size in sizes:
+            shape = [2, 3, 4]
+            shape[batch_dim] = size
+            parts.append(rng.standard_normal(shape))
+        got = microbatch.Concat([tf.constant(p) for p in parts], batch_dim)
+        self.assertAllEqual(got, np.concatenate(parts, axis=batch_dim))
+
+    def testConcatenatesEveryLeafOfANest(self):
+        parts = [NestedMap(x=Arange([2, 3]) + 10 * m, ids=Arange([2], np.int32) + m, mask=None)
+                 for m in range(3)]
+        got = microbatch.Concat([p.Transform(lambda a: None if a is None else tf.constant(a))
+                                 for p in parts])
+        self.assertIsInstance(got, NestedMap)
+        self.assertIsNone(got.mask)
+        self.assertAllEqual(got.x, np.concatenate([p.x for p in parts]))
+        self.assertAllEqual(got.ids, np.concatenate([p.ids for p in parts]))
+
+    @parameterized.product(batch_dim=[0, 1], m=[1, 2, 3, 6])
+    def testUndoesSplit(self, batch_dim, m):
+        inputs = (tf.constant(Arange([6, 6, 2])), [tf.constant(Arange([6, 6], np.int64)), None])
+        parts = microbatch.Split(inputs, m, batch_dim)
+        back = microbatch.Concat(parts, batch_dim)
+        tf.nest.assert_same_structure(back, inputs)
+        self.assertAllEqual(back[0], inputs[0])
+        self.assertAllEqual(back[1][0], inputs[1][0])
+        self.assertIsNone(back[1][1])
+
+    def testGathersInListOrder(self):
+        parts = [tf.fill([2, 1], float(m)) for m in (3, 0, 2)]
+        self.assertAllEqual(microbatch.Concat(parts)[:, 0], [3, 3, 0, 0, 2, 2])
+
+
+if __name__ == '__main__':
+    tf.test.main()

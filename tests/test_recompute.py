@@ -1,0 +1,377 @@
+"""A cell's traced forward and re-materializing backward (`pipeline/recompute.py`): outputs and
+gradients equal a hand-derived numpy oracle and the backward without re-materialization, in eager
+mode, a tf.function and a tf.compat.v1 graph; the forward is re-run during backprop, after the
+incoming gradient exists; each function is traced once; stateless dropout draws the same mask on
+recompute; and the small nest helpers."""
+
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from absl.testing import parameterized
+
+from gpipe_tf import test_utils
+from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import basic
+from gpipe_tf.layers import fprop_context
+from gpipe_tf.layers import sequential
+from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import recompute
+
+pytestmark = pytest.mark.unit
+
+DEVICES = test_utils.ConfigureVirtualCpus()
+DEVICE = DEVICES[3]
+BATCH, DIM = 4, 3
+TOLERANCE = 1e-12  # float64 throughout.
+
+EVENTS = []  # What ran, in the order it ran: 'fwd', 'recompute' (a cell forward) or 'dy'.
+TRACES = []  # One entry per Python call of FProp, i.e. per trace of a function calling it.
+
+
+class ScaledDense(base_layer.BaseLayer):
+    """`scale * tanh(x @ w + b)`, with `scale` a non-trainable variable. Records each run in
+    EVENTS and each trace in TRACES, and reports sum(y) as a training statistic. A NestedMap
+    input {x, ids, unused} gives NestedMap {y, ids}: `ids` (int) passes through, `unused` is
+    ignored."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Set(dtype=tf.float64)
+        return p
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.CreateVariable('w', base_layer.WeightParams((DIM, DIM)))
+        self.CreateVariable('b', base_layer.WeightParams(
+            (DIM,), base_layer.WeightInit.Gaussian(0.5)))
+        self.CreateVariable('scale', base_layer.WeightParams(
+            (), base_layer.WeightInit.Constant(1.5), trainable=False))
+
+    def FProp(self, theta, inputs):
+        x = inputs.x if isinstance(inputs, NestedMap) else inputs
+        scopes = tf.compat.v1.get_default_graph().get_name_scope().split('/')
+        kind = 'recompute' if recompute.RECOMPUTE_SCOPE in scopes else 'fwd'
+        TRACES.append(kind)
+
+        def Record(unused_x):
+            EVENTS.append(kind)
+            return 0
+
+        done = tf.py_function(Record, [x], tf.int32)  # Runs once x exists; y waits for it.
+        with tf.control_dependencies([done]):
+            y = theta.scale * tf.tanh(tf.matmul(x, theta.w) + theta.b)
+        self.AddUpdate(NestedMap(output_sum=tf.reduce_sum(y)))
+        return NestedMap(y=y, ids=inputs.ids) if isinstance(inputs, NestedMap) else y
+
+
+def MakeCell(name='cell'):
+    return ScaledDense.Params().Set(name=name).Instantiate()
+
+
+def NumpyCell(cell, x, dy):
+    """Oracle: (y, [d_b, None, d_w] in tf.nest order of theta, d_x) by hand."""
+    w, b, scale = cell.vars.w.numpy(), cell.vars.b.numpy(), cell.vars.scale.numpy()
+    t = np.tanh(x @ w + b)
+    g = dy * scale * (1.0 - t ** 2)
+    return scale * t, [g.sum(0), None, x.T @ g], g @ w.T
+
+
+def RandomArrays(seed, shape=(BATCH, DIM)):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(shape), rng.standard_normal(shape)
+
+
+def Ids(value):
+    return tf.constant(value, tf.int64)
+
+
+def RunV1(sess, fetches):
+    """`sess.run(fetches)` for fetches with None leaves, which stay None."""
+    flat = tf.nest.flatten(fetches)
+    values = iter(sess.run([x for x in flat if x is not None]))
+    return tf.nest.pack_sequence_as(fetches, [None if x is None else next(values) for x in flat])
+
+
+def AncestorNames(function_def, name):
+    """Names (nodes and arguments) `name` depends on, through data and control inputs, inside a
+    FunctionDef."""
+    inputs = {node.name: [i.lstrip('^').split(':')[0] for i in node.input]
+              for node in function_def.node_def}
+    seen, stack = set(), [name]
+    while stack:
+        for parent in inputs.get(stack.pop(), []):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+class CellFunctionsTest(tf.test.TestCase, parameterized.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        EVENTS.clear()
+        TRACES.clear()
+
+    def assertGradsEqual(self, got, want):
+        self.assertLen(got, len(want))
+        for g, w in zip(got, want):
+            if w is None:
+                self.assertIsNone(g)
+            else:
+                self.assertLess(test_utils.MaxRelativeError(g, w), TOLERANCE)
+
+    def testForwardEqualsTheCellAndReportsItsStatistics(self):
+        cell = MakeCell()
+        functions = recompute.CellFunctions(cell, DEVICE)
+        x, dy = RandomArrays(0)
+        outputs, stats = functions.Forward(cell.theta, tf.constant(x), Ids(0), Ids(0))
+        y_ref = NumpyCell(cell, x, dy)[0]
+        self.assertLess(test_utils.MaxRelativeError(outputs, y_ref), TOLERANCE)
+        self.assertLen(stats, 1)
+        self.assertAllClose(stats[0].output_sum, y_ref.sum(), rtol=TOLERANCE)
+        self.assertEqual(functions.update_layers, [cell])
+        self.assertEqual(functions.trainable, [True, False, True])  # b, scale, w.
+        self.assertEqual(EVENTS, ['fwd'])
+
+    def testEvalForwardReportsNoUpdateLayers(self):
+        cell = MakeCell()
+        functions = recompute.CellFunctions(cell, DEVICE)
+        x, dy = RandomArrays(1)
+        outputs, _ = functions.Forward(cell.theta, tf.constant(x), Ids(0), Ids(0),
+                                       training=False)
+        self.assertLess(test_utils.MaxRelativeError(outputs, NumpyCell(cell, x, dy)[0]),
+                        TOLERANCE)
+        self.assertIsNone(functions.update_layers)
+
+    @parameterized.named_parameters(('eager', 'eager'), ('function', 'function'),
+                                    ('v1_graph', 'v1_graph'))
+    def testBackwardEqualsTheGradientsWithoutRecompute(self, mode):
+        x, dy = RandomArrays(2)
+
+        def Build(cell):
+            functions = recompute.CellFunctions(cell, DEVICE)
+            theta = cell.theta
+            with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
+                sources = recompute.Identity([theta, tf.constant(x)])
+                tape.watch(tf.nest.flatten(sources))
+                kept, _ = functions.Forward(*sources, Ids(0), Ids(0))
+            # Without recompute: differentiate the forward that ran (as the executor does).
+            without = recompute.Differentiate(
+                kept, *sources, [tf.constant(dy)], functions.trainable,
+                tape=tape if tf.executing_eagerly() else None)
+            return kept, without, functions.Backward(theta, tf.constant(x), Ids(0), Ids(0),
+                                                     [tf.constant(dy)])
+
+        if mode == 'eager':
+            cell = MakeCell()
+            results = Build(cell)
+        elif mode == 'function':
+            cell = MakeCell()
+            results = tf.function(lambda: Build(cell), autograph=False)()
+        else:
+            graph = tf.Graph()
+            with graph.as_default():
+                cell = MakeCell()
+                fetches = Build(cell)
+                with tf.compat.v1.Session(graph=graph) as sess:
+                    sess.run(tf.compat.v1.global_variables_initializer())
+                    results = RunV1(sess, fetches)
+            cell = MakeCell()  # The same path and seed: the same initial values.
+        y_ref, d_theta_ref, d_x_ref = NumpyCell(cell, x, dy)
+        kept, without, with_recompute = results
+        self.assertLess(test_utils.MaxRelativeError(kept, y_ref), TOLERANCE)
+        for d_theta, d_x in (without, with_recompute):
+            self.assertGradsEqual(d_theta, d_theta_ref)
+            self.assertGradsEqual(d_x, [d_x_ref])
+
+    def testRecomputeRunsInBackpropAfterTheIncomingGradientInAV1Graph(self):
+        # The incoming gradient is late (a real loss waits for the forward; this one sleeps
+        # too): a recompute that did not wait for it would be ready, and run, before it.
+        x, dy = RandomArrays(3)
+
+        def LateGradient(y, dy):
+            time.sleep(0.05)
+            EVENTS.append('dy')
+            return dy * tf.reduce_sum(y) ** 0
+
+        graph = tf.Graph()
+        with graph.as_default():
+            cell = MakeCell()
+            functions = recompute.CellFunctions(cell, DEVICE)
+            theta = cell.theta
+            y, _ = functions.Forward(theta, tf.constant(x), Ids(0), Ids(0))
+            d_y = tf.py_function(LateGradient, [y, tf.constant(dy)], tf.float64)
+            d_theta, d_x = functions.Backward(theta, tf.constant(x), Ids(0), Ids(0), [d_y])
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                self.assertEqual(EVENTS, [])
+                outputs = sess.run(y)
+                self.assertEqual(EVENTS, ['fwd'])  # The forward alone recomputes nothing.
+                EVENTS.clear()
+                d_x = sess.run(d_x)
+        self.assertEqual(EVENTS, ['fwd', 'dy', 'recompute'])
+        cell = MakeCell()
+        y_ref, _, d_x_ref = NumpyCell(cell, x, dy)
+        self.assertLess(test_utils.MaxRelativeError(outputs, y_ref), TOLERANCE)
+        self.assertLess(test_utils.MaxRelativeError(d_x, [d_x_ref]), TOLERANCE)
+
+    def testTheBackwardFunctionsRecomputeWaitsOnTheIncomingGradient(self):
+        cell = MakeCell()
+        functions = recompute.CellFunctions(cell, DEVICE)
+        x, dy = RandomArrays(4)
+        graph = tf.function(
+            lambda: functions.Backward(cell.theta, tf.constant(x), Ids(0), Ids(0),
+                                       [tf.constant(dy)]),
+            autograph=False).get_concrete_function().graph
+        library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+        backward = [f for name, f in library.items() if '_Backward' in name]
+        self.assertLen(backward, 1)
+        backward = backward[0]
+        d_outputs = backward.signature.input_arg[-1].name  # The last argument: [dy].
+        self.assertStartsWith(d_outputs, 'd_outputs')
+        recomputed = [node for node in backward.node_def
+                      if node.name.startswith(f'{recompute.RECOMPUTE_SCOPE}/')
+                      and node.op in ('MatMul', 'Tanh', 'EagerPyFunc')]
+        self.assertLen(recomputed, 3)
+        for node in recomputed:
+            self.assertIn(d_outputs, AncestorNames(backward, node.name), node.name)
+        # Every op of the backward, recompute and gradients alike, is on the cell's device (the
+        # function's own return identities have none).
+        want = tf.DeviceSpec.from_string(DEVICE)
+        computed = [node for node in backward.node_def
+                    if node.name.startswith((f'{recompute.RECOMPUTE_SCOPE}/', 'gradients/'))]
+        self.assertGreater(len(computed), 10)
+        for node in computed:
+            got = tf.DeviceSpec.from_string(node.device)
+            self.assertEqual((got.device_type, got.device_index),
+                             (want.device_type, want.device_index), node.name)
+
+    def testEachFunctionIsTracedOnceAndRunsOncePerCall(self):
+        cell = MakeCell()
+        functions = recompute.CellFunctions(cell, DEVICE)
+        x, dy = RandomArrays(5)
+        step, theta = Ids(7), cell.theta
+        for m in range(3):
+            functions.Forward(theta, tf.constant(x), step, Ids(m))
+        for m in range(3):
+            d_theta, d_x = functions.Backward(theta, tf.constant(x), step, Ids(m),
+                                              [tf.constant(dy)])
+        self.assertEqual(TRACES, ['fwd', 'recompute'])
+        self.assertEqual(EVENTS, ['fwd'] * 3 + ['recompute'] * 3)
+        _, d_theta_ref, d_x_ref = NumpyCell(cell, x, dy)
+        self.assertGradsEqual(d_theta, d_theta_ref)
+        self.assertGradsEqual(d_x, [d_x_ref])
+
+    def testNestInputsGetNoneForIntegersAndZerosWhenUnused(self):
+        cell = MakeCell()
+        functions = recompute.CellFunctions(cell, DEVICE)
+        x, dy = RandomArrays(6)
+        inputs = NestedMap(x=tf.constant(x), ids=tf.constant([3, 1, 4, 1], tf.int32),
+                           unused=tf.ones([BATCH], tf.float64))
+        outputs, _ = functions.Forward(cell.theta, inputs, Ids(0), Ids(0))
+        self.assertAllEqual(outputs.ids, [3, 1, 4, 1])
+        d_theta, d_inputs = functions.Backward(cell.theta, inputs, Ids(0), Ids(0),
+                                               [tf.constant(dy)])
+        y_ref, d_theta_ref, d_x_ref = NumpyCell(cell, x, dy)
+        self.assertLess(test_utils.MaxRelativeError(outputs.y, y_ref), TOLERANCE)
+        self.assertGradsEqual(d_theta, d_theta_ref)
+        self.assertLen(d_inputs, 3)  # ids, unused, x: tf.nest's sorted keys.
+        self.assertIsNone(d_inputs[0])
+        self.assertAllEqual(d_inputs[1], np.zeros(BATCH))
+        self.assertLess(test_utils.MaxRelativeError(d_inputs[2], d_x_ref), TOLERANCE)
+
+
+class StatelessDropoutTest(tf.test.TestCase):
+    """The recompute draws the first forward's mask: dropout is seeded from (layer, step,
+    micro-batch), which the cell functions pass on."""
+
+    KEEP_PROB = 0.5
+
+    def _Cell(self):
+        return sequential.SequentialLayer.Params().Set(
+            name='cell', dtype=tf.float64, sub=[
+                basic.DenseLayer.Params().Set(name='dense', input_dim=DIM, output_dim=DIM,
+                                              dtype=tf.float64),
+                basic.DropoutLayer.Params().Set(name='dropout', keep_prob=self.KEEP_PROB,
+                                                dtype=tf.float64)]).Instantiate()
+
+    def testBackwardUsesTheForwardsMask(self):
+        cell = self._Cell()
+        functions = recompute.CellFunctions(cell, DEVICE)
+        x, dy = RandomArrays(7, shape=(8, DIM))
+        step, theta = Ids(3), cell.theta
+        y, _ = functions.Forward(theta, tf.constant(x), step, Ids(1))
+        d_theta, d_x = functions.Backward(theta, tf.constant(x), step, Ids(1), [tf.constant(dy)])
+        # Oracle: the mask read off the forward's output, gradients by hand.
+        w, b = cell.vars.dense.w.numpy(), cell.vars.dense.b.numpy()
+        h = x @ w + b
+        mask = (y.numpy() != 0).astype(np.float64)
+        self.assertBetween(mask.mean(), 0.2, 0.8)
+        self.assertLess(test_utils.MaxRelativeError(y, h * mask / self.KEEP_PROB), TOLERANCE)
+        g = dy * mask / self.KEEP_PROB
+        self.assertLess(test_utils.MaxRelativeError(d_theta, [g.sum(0), x.T @ g]), TOLERANCE)
+        self.assertLess(test_utils.MaxRelativeError(d_x, [g @ w.T]), TOLERANCE)
+        # The mask is the standalone layer's under the same (step, micro-batch), and another
+        # micro-batch's differs (so a recompute with the wrong seed would be seen).
+        with fprop_context.Scope(step=3, micro_batch=1):
+            self.assertAllEqual(cell.FProp(theta, tf.constant(x)), y)
+        other, _ = functions.Forward(theta, tf.constant(x), step, Ids(2))
+        self.assertNotAllEqual(other.numpy() != 0, mask.astype(bool))
+
+
+class DifferentiateTest(tf.test.TestCase, parameterized.TestCase):
+    """Differentiate by tape (eager) and by tf.gradients (graph) against y = x @ w."""
+
+    @parameterized.named_parameters(('tape', True), ('gradients', False))
+    def testLinearMapGradients(self, use_tape):
+        rng = np.random.default_rng(8)
+        x, w, v, dy = (rng.standard_normal(s) for s in ((4, 3), (3, 2), (2,), (4, 2)))
+        theta = [tf.constant(w), tf.constant(v)]  # v: not trainable.
+        inputs = NestedMap(x=tf.constant(x), n=tf.constant([1, 2, 3, 4]))
+
+        def Run():
+            with tf.GradientTape(persistent=True) as tape:
+                tape.watch(theta + [inputs.x])
+                y = tf.matmul(inputs.x, theta[0]) + theta[1]
+            return recompute.Differentiate(
+                y, theta, inputs, [tf.constant(dy)], [True, False],
+                tape=tape if use_tape else None)
+
+        d_theta, d_inputs = Run() if use_tape else tf.function(Run, autograph=False)()
+        self.assertLen(d_theta, 2)
+        self.assertAllClose(d_theta[0], x.T @ dy, rtol=TOLERANCE, atol=0)
+        self.assertIsNone(d_theta[1])
+        self.assertLen(d_inputs, 2)  # n, x.
+        self.assertIsNone(d_inputs[0])
+        self.assertAllClose(d_inputs[1], dy @ w.T, rtol=TOLERANCE, atol=0)
+
+
+class NestHelpersTest(tf.test.TestCase):
+
+    def testFloatLeavesKeepFloatsInNestOrder(self):
+        a, b = tf.constant([1.0]), tf.constant([2.0], tf.float64)
+        nest = NestedMap(z=a, y=tf.constant([1]), x=[None, b], w=tf.constant(True))
+        self.assertEqual(recompute.FloatLeaves(nest), [b, a])
+        self.assertTrue(recompute.IsFloat(tf.constant(1.0, tf.bfloat16)))
+        self.assertFalse(recompute.IsFloat(None))
+        self.assertFalse(recompute.IsFloat(tf.constant(1)))
+
+    def testIdentityKeepsStructureValuesAndNone(self):
+        nest = NestedMap(x=tf.constant([1.0, 2.0]), n=None, ids=(tf.constant([4]),))
+        got = recompute.Identity(nest)
+        tf.nest.assert_same_structure(got, nest)
+        self.assertIsNone(got.n)
+        self.assertAllEqual(got.x, [1.0, 2.0])
+        self.assertAllEqual(got.ids[0], [4])
+
+    def testWithFloatLeavesFillsFloatsInOrderAndNoneElsewhere(self):
+        nest = [tf.constant(1.0), tf.constant(2), None, tf.constant([3.0])]
+        self.assertEqual(recompute.WithFloatLeaves(nest, ['a', 'b']), ['a', None, None, 'b'])
+
+
+if __name__ == '__main__':
+    tf.test.main()
