@@ -267,18 +267,13 @@ def ApplyOverride(p, text: str, source: str):
     return p
 
 
-def _NumCells(p) -> int:
-    """K, the cells of the pipeline (1 for a model that is not one)."""
-    if 'num_cells' not in p.model:
-        return 1
-    return len(p.model.cls.PlanCells(p.model)[0])
-
-
-def _NumDevices(p) -> int:
-    """R x K: one device per stage of every replica."""
-    if 'num_cells' not in p.model:
-        return 1
-    return _NumCells(p) * p.model.num_replicas
+def PipelinePlan(p, place: bool = True):
+    """The plan (`pipeline.plan.Plan`) of task Params `p`'s pipeline; None for a model that is
+    not a PipeliningLayer."""
+    from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    if not plan_lib.IsPipeline(p.model):
+        return None
+    return plan_lib.MakePlan(p.model, place=place)
 
 
 def TpuAddress(config: Config) -> str | None:
@@ -301,58 +296,40 @@ def Cluster(config: Config):
     return cluster_lib.ParseClusterSpec(text)
 
 
-def _SetUpDevices(config: Config, p, plan_only: bool = False) -> list[str]:
-    """Configures the local devices (or the cluster's) and puts them in the pipeline's Params;
-    with `plan_only`, only names them (`inspect_model` builds nothing, so K may exceed the
-    devices present)."""
-    if TpuAddress(config) is not None:
-        from gpipe_tf.train import tpu  # pylint: disable=g-import-not-at-top
-        if config.num_devices is not None or config.run_locally == 'gpu':
-            raise errors.UserError('--tpu uses R x K TPU cores (--worker_replicas x '
-                             '--worker_split_size); drop --num_devices and --run_locally=gpu.')
-        # Cell k runs on logical device k of every replica: named for the plan; a training run
-        # places the cells through the strategy instead (`_TpuProgram`).
-        devices = tpu.CoreDevices(_NumCells(p))
-        if plan_only and 'devices' in p.model:
-            p.model.devices = devices
-        return devices
-    count = config.num_devices if config.num_devices is not None else _NumDevices(p)
-    cluster = Cluster(config)
-    if cluster is not None:
-        from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-        devices = cluster_lib.StageDevices(cluster, count, config.cluster_job)
-    elif plan_only and config.run_locally == 'cpu':
-        devices = [f'/job:localhost/replica:0/task:0/device:CPU:{i}' for i in range(count)]
-    else:
-        try:
-            devices = devices_lib.LocalDevices(config.run_locally, count)
-        except (ValueError, RuntimeError) as error:  # Asked for devices this machine lacks.
-            raise errors.UserError(str(error)) from None
-    devices = devices[:count] if count else devices
-    if 'devices' in p.model:
-        if p.model.devices:
-            # The Params' own placement wins; the pipeline checks that its devices exist.
-            return p.model.devices
+def _SetUpDevices(config: Config, p, plan, plan_only: bool = False) -> None:
+    """Asks `devices` for the run's devices (set up unless `plan_only`: `inspect_model` builds
+    nothing, so K may exceed the devices present) and puts them in the pipeline's Params, unless
+    the Params name their own."""
+    request = devices_lib.Request(
+        run_locally=config.run_locally, num_devices=config.num_devices,
+        cluster=Cluster(config), cluster_job=config.cluster_job,
+        tpu=TpuAddress(config) is not None)
+    devices = devices_lib.StageDeviceList(request, plan.num_cells if plan else 1,
+                                          plan.num_replicas if plan else 1, plan_only)
+    if plan is None or (request.tpu and not plan_only):
+        # A TPU run places its cells through the strategy instead (`_TpuProgram`).
+        return
+    if not p.model.devices:  # The Params' own placement wins; the plan checks it exists.
         p.model.devices = devices
-    return devices
 
 
-def InspectModel(p, name: str) -> str:
+def InspectModel(p, name: str, plan=None) -> str:
     """The partition table of task Params `p`'s pipeline from Params alone (no variables, no
-    TF ops)."""
+    TF ops), from `plan` (placed) or one made here."""
     from gpipe_tf.pipeline import partition  # pylint: disable=g-import-not-at-top
-    from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
-    model = p.model
-    cells, metas = model.cls.PlanCells(model)
-    stages = pipelining_layer.StageDevices(model.devices, len(cells), model.round_robin)
-    rows = [partition.ReportRow(cell=k, device=stages[k], layers=[l.name for l in cell],
+    plan = plan or PipelinePlan(p)
+    if plan is None:
+        raise errors.ConfigError(f'{name}: inspect_model needs a PipeliningLayer model; got '
+                                 f'{p.model.cls.__name__}.')
+    metas = plan.metas
+    rows = [partition.ReportRow(cell=k, device=plan.devices[k], layers=[l.name for l in cell],
                                 flops=metas[k].flops if metas else None,
                                 num_params=metas[k].num_params if metas else None,
                                 activation_bytes=metas[k].activation_bytes if metas else None)
-            for k, cell in enumerate(cells)]
-    m = model.num_micro_batches or 1
-    head = (f'{name}: K={len(cells)} cells, M={m} micro-batches, '
-            f'recompute={model.recompute}, batch {p.input.batch_size}. FLOPs and activation '
+            for k, cell in enumerate(plan.cells)]
+    m = plan.num_micro_batches or 1
+    head = (f'{name}: K={plan.num_cells} cells, M={m} micro-batches, '
+            f'recompute={p.model.recompute}, batch {p.input.batch_size}. FLOPs and activation '
             'bytes are per mini-batch; with re-materialization a cell keeps about 1/M of its '
             'activations at a time.')
     return head + '\n' + partition.FormatReport(rows)
@@ -377,7 +354,7 @@ def InspectMemory(p, name: str, device_bytes: float | None = None,
     return '\n'.join(lines)
 
 
-def RunInspectModel(config: Config, p) -> None:
+def RunInspectModel(config: Config, p, plan) -> None:
     """Prints the partition table and the memory plan, and writes the pictures (--plot_dir)."""
     device_bytes = None
     if config.device_memory_gb is not None:
@@ -386,7 +363,7 @@ def RunInspectModel(config: Config, p) -> None:
                                      f'{config.device_memory_gb}.')
         device_bytes = config.device_memory_gb * 2**30
     name = config.model
-    print(InspectModel(p, name))
+    print(InspectModel(p, name, plan))
     try:
         report = InspectMemory(p, name, device_bytes, config.plot_dir)
     except ValueError as error:
@@ -397,22 +374,21 @@ def RunInspectModel(config: Config, p) -> None:
     print(report, flush=True)
 
 
-def GpuMemoryReport(p) -> str:
+def GpuMemoryReport(p, plan=None) -> str:
     """Each cell's planned memory against the free memory of the GPU it runs on, read with
     nvidia-smi; a line saying why when there is no report (no plan, R > 1 replicas, devices
     that are not this machine's GPUs)."""
     from gpipe_tf.perf import pictures  # pylint: disable=g-import-not-at-top
-    from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import gpu  # pylint: disable=g-import-not-at-top
     model = p.model
-    if 'num_replicas' in model and model.num_replicas > 1:
+    if plan_lib.IsPipeline(model) and model.num_replicas > 1:
         # The plan is one pipeline's on the whole batch; replicas share GPUs round-robin.
         return (f'No GPU memory report: the memory plan covers one pipeline, not '
                 f'{model.num_replicas} replicas.')
     try:
-        plan = pictures.Plan(p)
-        stages = pipelining_layer.StageDevices(model.devices, _NumCells(p), model.round_robin)
-        report = gpu.Report(plan.memory, stages)
+        memory = pictures.Plan(p).memory  # Raises for a model that is not a pipeline.
+        report = gpu.Report(memory, (plan or PipelinePlan(p)).devices)
     except ValueError as error:  # Informational: never stops the run.
         return f'No GPU memory report: {error}'
     return (report + '\nPlanned memory leaves out what CUDA and TensorFlow themselves take on '
@@ -497,7 +473,7 @@ def _GraphMode(config: Config) -> str:
     return 'v1' if Cluster(config) is not None else config.graph_mode
 
 
-def _Program(config: Config, p, logdir):
+def _Program(config: Config, p, plan, logdir):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
     cluster = Cluster(config)
@@ -511,7 +487,7 @@ def _Program(config: Config, p, logdir):
                              'with PipeliningLayer devices=gpipe_tf.train.tpu.CoreDevices(K) '
                              '(README, "Cloud TPU").')
         tf.config.experimental.enable_op_determinism()
-        return _TpuProgram(config, p, logdir)
+        return _TpuProgram(config, p, plan, logdir)
     tf.config.experimental.enable_op_determinism()
     if cluster is not None:
         from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
@@ -526,12 +502,12 @@ def _Program(config: Config, p, logdir):
     return program.EagerProgram(p, logdir)
 
 
-def _TpuProgram(config: Config, p, logdir):
+def _TpuProgram(config: Config, p, plan, logdir):
     """A StrategyProgram on the TPU at `address`: R replicas of K logical devices, cell k's
     variables and ops on logical device k. Raises tpu.TpuError when there is no usable TPU."""
     from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import tpu  # pylint: disable=g-import-not-at-top
-    num_cells = _NumCells(p)
+    num_cells = plan.num_cells if plan else 1
     resolver, topology = tpu.Connect(TpuAddress(config), config.tpu_timeout_s)
     strategy = tpu.Strategy(resolver, topology, num_cells, p.model.num_replicas)
     # The replicas are the strategy's. Within one, cell k's variables are created on logical
@@ -555,13 +531,13 @@ def _Where(config: Config, prog) -> str:
             f'{model.mesh if len(model.mesh) > 1 else model.devices}')
 
 
-def RunTrain(config: Config, p, logdir, with_eval: bool) -> dict:
+def RunTrain(config: Config, p, plan, logdir, with_eval: bool) -> dict:
     from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
     eval_params = TaskParams(config, p.train.eval_dataset).input if with_eval else None
-    prog = _Program(config, p, logdir)
+    prog = _Program(config, p, plan, logdir)
+    m = plan.num_micro_batches if plan and plan.num_micro_batches else 1
     print(f'training {config.model} in {logdir}: {_Where(config, prog)}, '
-          f'M={p.model.num_micro_batches or 1}, batch {p.input.batch_size}, {_GraphMode(config)}',
-          flush=True)
+          f'M={m}, batch {p.input.batch_size}, {_GraphMode(config)}', flush=True)
     metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params)
     # Greedy decoding runs eagerly, outside a TPU strategy's replicas.
     if (with_eval and _Translates(prog.task) and _GraphMode(config) != 'v1' and
@@ -600,7 +576,7 @@ def ReportBleu(prog, eval_params, name: str, logdir: str, num_samples: int = 5) 
     return bleu
 
 
-def _RestoredProgram(config: Config, p, logdir: str):
+def _RestoredProgram(config: Config, p, plan, logdir: str):
     """(the program, its step) with the newest checkpoint that restores, read-only: for eval
     and decode, which may run beside a trainer.
 
@@ -611,14 +587,14 @@ def _RestoredProgram(config: Config, p, logdir: str):
     if found.path is None:
         raise errors.UserError(f'{config.mode}: no checkpoint under '
                                f'{os.path.join(logdir, "train")}; train first (--mode=train).')
-    prog = _Program(config, p, logdir)
+    prog = _Program(config, p, plan, logdir)
     return prog, prog.Restore(training=False, path=found.path)
 
 
-def RunEval(config: Config, p, logdir) -> dict:
+def RunEval(config: Config, p, plan, logdir) -> dict:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
-    prog, step = _RestoredProgram(config, p, logdir)
+    prog, step = _RestoredProgram(config, p, plan, logdir)
     eval_params = TaskParams(config, p.train.eval_dataset).input
     writer = tf.summary.create_file_writer(os.path.join(logdir, 'eval'))
     return loop.Evaluate(prog, eval_params, writer, step, p.train.eval_dataset)
@@ -637,42 +613,43 @@ def _DecodeLines(config: Config) -> list[str]:
     return lines
 
 
-def RunDecode(config: Config, p, logdir) -> list[str]:
+def RunDecode(config: Config, p, plan, logdir) -> list[str]:
     from gpipe_tf.train import decode  # pylint: disable=g-import-not-at-top
     if TpuAddress(config) is not None:
         raise errors.UserError('decode runs eagerly on this machine\'s devices, not on a TPU: drop '
                          '--tpu and --run_locally=tpu.')
-    prog, _ = _RestoredProgram(config, p, logdir)
+    prog, _ = _RestoredProgram(config, p, plan, logdir)
     results = decode.Decode(prog.task, p, _DecodeLines(config), config.target_language)
     for source, result in results:
         print(f'{source}\t{result}', flush=True)
     return results
 
 
-def CheckPlan(p) -> None:
-    """Checks what the Params allow before anything is built or written: K against the layers
-    (and the cells' shapes), the batch against R replicas and M micro-batches.
+def CheckPlan(p):
+    """The plan of task Params `p`'s pipeline, not yet placed (None for a model that is not
+    one): making it checks, before anything is built or written, K against the layers (and the
+    cells' shapes), and the batch against R replicas and M micro-batches.
 
     Raises:
       errors.ConfigError: naming the flag to change and the values that would work.
     """
-    from gpipe_tf.pipeline import microbatch  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
     model = p.model
-    if 'num_cells' not in model:
-        return
-    model.cls.PlanCells(model)  # K > layers, cells whose shapes do not chain: ConfigError.
+    if not plan_lib.IsPipeline(model):
+        return None
     batch, replicas = p.input.batch_size, model.num_replicas
     if batch % replicas:
         raise errors.ConfigError(f'--worker_replicas={replicas}: the batch of {batch} examples '
                                  f'does not split into {replicas} equal replicas.')
     per_replica = batch // replicas
     try:
-        microbatch.NumMicroBatches(per_replica, model.num_micro_batches, model.micro_batch_size)
-    except ValueError as error:
+        plan_lib.NumMicroBatches(model, batch)
+    except errors.ConfigError as error:
         divisors = [m for m in range(1, per_replica + 1) if per_replica % m == 0]
         raise errors.ConfigError(f'--num_micro_batches: {error} M must divide the '
                                  f'{per_replica} examples of a replica: one of {divisors}.'
                                  ) from None
+    return plan_lib.MakePlan(model, place=False)  # K > layers, cells that do not chain.
 
 
 def CheckDataDir(p) -> None:
@@ -696,14 +673,18 @@ def main(config: Config) -> None:
     if config.mode == 'inspect_params':
         RunInspectParams(p, _Logdir(config))
         return
-    CheckPlan(p)
+    plan = CheckPlan(p)
     if config.mode in ('train', 'train_and_eval', 'eval'):
         CheckDataDir(p)
-    _SetUpDevices(config, p, plan_only=config.mode == 'inspect_model')
+    _SetUpDevices(config, p, plan, plan_only=config.mode == 'inspect_model')
+    if plan is not None and (config.mode == 'inspect_model' or TpuAddress(config) is None):
+        # On the devices just set up (no second partition). A TPU's strategy places the cells
+        # itself, and listing devices before it connects would start TensorFlow's runtime.
+        plan = plan.Placed()
     if config.run_locally == 'gpu' and Cluster(config) is None:  # (--tpu refuses gpu above.)
-        print(GpuMemoryReport(p), flush=True)
+        print(GpuMemoryReport(p, plan), flush=True)
     if config.mode == 'inspect_model':
-        RunInspectModel(config, p)
+        RunInspectModel(config, p, plan)
         return
     logdir = _Logdir(config)
     WarnIfClusterIsExposed(config)
@@ -712,11 +693,11 @@ def main(config: Config) -> None:
         with LockLogdir(logdir):
             FindCheckpoint(logdir, writer=True, start_from_scratch=config.start_from_scratch)
             WriteParams(p.ToText(), logdir)
-            RunTrain(config, p, logdir, with_eval=config.mode == 'train_and_eval')
+            RunTrain(config, p, plan, logdir, with_eval=config.mode == 'train_and_eval')
     elif config.mode == 'eval':
-        RunEval(config, p, logdir)
+        RunEval(config, p, plan, logdir)
     else:
-        RunDecode(config, p, logdir)
+        RunDecode(config, p, plan, logdir)
 
 
 def RunInspectParams(p, logdir: str) -> None:

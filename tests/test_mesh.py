@@ -113,10 +113,9 @@ class DataParallelTest(tf.test.TestCase, parameterized.TestCase):
         self.assertLess(test_utils.MaxRelativeError(
             (bn[0].vars.moving_mean, bn[0].vars.moving_variance), expected), TOLERANCE)
 
-    def testBatchNotDivisibleByReplicas(self):
-        layer = _Layer(num_replicas=3, num_cells=1, m=1, devices=DEVICES[:3])
+    def testBatchNotDivisibleByReplicasIsRefusedWhenThePlanIsMade(self):
         with self.assertRaisesRegex(ValueError, 'batch size 16 is not divisible by num_replicas'):
-            layer(_Inputs())
+            _Layer(num_replicas=3, num_cells=1, m=1, devices=DEVICES[:3])
 
 
 class PlacementTest(tf.test.TestCase):

@@ -429,10 +429,10 @@ class BadInputTest(tf.test.TestCase):
             layer(RandomInputs())
 
     def testBothMicroBatchSettings(self):
-        layer = PipelineParams(2, 4).Set(micro_batch_size=4).Instantiate()
+        # Refused when the plan is made, before any variable.
         with self.assertRaisesRegex(ValueError, 'Set exactly one of num_micro_batches and '
                                     'micro_batch_size, got 4 and 4'):
-            layer(RandomInputs())
+            PipelineParams(2, 4).Set(micro_batch_size=4).Instantiate()
 
     def testMoreCellsThanLayers(self):
         with self.assertRaisesRegex(ValueError, r'num_cells \(9\) is larger than the number of '

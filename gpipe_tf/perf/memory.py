@@ -28,8 +28,7 @@ import tensorflow as tf
 from gpipe_tf import optimizer as optimizer_lib
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import sequential
-from gpipe_tf.pipeline import microbatch
-from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.pipeline import plan as plan_lib
 
 # The parts of a device's memory, in the order the plots stack them.
 COMPONENTS = ('params', 'gradients', 'slots', 'stored_activations', 'working_activations')
@@ -206,8 +205,8 @@ def _Configure(p, num_cells, num_micro_batches, batch_size, recompute):
         p.num_micro_batches, p.micro_batch_size = num_micro_batches, None
     if recompute is not None:
         p.recompute = recompute
-    if p.recompute not in pipelining_layer.RECOMPUTE_MODES:
-        raise ValueError(f'recompute must be one of {pipelining_layer.RECOMPUTE_MODES}, got '
+    if p.recompute not in plan_lib.RECOMPUTE_MODES:
+        raise ValueError(f'recompute must be one of {plan_lib.RECOMPUTE_MODES}, got '
                          f'{p.recompute!r}.')
     return p
 
@@ -227,10 +226,10 @@ def PlanMemory(p, slots_per_param: int = 1, num_cells: int | None = None,
       ValueError: for Params without input_shapes, or a K, M or batch that do not fit them.
     """
     p = _Configure(p, num_cells, num_micro_batches, batch_size, recompute)
-    cells, _ = pipelining_layer.PipeliningLayer.PlanCells(p)
-    shapes = pipelining_layer.PipeliningLayer.InputShapes(p)
-    batch = int(base_layer.FlattenShapes(shapes)[0][p.batch_dim])
-    m = microbatch.NumMicroBatches(batch, p.num_micro_batches, p.micro_batch_size)
+    pipeline_plan = plan_lib.MakePlan(p, place=False)
+    cells, m, batch = (pipeline_plan.cells, pipeline_plan.num_micro_batches,
+                       pipeline_plan.batch_size)
+    shapes = plan_lib.InputShapes(p)
     bytes_per = tf.as_dtype(p.dtype).size
     before_params = 0
     if p.before_tpl:
@@ -250,7 +249,7 @@ def PlanMemory(p, slots_per_param: int = 1, num_cells: int | None = None,
         # computes from it: two of the largest boundary between the cell's layers.
         largest = max([input_bytes] + [base_layer.OutputBytes(layer.out_shapes, p.dtype)
                                        for layer in layer_metas])
-        remat = p.recompute == 'always' or (p.recompute == 'except_last' and k < num - 1)
+        remat = pipeline_plan.recompute[k]
         params = (meta.num_params + (before_params if k == 0 else 0)) * bytes_per
         slots = slots_per_param * params
         # What the forward keeps for the backward, per micro-batch: the cell's input, and every
@@ -298,7 +297,7 @@ def SuggestPipeline(p, device_bytes: float, slots_per_param: int = 1,
     if p.layer_tpl is None:
         raise ValueError(f'{p.name}: suggesting K needs layer_tpl (layers to partition).')
     max_cells = max_cells or len(p.layer_tpl)
-    batch = int(base_layer.FlattenShapes(pipelining_layer.PipeliningLayer.InputShapes(p))[0][p.batch_dim])
+    batch = plan_lib.BatchSize(p)
     divisors = _Divisors(batch)
     best = None
     for k in range(1, max_cells + 1):

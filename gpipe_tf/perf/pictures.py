@@ -25,8 +25,7 @@ from gpipe_tf.perf import memory as memory_lib
 from gpipe_tf.perf import plot
 from gpipe_tf.perf import simulator
 from gpipe_tf.perf import trace
-from gpipe_tf.pipeline import microbatch
-from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.pipeline import plan as plan_lib
 
 # The FLOP rate the predicted timeline is drawn at: a round number, not any device's.
 NOMINAL_FLOPS_PER_SEC = 1e12
@@ -69,7 +68,7 @@ def PipelineParams(params):
       ValueError: if the model is not a PipeliningLayer.
     """
     model = params.model if 'model' in params and 'train' in params else params
-    if model is None or not issubclass(model.cls, pipelining_layer.PipeliningLayer):
+    if not plan_lib.IsPipeline(model):
         found = 'None' if model is None else model.cls.__name__
         raise ValueError(f'The pipeline pictures need a PipeliningLayer model; got {found}.')
     return model
@@ -83,9 +82,8 @@ def CellsAndMicroBatches(task_params) -> tuple[int, int]:
       ValueError: for a model that is not a PipeliningLayer, or a K or M that do not fit.
     """
     model = PipelineParams(task_params)
-    cells, _ = pipelining_layer.PipeliningLayer.PlanCells(model)
-    return len(cells), microbatch.NumMicroBatches(
-        task_params.input.batch_size, model.num_micro_batches, model.micro_batch_size)
+    plan = plan_lib.MakePlan(model, place=False)
+    return plan.num_cells, plan_lib.NumMicroBatches(model, task_params.input.batch_size)
 
 
 def Plan(params, slots_per_param: int | None = None) -> PipelinePlan:
@@ -109,7 +107,7 @@ def Plan(params, slots_per_param: int | None = None) -> PipelinePlan:
                          'mini-batch of inputs) to estimate each cell\'s FLOPs and memory.')
     if slots_per_param is None:
         slots_per_param = memory_lib.SlotsPerParam(params.train.optimizer) if is_task else 1
-    _, metas = pipelining_layer.PipeliningLayer.PlanCells(model)
+    metas = plan_lib.MakePlan(model, place=False).metas
     return PipelinePlan(forward_flops=[float(meta.flops) for meta in metas],
                         memory=memory_lib.PlanMemory(model, slots_per_param))
 

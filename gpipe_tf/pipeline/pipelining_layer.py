@@ -11,7 +11,6 @@ that device. The result, outputs and gradients, equals the same layers run un-pa
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import tensorflow as tf
 from absl import logging
@@ -23,142 +22,21 @@ from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import sequential
 from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import executor
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import partition
+from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import recompute
 
-RECOMPUTE_MODES = ('always', 'except_last', 'never')
-PARTITION_METHODS = ('flops', 'params', 'uniform')
-
-
-def DefaultDevices() -> list[str]:
-    """The logical accelerators present (GPUs, else TPUs, else CPUs)."""
-    for kind in ('GPU', 'TPU', 'CPU'):
-        devices = tf.config.list_logical_devices(kind)
-        if devices:
-            return [d.name for d in devices]
-    return ['/device:CPU:0']
-
-
-def MeshDevices(devices, num_replicas: int, num_cells: int,
-                round_robin: bool = True) -> list[list[str]]:
-    """Device string of each (replica, stage): R lists of K.
-
-    Args:
-      devices: None (the logical devices present), a flat list of device strings (replica r's
-        stage k takes entry r * K + k), a list of R lists of K, or a function of
-        (replica, stage) returning a device string (of the stage alone when R is 1).
-      num_replicas: R, the pipelines run side by side for data parallelism.
-      num_cells: K.
-      round_robin: whether stages may share devices when a flat list has fewer than R * K.
-
-    Raises:
-      ValueError: for too few devices without round_robin, or a nested list that is not R x K.
-    """
-    if num_replicas < 1:
-        raise errors.ConfigError(f'num_replicas must be >= 1, got {num_replicas}.')
-    if callable(devices):
-        if len(inspect.signature(devices).parameters) >= 2:
-            return [[devices(r, k) for k in range(num_cells)] for r in range(num_replicas)]
-        if num_replicas > 1:
-            raise errors.ConfigError(f'With {num_replicas} replicas, devices must be a function of '
-                             '(replica, stage); this one takes the stage only.')
-        return [[devices(k) for k in range(num_cells)]]
-    if devices and isinstance(devices[0], (list, tuple)):
-        if len(devices) != num_replicas or any(len(row) != num_cells for row in devices):
-            raise errors.ConfigError(f'A nested devices list must be {num_replicas} replicas x '
-                             f'{num_cells} stages, got {[len(row) for row in devices]}.')
-        return [list(row) for row in devices]
-    available = list(devices) if devices else DefaultDevices()
-    needed = num_replicas * num_cells
-    if len(available) < needed and not round_robin:
-        raise errors.ConfigError(f'{num_replicas} replicas of {num_cells} cells need {needed} devices, '
-                         f'but only {len(available)} were given ({available}) and round_robin '
-                         'is off.')
-    return [[available[(r * num_cells + k) % len(available)] for k in range(num_cells)]
-            for r in range(num_replicas)]
-
-
-# Device types a string is checked for even when none is present (a GPU asked for on a machine
-# without one); other types (TPU_REPLICATED_CORE, which tpu.rewrite maps to cores) only when
-# TensorFlow lists devices of the type.
-_CHECKED_DEVICE_TYPES = ('CPU', 'GPU', 'TPU')
-
-
-def CheckDevices(mesh: list[list[str]], available: list[str] | None = None) -> None:
-    """Raises unless every device of `mesh` that names one device is present.
-
-    TensorFlow's soft placement would silently run a missing device's ops elsewhere (on CPU:0):
-    the numbers would be right, the placement not the one asked for.
-
-    A device string is checked when it names a device type (CPU, GPU, TPU, or a type among the
-    available devices) and an index. Empty strings, wildcards and unparsable strings are left to
-    TensorFlow.
-
-    Args:
-      mesh: the device of each (replica, stage), R lists of K (`MeshDevices`).
-      available: names of the devices present; default: this process's logical devices
-        (`tf.config.list_logical_devices()`), against which only local strings (no job, or job
-        `localhost`) are checked: another job's devices belong to a cluster. Given (a cluster's
-        devices, say), every string is checked, and a job, replica or task it names must match.
-
-    Raises:
-      errors.ConfigError (a ValueError): naming the first missing device, its stage and
-        replica, and the devices present.
-    """
-    local = available is None
-    present, kinds = None, set()
-    for r, row in enumerate(mesh):
-        for k, device in enumerate(row):
-            try:
-                spec = tf.DeviceSpec.from_string(device or '')
-            except ValueError:
-                continue
-            if spec.device_type is None or spec.device_index is None:
-                continue
-            if local and spec.job not in (None, 'localhost'):
-                continue
-            if present is None:  # Listing initialises TF's devices: only when there is a need.
-                names = ([d.name for d in tf.config.list_logical_devices()] if local
-                         else list(available))
-                present = [(name, tf.DeviceSpec.from_string(name)) for name in names]
-                kinds = set(_CHECKED_DEVICE_TYPES) | {
-                    p.device_type.upper() for _, p in present if p.device_type}
-            if spec.device_type.upper() not in kinds:
-                continue
-            if not any(_SameDevice(spec, p) for _, p in present):
-                where = ('is not a device of this process; devices present' if local else
-                         'is not among the devices available')
-                raise errors.ConfigError(
-                    f'PipeliningLayer devices: {device} (stage {k} of replica {r}) {where}: '
-                    f'{", ".join(name for name, _ in present) or "none"}.')
-
-
-def _SameDevice(wanted: tf.DeviceSpec, present: tf.DeviceSpec) -> bool:
-    """Whether `present` is the device `wanted` names; a field either leaves unset matches."""
-    if (wanted.device_type.upper() != (present.device_type or '').upper() or
-            wanted.device_index != present.device_index):
-        return False
-    return all(a is None or b is None or a == b for a, b in (
-        (wanted.job, present.job), (wanted.replica, present.replica),
-        (wanted.task, present.task)))
-
-
-def StageDevices(devices, num_cells: int, round_robin: bool = True) -> list[str]:
-    """Device string of each of the K stages of the first replica (see `MeshDevices`)."""
-    return MeshDevices(devices, 1, num_cells, round_robin)[0]
-
-
-def _ToShapes(shapes):
-    """Params-friendly shapes (lists of ints, dicts of them) as TensorShapes / NestedMaps."""
-    if isinstance(shapes, dict):
-        return NestedMap({k: _ToShapes(v) for k, v in shapes.items()})
-    return tf.TensorShape(shapes)
-
-
-def _LayerName(p, index: int) -> str:
-    return p.name or f'layer_{index:03d}'
+RECOMPUTE_MODES = plan_lib.RECOMPUTE_MODES
+PARTITION_METHODS = plan_lib.PARTITION_METHODS
+# The device functions live in `devices`, the one owner of device choices; these names stay
+# for callers of this module.
+DefaultDevices = devices_lib.DefaultDevices
+MeshDevices = devices_lib.MeshDevices
+CheckDevices = devices_lib.CheckDevices
+StageDevices = devices_lib.StageDevices
 
 
 class PipeliningLayer(BaseLayer):
@@ -216,25 +94,16 @@ class PipeliningLayer(BaseLayer):
     def __init__(self, params):
         super().__init__(params)
         p = self.p
-        if p.recompute not in RECOMPUTE_MODES:
-            raise errors.ConfigError(f'recompute must be one of {RECOMPUTE_MODES}, got {p.recompute!r}.')
-        if p.logical_device_fn is not None and p.num_replicas != 1:
-            raise errors.ConfigError(f'With logical_device_fn the replicas are the strategy\'s: '
-                             f'num_replicas must be 1, got {p.num_replicas}.')
-        cell_layers, self._cell_metas = self.PlanCells(p)
-        self._num_cells = len(cell_layers)
-        devices = p.devices
-        if devices is None and p.logical_device_fn is not None:
-            devices = [''] * self._num_cells  # The strategy's replica device; XLA places cells.
-        self._mesh = MeshDevices(devices, p.num_replicas, self._num_cells, p.round_robin)
-        if p.logical_device_fn is None:  # With it, a strategy places the cells.
-            CheckDevices(self._mesh)
+        self.plan = plan_lib.MakePlan(p, check_devices=True)
+        self._cell_metas = self.plan.metas
+        self._num_cells = self.plan.num_cells
+        self._mesh = self.plan.mesh
         self._devices = self._mesh[0]  # The variables live on the first replica's devices.
         with tf.device(self._devices[0]):
-            self._before = [self.CreateChild(_LayerName(lp, i), lp)
+            self._before = [self.CreateChild(plan_lib.LayerName(lp, i), lp)
                             for i, lp in enumerate(p.before_tpl)]
         self._cells = []
-        for k, layers in enumerate(cell_layers):
+        for k, layers in enumerate(self.plan.cells):
             with tf.device(self._devices[k]), self._LogicalDeviceScope(k):
                 self._cells.append(self.CreateChild(
                     f'cell_{k}', sequential.SequentialLayer.Params().Set(sub=layers)))
@@ -248,94 +117,13 @@ class PipeliningLayer(BaseLayer):
     @classmethod
     def PlanCells(cls, p) -> tuple[list[list], list[LayerMeta] | None]:
         """From Params alone: each cell's layer Params, and each cell's FPropMeta (None without
-        input_shapes). No variable is built, no TF op created.
-
-        Raises:
-          ValueError: for inconsistent cells, partitions or shapes (see Params).
-        """
-        cells = cls._CellLayerParams(p)
-        return cells, cls._CheckCellsFit(p, cells)
+        input_shapes); see `plan.MakePlan`, which also checks M and the devices."""
+        return plan_lib.Cells(p)
 
     @staticmethod
     def InputShapes(p) -> tuple | None:
         """`p.input_shapes` as a tuple of TensorShapes (NestedMaps of them), or None."""
-        shapes = p.input_shapes
-        if shapes is None:
-            return None
-        if isinstance(shapes, dict) or (shapes and isinstance(shapes[0], int)):
-            return (_ToShapes(shapes),)
-        return tuple(_ToShapes(s) for s in shapes)
-
-    @classmethod
-    def _BodyInputShapes(cls, p) -> tuple | None:
-        shapes = cls.InputShapes(p)
-        if shapes is None or not p.before_tpl:
-            return shapes
-        meta, _ = sequential.ChainMeta(p.before_tpl, *shapes)
-        return base_layer.AsArgs(meta.out_shapes)
-
-    @classmethod
-    def _CellLayerParams(cls, p) -> list[list]:
-        """Names the layers and splits them into cells."""
-        if (p.cell_tpl is None) == (p.layer_tpl is None):
-            raise errors.ConfigError('Set exactly one of cell_tpl (explicit cells) and layer_tpl (layers '
-                             'to partition into num_cells).')
-        if p.cell_tpl is not None:
-            if not p.cell_tpl:
-                raise errors.ConfigError('cell_tpl is empty: expected at least one cell.')
-            cells = [list(c) if isinstance(c, (list, tuple)) else [c] for c in p.cell_tpl]
-            index, named = 0, []
-            for cell in cells:
-                named.append([lp.Copy().Set(name=_LayerName(lp, index + i))
-                              for i, lp in enumerate(cell)])
-                index += len(cell)
-            return named
-        layers = [lp.Copy().Set(name=_LayerName(lp, i)) for i, lp in enumerate(p.layer_tpl)]
-        boundaries = cls._Boundaries(p, layers)
-        return [layers[boundaries[k]:boundaries[k + 1]] for k in range(len(boundaries) - 1)]
-
-    @classmethod
-    def _Boundaries(cls, p, layers: list) -> list[int]:
-        num_layers, num_cells = len(layers), p.num_cells
-        if num_cells > num_layers:
-            raise errors.ConfigError(f'num_cells ({num_cells}) is larger than the number of layers '
-                             f'({num_layers}).')
-        method = p.partition_method
-        if isinstance(method, (list, tuple)):
-            return partition.CheckBoundaries(method, num_layers, num_cells)
-        if method == 'uniform':
-            return partition.UniformBoundaries(num_layers, num_cells)
-        if method not in PARTITION_METHODS:
-            raise errors.ConfigError(f'partition_method must be one of {PARTITION_METHODS} or a list of '
-                             f'boundaries, got {method!r}.')
-        shapes = cls._BodyInputShapes(p)
-        if shapes is None:
-            raise errors.ConfigError(f'partition_method={method!r} needs input_shapes (the shapes of '
-                             'one mini-batch of inputs) to estimate layer costs.')
-        _, metas = sequential.ChainMeta(layers, *shapes)
-        costs = [m.flops if method == 'flops' else m.num_params for m in metas]
-        return partition.OptimalBoundaries(costs, num_cells)
-
-    @classmethod
-    def _CheckCellsFit(cls, p, cell_layers: list) -> list[LayerMeta] | None:
-        """FPropMeta of every cell, checking each cell's output fits the next cell's input."""
-        shapes = cls._BodyInputShapes(p)
-        if shapes is None:
-            return None
-        metas = []
-        for k, layers in enumerate(cell_layers):
-            try:
-                meta, _ = sequential.ChainMeta(layers, *shapes)
-            except ValueError as e:
-                if k == 0:
-                    raise errors.ConfigError(f'{p.name}: cell 0 ({_Names(layers)}) does not accept '
-                                     f'the pipeline input {shapes}: {e}') from None
-                raise errors.ConfigError(
-                    f'{p.name}: cell {k - 1} ({_Names(cell_layers[k - 1])}) outputs '
-                    f'{shapes}, which cell {k} ({_Names(layers)}) cannot take: {e}') from None
-            metas.append(meta)
-            shapes = base_layer.AsArgs(meta.out_shapes)
-        return metas
+        return plan_lib.InputShapes(p)
 
     # ---- introspection ----------------------------------------------------------------------
     @property
@@ -402,14 +190,12 @@ class PipeliningLayer(BaseLayer):
         if batch_size is None:
             raise errors.ConfigError(f'{self.path}: the batch dimension {p.batch_dim} of the inputs must '
                              'be statically known to split micro-batches.')
-        num_replicas = p.num_replicas
-        if batch_size % num_replicas:
-            raise errors.ConfigError(f'{self.path}: batch size {batch_size} is not divisible by '
-                             f'num_replicas ({num_replicas}).')
-        num_micro_batches = microbatch.NumMicroBatches(
-            batch_size // num_replicas, p.num_micro_batches, p.micro_batch_size)
+        try:
+            num_micro_batches = plan_lib.NumMicroBatches(p, batch_size)
+        except errors.ConfigError as error:
+            raise errors.ConfigError(f'{self.path}: {error}') from None
         ctx = fprop_context.Current()
-        recomputes = [self._Recomputes(k) for k in range(self._num_cells)]
+        recomputes = self.plan.recompute
         assign = self._LogicalDeviceFn()
         runs = [executor.UnrolledSchedule(functions, recomputes, num_micro_batches, p.batch_dim,
                                           tf.cast(ctx.step, tf.int64), assign)
@@ -470,10 +256,6 @@ class PipeliningLayer(BaseLayer):
                 outputs.append(fn(r, shard))
         with tf.device(self._devices[-1]):
             return microbatch.Concat(outputs, batch_dim)
-
-    def _Recomputes(self, k: int) -> bool:
-        mode = self.p.recompute
-        return mode == 'always' or (mode == 'except_last' and k < self._num_cells - 1)
 
     def _Train(self, runs: list, thetas: list, inputs):
         """The unrolled step of every replica as one custom-gradient op, so that its backward is
@@ -555,12 +337,8 @@ class PipeliningLayer(BaseLayer):
                 layers += list(c) if isinstance(c, (list, tuple)) else [c]
         else:
             layers += list(p.layer_tpl or [])
-        layers = [lp.Copy().Set(name=_LayerName(lp, i)) for i, lp in enumerate(layers)]
+        layers = [lp.Copy().Set(name=plan_lib.LayerName(lp, i)) for i, lp in enumerate(layers)]
         return sequential.ChainMeta(layers, *input_shapes)[0]
-
-
-def _Names(layers: list) -> str:
-    return ', '.join(lp.name for lp in layers)
 
 
 def _FloatGrads(outputs, d_flat) -> list:

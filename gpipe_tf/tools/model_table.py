@@ -22,7 +22,7 @@ from absl import flags
 
 from gpipe_tf import model_registry
 from gpipe_tf.layers import base_layer
-from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.pipeline import plan as plan_lib
 
 flags.DEFINE_string('models', '', 'Only models whose key contains this string.')
 flags.DEFINE_string('json', None, 'Also write the rows to this JSON file.')
@@ -54,19 +54,17 @@ def Row(key: str) -> ModelRow:
     p = model_registry.GetParams(key, model_registry.GetDatasets(key)[0])
     if 'model' in p:  # Task Params: the pipeline is their model.
         p = p.model
-    if not issubclass(p.cls, pipelining_layer.PipeliningLayer) or p.input_shapes is None:
+    if not plan_lib.IsPipeline(p) or p.input_shapes is None:
         raise ValueError(f'{key}: expected PipeliningLayer Params with input_shapes, got '
                          f'{p.cls.__name__}.')
-    cells, metas = p.cls.PlanCells(p)
-    shapes = p.cls.InputShapes(p)
-    m = p.num_micro_batches or 1
-    cell_inputs = [base_layer.OutputBytes(shapes, p.dtype)]
+    plan = plan_lib.MakePlan(p, place=False)
+    metas, m = plan.metas, plan.num_micro_batches
+    cell_inputs = [base_layer.OutputBytes(plan_lib.InputShapes(p), p.dtype)]
     cell_inputs += [base_layer.OutputBytes(meta.out_shapes, p.dtype) for meta in metas[:-1]]
     flops = [meta.flops for meta in metas]
-    batch = base_layer.FlattenShapes(shapes)[0][p.batch_dim]
     num_params = sum(meta.num_params for meta in metas)
     return ModelRow(
-        model=key, num_cells=len(cells), num_micro_batches=m, batch_size=batch,
+        model=key, num_cells=plan.num_cells, num_micro_batches=m, batch_size=plan.batch_size,
         num_params=num_params, param_bytes=BYTES_PER_PARAM * num_params,
         activation_bytes=sum(meta.activation_bytes for meta in metas),
         remat_activation_bytes=sum(cell_inputs) + max(

@@ -32,6 +32,8 @@ import time
 
 import tensorflow as tf
 
+from gpipe_tf.pipeline import devices as devices_lib
+
 DEFAULT_JOB = 'worker'
 
 
@@ -85,19 +87,8 @@ def FromTfConfig(text: str) -> tf.train.ClusterSpec:
     return tf.train.ClusterSpec(cluster)
 
 
-def StageDevices(cluster: tf.train.ClusterSpec, count: int, job: str = DEFAULT_JOB) -> list[str]:
-    """The first `count` tasks of `job`, one device each: what the pipeline's mesh takes.
-
-    Raises:
-      ValueError: if the job is missing or has fewer than `count` tasks.
-    """
-    if job not in cluster.jobs:
-        raise ValueError(f'The cluster has no job {job!r} (jobs: {cluster.jobs}).')
-    tasks = cluster.num_tasks(job)
-    if tasks < count:
-        raise ValueError(f'{count} pipeline stages (replicas x cells) need {count} tasks of job '
-                         f'{job!r}, but the cluster has {tasks}: {cluster.job_tasks(job)}.')
-    return [f'/job:{job}/replica:0/task:{i}/device:CPU:0' for i in range(count)]
+# The first `count` tasks of a job, one device each (kept under its old name).
+StageDevices = devices_lib.ClusterDevices
 
 
 def Target(cluster: tf.train.ClusterSpec, job: str = DEFAULT_JOB) -> str:

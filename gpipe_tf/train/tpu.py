@@ -26,6 +26,7 @@ import tensorflow as tf
 from tensorflow.compiler.xla import xla_data_pb2  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.compiler.xla.experimental import xla_sharding  # pylint: disable=g-direct-tensorflow-import
 
+from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.train import cluster as cluster_lib
 
 
@@ -33,11 +34,8 @@ class TpuError(cluster_lib.ClusterError):
     """No usable TPU at the address given: the trainer prints it without a traceback."""
 
 
-def CoreDevices(num_cells: int) -> list[str]:
-    """The logical TPU core of each of the K stages of one replica."""
-    if num_cells < 1:
-        raise ValueError(f'num_cells must be >= 1, got {num_cells}.')
-    return [tf.compat.v1.tpu.core(k) for k in range(num_cells)]
+# The logical TPU core of each of the K stages of one replica (kept under its old name).
+CoreDevices = devices_lib.TpuCoreDevices
 
 
 def ComputationShape(mesh_shape, num_cores: int) -> list[int]:

@@ -1,0 +1,267 @@
+"""The plan of a pipeline: everything its Params determine, made once, before any variable or
+TF op exists.
+
+`MakePlan(p)` partitions the layers into K cells (by cost, `partition`), computes each cell's
+`FPropMeta`, M from the one rule (`NumMicroBatches`), each cell's re-materialization, and the
+R x K device mesh (`devices`). Everything Params allow to be checked is checked here: K against
+the layers, the shapes between cells, the batch against R and M, and (optionally) that the
+devices exist. `PipeliningLayer`, the trainer, `tools/model_table.py` and `perf/` read the plan
+instead of re-deriving any of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import tensorflow as tf
+
+from gpipe_tf import errors
+from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import sequential
+from gpipe_tf.layers.base_layer import LayerMeta
+from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import devices as devices_lib
+from gpipe_tf.pipeline import microbatch
+from gpipe_tf.pipeline import partition
+
+RECOMPUTE_MODES = ('always', 'except_last', 'never')
+PARTITION_METHODS = ('flops', 'params', 'uniform')
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a PipeliningLayer's Params determine.
+
+    Attributes:
+      params: the PipeliningLayer Params the plan is of.
+      cells: per cell, its layers' Params (named).
+      metas: per cell, its FPropMeta on one mini-batch; None without input_shapes.
+      recompute: per cell, whether its forward is re-materialized in the backward.
+      batch_size: N, the examples of one mini-batch (from input_shapes; None without them).
+      num_micro_batches: M for that mini-batch (None without input_shapes).
+      mesh: the device of each (replica, stage), R lists of K; None until placed (a trainer
+        needs K to know how many devices to set up, before the devices exist).
+    """
+    params: Any
+    cells: list[list]
+    metas: list[LayerMeta] | None
+    recompute: list[bool]
+    batch_size: int | None
+    num_micro_batches: int | None
+    mesh: list[list[str]] | None = None
+
+    @property
+    def num_cells(self) -> int:
+        """K."""
+        return len(self.cells)
+
+    @property
+    def num_replicas(self) -> int:
+        """R."""
+        return self.params.num_replicas
+
+    @property
+    def devices(self) -> list[str]:
+        """The device of each cell of the first replica, where the variables live."""
+        return list(self.mesh[0])
+
+    def Placed(self, check_devices: bool = False, available: list[str] | None = None) -> Plan:
+        """This plan with its mesh, from the Params' devices (`devices.MeshDevices`).
+
+        Args:
+          check_devices: also check that every device of the mesh exists
+            (`devices.CheckDevices`); off for a plan of a machine other than this one.
+          available: with check_devices, the devices to check against (default: this
+            process's).
+
+        Raises:
+          errors.ConfigError: for devices that do not form R x K, or (check_devices) a device
+            that does not exist.
+        """
+        p = self.params
+        devices = p.devices
+        if devices is None and p.logical_device_fn is not None:
+            devices = [''] * self.num_cells  # The strategy's replica device; XLA places cells.
+        mesh = devices_lib.MeshDevices(devices, p.num_replicas, self.num_cells, p.round_robin)
+        if check_devices and p.logical_device_fn is None:  # With it, a strategy places cells.
+            devices_lib.CheckDevices(mesh, available)
+        return dataclasses.replace(self, mesh=mesh)
+
+
+def MakePlan(p, place: bool = True, check_devices: bool = False,
+             available: list[str] | None = None) -> Plan:
+    """The plan of PipeliningLayer Params `p`; no variable is built, no TF op created.
+
+    Args:
+      p: PipeliningLayer Params.
+      place: also make the device mesh (`Plan.Placed`); without, naming no device, the plan
+        touches no TensorFlow device (it can be made before the devices are set up).
+      check_devices, available: see `Plan.Placed`.
+
+    Raises:
+      errors.ConfigError: for inconsistent cells, partitions or shapes, a batch that R or M do
+        not divide, or (check_devices) a device that does not exist.
+    """
+    if p.recompute not in RECOMPUTE_MODES:
+        raise errors.ConfigError(f'recompute must be one of {RECOMPUTE_MODES}, got '
+                                 f'{p.recompute!r}.')
+    if p.logical_device_fn is not None and p.num_replicas != 1:
+        raise errors.ConfigError(f'With logical_device_fn the replicas are the strategy\'s: '
+                                 f'num_replicas must be 1, got {p.num_replicas}.')
+    cells, metas = Cells(p)
+    batch_size = BatchSize(p)
+    plan = Plan(params=p, cells=cells, metas=metas,
+                recompute=RecomputeFlags(p.recompute, len(cells)), batch_size=batch_size,
+                num_micro_batches=(None if batch_size is None else
+                                   NumMicroBatches(p, batch_size)))
+    return plan.Placed(check_devices, available) if place else plan
+
+
+def NumMicroBatches(p, batch_size: int) -> int:
+    """M of PipeliningLayer Params `p` for a mini-batch of `batch_size` examples: the one rule
+    (`num_micro_batches`, or the batch over `micro_batch_size`, else 1), per replica.
+
+    Raises:
+      errors.ConfigError: if R does not divide the batch, or M does not divide a replica's.
+    """
+    if batch_size % p.num_replicas:
+        raise errors.ConfigError(f'batch size {batch_size} is not divisible by num_replicas '
+                                 f'({p.num_replicas}).')
+    try:
+        return microbatch.NumMicroBatches(batch_size // p.num_replicas, p.num_micro_batches,
+                                          p.micro_batch_size)
+    except ValueError as error:
+        raise errors.ConfigError(str(error)) from None
+
+
+def RecomputeFlags(mode: str, num_cells: int) -> list[bool]:
+    """Per cell, whether it re-materializes: 'always' all, 'never' none, 'except_last' all but
+    the last (whose activations backprop needs first)."""
+    return [mode == 'always' or (mode == 'except_last' and k < num_cells - 1)
+            for k in range(num_cells)]
+
+
+def BatchSize(p) -> int | None:
+    """N, from input_shapes along batch_dim (None without input_shapes)."""
+    shapes = InputShapes(p)
+    if shapes is None:
+        return None
+    return int(base_layer.FlattenShapes(shapes)[0][p.batch_dim])
+
+
+def InputShapes(p) -> tuple | None:
+    """`p.input_shapes` as a tuple of TensorShapes (NestedMaps of them), or None."""
+    shapes = p.input_shapes
+    if shapes is None:
+        return None
+    if isinstance(shapes, dict) or (shapes and isinstance(shapes[0], int)):
+        return (_ToShapes(shapes),)
+    return tuple(_ToShapes(s) for s in shapes)
+
+
+def BodyInputShapes(p) -> tuple | None:
+    """The shapes the first cell takes: the input's after the before_tpl layers."""
+    shapes = InputShapes(p)
+    if shapes is None or not p.before_tpl:
+        return shapes
+    meta, _ = sequential.ChainMeta(p.before_tpl, *shapes)
+    return base_layer.AsArgs(meta.out_shapes)
+
+
+def Cells(p) -> tuple[list[list], list[LayerMeta] | None]:
+    """Each cell's layer Params, and each cell's FPropMeta (None without input_shapes).
+
+    Raises:
+      errors.ConfigError: for inconsistent cells, partitions or shapes.
+    """
+    cells = _CellLayerParams(p)
+    return cells, _CheckCellsFit(p, cells)
+
+
+def LayerName(p, index: int) -> str:
+    """The name of the layer at `index`: its own, or `layer_<index>`."""
+    return p.name or f'layer_{index:03d}'
+
+
+def _ToShapes(shapes):
+    """Params-friendly shapes (lists of ints, dicts of them) as TensorShapes / NestedMaps."""
+    if isinstance(shapes, dict):
+        return NestedMap({k: _ToShapes(v) for k, v in shapes.items()})
+    return tf.TensorShape(shapes)
+
+
+def _CellLayerParams(p) -> list[list]:
+    """Names the layers and splits them into cells."""
+    if (p.cell_tpl is None) == (p.layer_tpl is None):
+        raise errors.ConfigError('Set exactly one of cell_tpl (explicit cells) and layer_tpl '
+                                 '(layers to partition into num_cells).')
+    if p.cell_tpl is not None:
+        if not p.cell_tpl:
+            raise errors.ConfigError('cell_tpl is empty: expected at least one cell.')
+        cells = [list(c) if isinstance(c, (list, tuple)) else [c] for c in p.cell_tpl]
+        index, named = 0, []
+        for cell in cells:
+            named.append([lp.Copy().Set(name=LayerName(lp, index + i))
+                          for i, lp in enumerate(cell)])
+            index += len(cell)
+        return named
+    layers = [lp.Copy().Set(name=LayerName(lp, i)) for i, lp in enumerate(p.layer_tpl)]
+    boundaries = _Boundaries(p, layers)
+    return [layers[boundaries[k]:boundaries[k + 1]] for k in range(len(boundaries) - 1)]
+
+
+def _Boundaries(p, layers: list) -> list[int]:
+    num_layers, num_cells = len(layers), p.num_cells
+    if num_cells > num_layers:
+        raise errors.ConfigError(f'num_cells ({num_cells}) is larger than the number of layers '
+                                 f'({num_layers}).')
+    method = p.partition_method
+    if isinstance(method, (list, tuple)):
+        return partition.CheckBoundaries(method, num_layers, num_cells)
+    if method == 'uniform':
+        return partition.UniformBoundaries(num_layers, num_cells)
+    if method not in PARTITION_METHODS:
+        raise errors.ConfigError(f'partition_method must be one of {PARTITION_METHODS} or a '
+                                 f'list of boundaries, got {method!r}.')
+    shapes = BodyInputShapes(p)
+    if shapes is None:
+        raise errors.ConfigError(f'partition_method={method!r} needs input_shapes (the shapes '
+                                 'of one mini-batch of inputs) to estimate layer costs.')
+    try:
+        _, metas = sequential.ChainMeta(layers, *shapes)
+    except ValueError as e:  # A layer that cannot take its predecessor's output.
+        raise errors.ConfigError(f'{p.name}: the layers do not chain: {e}') from None
+    costs = [m.flops if method == 'flops' else m.num_params for m in metas]
+    return partition.OptimalBoundaries(costs, num_cells)
+
+
+def _CheckCellsFit(p, cell_layers: list) -> list[LayerMeta] | None:
+    """FPropMeta of every cell, checking each cell's output fits the next cell's input."""
+    shapes = BodyInputShapes(p)
+    if shapes is None:
+        return None
+    metas = []
+    for k, layers in enumerate(cell_layers):
+        try:
+            meta, _ = sequential.ChainMeta(layers, *shapes)
+        except ValueError as e:
+            if k == 0:
+                raise errors.ConfigError(f'{p.name}: cell 0 ({_Names(layers)}) does not accept '
+                                         f'the pipeline input {shapes}: {e}') from None
+            raise errors.ConfigError(
+                f'{p.name}: cell {k - 1} ({_Names(cell_layers[k - 1])}) outputs '
+                f'{shapes}, which cell {k} ({_Names(layers)}) cannot take: {e}') from None
+        metas.append(meta)
+        shapes = base_layer.AsArgs(meta.out_shapes)
+    return metas
+
+
+def _Names(layers: list) -> str:
+    return ', '.join(lp.name for lp in layers)
+
+
+def IsPipeline(p) -> bool:
+    """Whether layer Params `p` are a PipeliningLayer's (a model the plan applies to)."""
+    from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
+    return p is not None and issubclass(p.cls, pipelining_layer.PipeliningLayer)

@@ -1,0 +1,125 @@
+"""The plan (`pipeline/plan.py`): K, M, cells, costs, re-materialization and the device mesh,
+made once from Params; every check Params allow happens when it is made, before any variable or
+graph; the layer, the memory planner and the trainer read the same plan."""
+
+import pytest
+import tensorflow as tf
+from absl.testing import parameterized
+
+from gpipe_tf import errors
+from gpipe_tf import test_utils
+from gpipe_tf.layers import basic
+from gpipe_tf.perf import memory
+from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.pipeline import plan as plan_lib
+
+pytestmark = pytest.mark.unit
+
+DEVICES = test_utils.ConfigureVirtualCpus()
+BATCH, DIM = 16, 4
+
+
+def _Params(num_layers=6, **kwargs):
+    layers = [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM, activation='tanh')
+              for _ in range(num_layers)]
+    return pipelining_layer.PipeliningLayer.Params().Set(
+        name='pipe', layer_tpl=layers, input_shapes=[BATCH, DIM], **kwargs)
+
+
+class MakePlanTest(parameterized.TestCase):
+
+    def testCellsCoverTheLayersInOrder(self):
+        plan = plan_lib.MakePlan(_Params(num_cells=3), place=False)
+        self.assertEqual(plan.num_cells, 3)
+        names = [lp.name for cell in plan.cells for lp in cell]
+        self.assertEqual(names, [f'layer_{i:03d}' for i in range(6)])
+        self.assertEqual([len(cell) for cell in plan.cells], [2, 2, 2])  # Equal FLOPs.
+        self.assertEqual(sum(meta.num_params for meta in plan.metas), 6 * (DIM * DIM + DIM))
+
+    @parameterized.parameters(
+        (None, None, 1), (4, None, 4), (None, 2, 8), (None, 16, 1), (16, None, 16))
+    def testOneRuleForM(self, num_micro_batches, micro_batch_size, expected):
+        plan = plan_lib.MakePlan(_Params(num_micro_batches=num_micro_batches,
+                                         micro_batch_size=micro_batch_size), place=False)
+        self.assertEqual((plan.batch_size, plan.num_micro_batches), (BATCH, expected))
+
+    def testMIsPerReplica(self):
+        plan = plan_lib.MakePlan(_Params(num_replicas=2, micro_batch_size=2), place=False)
+        self.assertEqual((plan.num_replicas, plan.num_micro_batches), (2, 4))
+
+    @parameterized.parameters(('always', [True, True, True]), ('never', [False] * 3),
+                              ('except_last', [True, True, False]))
+    def testRecomputeFlags(self, mode, expected):
+        self.assertEqual(plan_lib.MakePlan(_Params(num_cells=3, recompute=mode),
+                                           place=False).recompute, expected)
+
+    @parameterized.named_parameters(
+        ('more_cells_than_layers', dict(num_cells=7),
+         r'num_cells \(7\) is larger than the number of layers \(6\)'),
+        ('m_does_not_divide', dict(num_micro_batches=3),
+         r'Batch size 16 is not divisible by num_micro_batches \(3\)'),
+        ('m_larger_than_batch', dict(num_micro_batches=32),
+         r'num_micro_batches \(32\) is larger than the batch size \(16\)'),
+        ('replicas_do_not_divide', dict(num_replicas=3),
+         r'batch size 16 is not divisible by num_replicas \(3\)'),
+        ('unknown_recompute', dict(recompute='sometimes'), r'recompute must be one of'),
+        ('both_m_and_size', dict(num_micro_batches=2, micro_batch_size=8),
+         r'Set exactly one of num_micro_batches and micro_batch_size'),
+    )
+    def testMistakesAreRefusedWhenThePlanIsMade(self, kwargs, pattern):
+        graph = tf.Graph()
+        with graph.as_default():
+            with self.assertRaisesRegex(errors.ConfigError, pattern):
+                plan_lib.MakePlan(_Params(**kwargs), place=False)
+        self.assertEmpty(graph.get_operations())
+
+    def testCellsThatDoNotChainAreRefused(self):
+        p = _Params(num_cells=2, partition_method='uniform')
+        p.layer_tpl[3].input_dim = DIM + 1
+        with self.assertRaisesRegex(errors.ConfigError, r'cell 0 \(layer_000, layer_001, '
+                                    r'layer_002\) outputs .* which cell 1 .* cannot take'):
+            plan_lib.MakePlan(p, place=False)
+        p.partition_method = 'flops'  # Costs need the chain too.
+        with self.assertRaisesRegex(errors.ConfigError, r'pipe: the layers do not chain: '
+                                    r'layer_003: expected input last dimension 5'):
+            plan_lib.MakePlan(p, place=False)
+
+    def testUnplacedPlanHasNoMeshAndPlacingDoesNotRepartition(self):
+        p = _Params(num_cells=2, num_replicas=2, devices=DEVICES[:4])
+        plan = plan_lib.MakePlan(p, place=False)
+        self.assertIsNone(plan.mesh)
+        placed = plan.Placed()
+        self.assertEqual(placed.mesh, [DEVICES[0:2], DEVICES[2:4]])
+        self.assertEqual(placed.devices, DEVICES[0:2])
+        self.assertIs(placed.cells, plan.cells)
+
+    def testPlacingChecksTheDevicesExist(self):
+        p = _Params(num_cells=2, devices=['/device:CPU:0', '/device:CPU:99'])
+        self.assertEqual(plan_lib.MakePlan(p).mesh, [['/device:CPU:0', '/device:CPU:99']])
+        with self.assertRaisesRegex(errors.ConfigError, r'/device:CPU:99 \(stage 1 of replica 0\)'):
+            plan_lib.MakePlan(p, check_devices=True)
+
+    def testIsPipeline(self):
+        self.assertTrue(plan_lib.IsPipeline(_Params()))
+        self.assertFalse(plan_lib.IsPipeline(basic.DenseLayer.Params()))
+        self.assertFalse(plan_lib.IsPipeline(None))
+
+
+class ConsumersReadThePlanTest(tf.test.TestCase):
+
+    def testTheLayerBuildsThePlansCellsOnThePlansDevices(self):
+        p = _Params(num_cells=3, devices=DEVICES[:3])
+        plan = plan_lib.MakePlan(p)
+        layer = p.Instantiate()
+        self.assertEqual(layer.plan, plan)
+        self.assertEqual([[l.p.name for l in cell.sequence] for cell in layer.cells],
+                         [[lp.name for lp in cell] for cell in plan.cells])
+        self.assertEqual(layer.devices, plan.devices)
+
+    def testMemoryPlanTakesMFromMicroBatchSize(self):
+        # micro_batch_size=4 on a batch of 16: M = 4 (a `num_micro_batches or 1` would say 1).
+        self.assertEqual(memory.PlanMemory(_Params(micro_batch_size=4)).num_micro_batches, 4)
+
+
+if __name__ == '__main__':
+    tf.test.main()
