@@ -14,6 +14,7 @@ creates the optimizer's slots), or its only one.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
@@ -35,26 +36,34 @@ def FormatDuration(seconds: float) -> str:
 
 
 class Progress:
-    """One console line every `interval` seconds: step, loss, examples/sec, ETA."""
+    """One console line every `interval` seconds: step, loss, examples/sec, ETA.
+
+    The rate, and the ETA from it, are those of the recent lines only (the last
+    RECENT_LINES): the first steps after tracing, or a busy moment of the machine, would
+    otherwise skew them for the rest of the run.
+    """
+    RECENT_LINES = 5
 
     def __init__(self, first_step: int, max_steps: int, batch_size: int, interval: float,
                  printer=print):
         self._first, self._max, self._batch = first_step, max_steps, batch_size
         self._interval, self._print = interval, printer
-        self._start = self._last = None
+        self._last = None
+        self._recent = collections.deque(maxlen=self.RECENT_LINES)  # (time, step) printed.
 
     def Update(self, step: int, metrics: dict, force: bool = False) -> None:
         now = time.time()
-        if self._start is None:  # The first step includes tracing: time from after it.
-            self._start = self._last = now
-            self._start_step = step
+        if self._last is None:  # The first step includes tracing: time from after it.
+            self._last = now
+            self._recent.append((now, step))
             self._Print(step, metrics, None)
             return
         if not force and now - self._last < self._interval:
             return
         self._last = now
-        done = step - self._start_step
-        rate = done / (now - self._start) if now > self._start else math.nan
+        since, since_step = self._recent[0]
+        rate = (step - since_step) / (now - since) if now > since else None
+        self._recent.append((now, step))
         self._Print(step, metrics, rate)
 
     def _Print(self, step: int, metrics: dict, steps_per_sec) -> None:
@@ -239,7 +248,7 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
             if step % train.summary_interval_steps == 0 or step == max_steps:
                 WriteScalars(writer, step, dict(
                     metrics, learning_rate=program.LearningRate(), step_time=elapsed,
-                    examples_per_sec=batch_size / elapsed))
+                    examples_per_sec=batch_size / elapsed if elapsed > 0 else 0.0))
             if step % train.save_interval_steps == 0:
                 with signals.Saving():
                     program.Save()

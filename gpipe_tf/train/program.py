@@ -63,11 +63,28 @@ def _RestoreMatched(checkpoint, path: str):
     """
     try:
         return checkpoint.restore(path).assert_existing_objects_matched()
-    except AssertionError as error:
-        raise CheckpointMismatchError(
-            f'checkpoint {path} does not fit the model being built '
-            f'({checkpoints.FirstLine(error)}): it was written by another model or '
-            'configuration. Use another --logdir for this one.') from None
+    except (AssertionError, ValueError) as error:  # ValueError: a variable of another shape.
+        raise _Mismatch(path, checkpoints.FirstLine(error)) from None
+
+
+def _Mismatch(path: str, what: str) -> CheckpointMismatchError:
+    return CheckpointMismatchError(
+        f'checkpoint {path} does not fit the model being built ({what}): it was written by '
+        'another model or configuration. Use another --logdir for this one.')
+
+
+def _CheckRestoredShapes(session, path: str) -> None:
+    """A v1 graph's restore assigns a checkpoint value of another shape without a word (the
+    step then fails deep in the pipeline): compare every variable's value with its shape."""
+    variables = [v for v in tf.compat.v1.global_variables()
+                 if v.shape.is_fully_defined() and hasattr(v, 'handle')]
+    # The value's shape, read from the resource (tf.shape would answer the static shape).
+    shapes = session.run([tf.raw_ops.VariableShape(input=v.handle) for v in variables])
+    for variable, shape in zip(variables, shapes):
+        shape = [int(d) for d in shape]
+        if shape != variable.shape.as_list():
+            raise _Mismatch(path, f'{variable.op.name} has shape {shape} in the checkpoint, '
+                                  f'{variable.shape.as_list()} in the model')
 
 
 def _Floats(metrics) -> dict:
@@ -342,6 +359,7 @@ class GraphProgram:
                 self.session.run(tf.compat.v1.variables_initializer(
                     [v for v in tf.compat.v1.global_variables()
                      if not self.session.run(tf.compat.v1.is_variable_initialized(v))]))
+                _CheckRestoredShapes(self.session, path)
             else:
                 self.session.run(tf.compat.v1.global_variables_initializer())
             step = int(self.session.run(self.global_step))
