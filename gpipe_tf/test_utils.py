@@ -139,3 +139,114 @@ def OutputsAndGrads(fn, layer, inputs, loss_fn=SquareLoss):
         outputs = fn(inputs)
         loss = loss_fn(outputs)
     return outputs, tape.gradient(loss, float_inputs + list(layer.trainable_variables))
+
+
+def AssertGradientsMatchFiniteDifferences(test: tf.test.TestCase,
+                                          layer: base_layer.BaseLayer, *inputs,
+                                          delta: float = 1e-6,
+                                          tolerance: float = 1e-6) -> list[np.ndarray]:
+    """Asserts that `layer`'s gradients equal central finite differences, in float64.
+
+    The function checked is a fixed random projection of every float output of
+    `layer.FProp(theta, *inputs)` to a scalar (a plain sum would not do: the sum of a normalised
+    output is constant), differentiated with respect to every trainable variable (as theta) and
+    every float tensor of `inputs`: its gradient is J^T w for the layer's Jacobian J and random
+    w, and every entry of it is compared with (f(x + delta) - f(x - delta)) / (2 delta), computed
+    in one tf.function that loops over the coordinates (one eager FProp per evaluation would take
+    seconds for a few hundred coordinates). Training updates (batch norm's moving statistics)
+    are collected and dropped; dropout draws the masks of the current `fprop_context` step in
+    every evaluation.
+
+    A mismatch fails with the worst coordinates, and for each its one-sided derivatives from
+    both sides (second order, steps delta and 2 delta): when those differ, the layer is not
+    differentiable within 2 delta of the inputs (a relu input near 0, a max-pool tie) and other
+    inputs are needed; when they agree, the analytic gradient is wrong.
+
+    Args:
+        test: the test case that asserts.
+        layer: a layer built with dtype float64 (its variables and activations).
+        *inputs: its FProp arguments; float tensors must be float64, others (ids, labels) are
+            passed unchanged.
+        delta: step of the central differences.
+        tolerance: largest allowed max |analytic - numeric| / max |numeric|, the maximum taken
+            over all sources together (a source whose exact gradient is zero, such as a bias
+            before batch norm, has only rounding noise to scale by).
+
+    Returns:
+        The numeric gradients, arrays shaped like [trainable variables..., float inputs...].
+    """
+    variables = list(layer.trainable_variables)
+    flat_inputs = tf.nest.flatten(inputs)
+    float_positions = [i for i, x in enumerate(flat_inputs) if recompute.IsFloat(x)]
+    sources = [v.read_value() for v in variables] + [flat_inputs[i] for i in float_positions]
+    names = [v.name for v in variables] + [f'input leaf {i}' for i in float_positions]
+    for name, x in zip(names, sources):
+        test.assertEqual(x.dtype, tf.float64, f'{name} must be float64 for a finite-difference '
+                         f'check, got {x.dtype.name}.')
+    source_of = {v.ref(): k for k, v in enumerate(variables)}
+
+    def FloatOutputs(values):
+        theta = layer.vars.Transform(
+            lambda v: values[source_of[v.ref()]] if v.ref() in source_of else
+            v.read_value() if isinstance(v, tf.Variable) else v)
+        leaves = list(flat_inputs)
+        for i, x in zip(float_positions, values[len(variables):]):
+            leaves[i] = x
+        with fprop_context.Scope(update_collector=fprop_context.UpdateCollector()):
+            return FloatLeaves(layer.FProp(theta, *tf.nest.pack_sequence_as(inputs, leaves)))
+
+    weights = [tf.random.stateless_normal(tf.shape(y), [k, 7], dtype=y.dtype)
+               for k, y in enumerate(FloatOutputs(sources))]
+
+    def Scalar(values):
+        return tf.add_n([tf.reduce_sum(y * w) for y, w in zip(FloatOutputs(values), weights)])
+
+    with tf.GradientTape() as tape:
+        tape.watch(sources)
+        scalar = Scalar(sources)
+    analytic = np.concatenate([
+        np.zeros(int(np.prod(x.shape))) if g is None else
+        tf.reshape(tf.convert_to_tensor(g), [-1]).numpy()
+        for x, g in zip(sources, tape.gradient(scalar, sources))])
+
+    sizes = [int(np.prod(x.shape)) for x in sources]
+    x0 = tf.concat([tf.reshape(x, [-1]) for x in sources], 0)
+
+    def ScalarAt(flat):
+        parts = tf.split(flat, sizes)
+        return Scalar([tf.reshape(part, x.shape) for part, x in zip(parts, sources)])
+
+    def Step(j, offset):
+        return x0 + offset * tf.one_hot(j, x0.shape[0], dtype=x0.dtype)
+
+    @tf.function(autograph=False)
+    def CentralDifferences():
+        return tf.map_fn(lambda j: (ScalarAt(Step(j, delta)) - ScalarAt(Step(j, -delta))) /
+                         (2 * delta), tf.range(x0.shape[0]), fn_output_signature=x0.dtype)
+
+    numeric = CentralDifferences().numpy()
+    scale = float(np.abs(numeric).max(initial=0.0))
+    test.assertGreater(scale, 0.0, 'Every numeric gradient is zero: the outputs do not depend '
+                       'on the variables and inputs.')
+    error = np.abs(analytic - numeric)
+    if error.max() > tolerance * scale:
+        owner = np.repeat(np.arange(len(sources)), sizes)
+        starts = np.cumsum([0] + sizes)
+        lines = []
+        for j in np.argsort(-error)[:5]:
+            if error[j] <= tolerance * scale:
+                break
+            f = {o: float(ScalarAt(Step(j, o * delta))) for o in (-2, -1, 1, 2)}
+            right = (-3 * float(scalar) + 4 * f[1] - f[2]) / (2 * delta)
+            left = (3 * float(scalar) - 4 * f[-1] + f[-2]) / (2 * delta)
+            kink = abs(right - left) > tolerance * scale
+            verdict = ('not differentiable here, choose other inputs' if kink else
+                       'the analytic gradient is wrong')
+            lines.append(f'{names[owner[j]]}[{j - starts[owner[j]]}] (flat): analytic '
+                         f'{analytic[j]:.9g}, central {numeric[j]:.9g}, right {right:.9g}, '
+                         f'left {left:.9g}: {verdict}')
+        test.fail(f'Gradients differ from central differences by up to '
+                  f'{error.max() / scale:.3g} of their scale {scale:.3g} (tolerance '
+                  f'{tolerance:g}):\n' + '\n'.join(lines))
+    return [part.reshape(x.shape) for part, x in zip(np.split(numeric, np.cumsum(sizes)[:-1]),
+                                                     sources)]

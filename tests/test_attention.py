@@ -54,13 +54,6 @@ def _NumVariables(layer):
     return sum(int(np.prod(v.shape)) for v in layer.variables)
 
 
-def _RandomProjection(outputs):
-    """A scalar that depends on every float output element."""
-    leaves = [t for t in tf.nest.flatten(outputs) if t.dtype.is_floating]
-    return tf.add_n([tf.reduce_sum(t * _Normal(tf.shape(t), seed=i + 100))
-                     for i, t in enumerate(leaves)])
-
-
 def _NumpyAttention(theta, query, key_value, paddings, causal, num_heads):
     """Textbook multi-head attention in float64 numpy."""
     theta = {k: np.asarray(v, np.float64) for k, v in theta.items() if k != 'atten_dropout'}
@@ -154,16 +147,11 @@ class MultiHeadAttentionTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(layer(query, key_value, paddings), layer(query, changed, paddings),
                             rtol=1e-6, atol=1e-6)
 
-    def testGradientsAreFiniteAndNotAllZero(self):
-        layer = _Attention(causal=True).Instantiate()
-        x = _Normal([BATCH, TIME, DIM])
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            scalar = _RandomProjection(layer(x, None, _Paddings([5, 3, 4, 1], TIME)))
-        sources = list(layer.trainable_variables) + [x]
-        for i, grad in enumerate(tape.gradient(scalar, sources)):
-            self.assertTrue(np.all(np.isfinite(grad)), f'source {i}')
-            self.assertTrue(np.any(grad != 0), f'source {i} has an all-zero gradient')
+    def testGradientsMatchFiniteDifferences(self):
+        layer = _Attention(causal=True, dtype=tf.float64).Instantiate()
+        x = tf.cast(_Normal([BATCH, TIME, DIM]), tf.float64)
+        paddings = tf.cast(_Paddings([5, 3, 4, 1], TIME), tf.float64)
+        test_utils.AssertGradientsMatchFiniteDifferences(self, layer, x, None, paddings)
 
     def testAttentionDropoutRepeatsForTheSameStepAndMicroBatch(self):
         layer = _Attention(atten_dropout_keep_prob=0.5).Instantiate()
@@ -258,18 +246,13 @@ class TransformerLayerTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(layer(inputs).vec, layer(changed).vec, rtol=1e-6, atol=1e-6)
 
     @parameterized.named_parameters(*_BLOCK_CASES)
-    def testGradientsAreFiniteAndNotAllZero(self, kwargs):
-        layer = _Transformer(**kwargs).Instantiate()
-        inputs = _BlockInputs(layer.p.has_cross_attention)
-        float_inputs = tf.nest.flatten(inputs)
-        with tf.GradientTape() as tape:
-            tape.watch(float_inputs)
-            scalar = _RandomProjection(layer(inputs))
-        sources = list(layer.trainable_variables) + float_inputs
-        for i, grad in enumerate(tape.gradient(scalar, sources)):
-            self.assertIsNotNone(grad, f'no gradient for source {i}')
-            self.assertTrue(np.all(np.isfinite(grad)), f'source {i}')
-            self.assertTrue(np.any(grad != 0), f'source {i} has an all-zero gradient')
+    def testGradientsMatchFiniteDifferences(self, kwargs):
+        # The feed-forward relu has a kink: the check fails with "not differentiable here" if
+        # a seeded input lies within its step (1e-6) of it.
+        layer = _Transformer(dtype=tf.float64, **kwargs).Instantiate()
+        inputs = _BlockInputs(layer.p.has_cross_attention).Transform(
+            lambda t: tf.cast(t, tf.float64))
+        test_utils.AssertGradientsMatchFiniteDifferences(self, layer, inputs)
 
     @parameterized.named_parameters(*_BLOCK_CASES)
     def testParamsRoundTripThroughText(self, kwargs):

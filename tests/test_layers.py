@@ -1,10 +1,12 @@
 """Tests of the layers: FPropMeta against reality, gradients, Params text, and each layer's own
 semantics (dropout masks, batch norm statistics, window shapes, the loss)."""
 
+import pytest
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
+from gpipe_tf import test_utils
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import conv
@@ -15,6 +17,8 @@ from gpipe_tf.layers import normalization
 from gpipe_tf.layers import pooling
 from gpipe_tf.layers import sequential
 from gpipe_tf.nested_map import NestedMap
+
+pytestmark = pytest.mark.unit
 
 
 def _Normal(shape, seed=0, mean=0.0, stddev=1.0):
@@ -105,14 +109,6 @@ def _Shapes(inputs):
     return tf.nest.map_structure(lambda t: t.shape, inputs)
 
 
-def _RandomProjection(outputs) -> tf.Tensor:
-    """A scalar that depends on every float output element (a plain sum would not: the sum of a
-    normalised output is constant)."""
-    leaves = [t for t in tf.nest.flatten(outputs) if t.dtype.is_floating]
-    return tf.add_n([tf.reduce_sum(t * _Normal(tf.shape(t), seed=i + 100))
-                     for i, t in enumerate(leaves)])
-
-
 class EveryLayerTest(tf.test.TestCase, parameterized.TestCase):
     """Properties every layer has, checked on every layer."""
 
@@ -135,20 +131,16 @@ class EveryLayerTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(p.cls.FPropMeta(p, *_Shapes(make_inputs())).num_params, built)
 
     @parameterized.named_parameters(*_CASES)
-    def testGradientsAreFiniteAndNotAllZero(self, make_params, make_inputs):
-        layer = make_params().Instantiate()
-        inputs = make_inputs()
-        float_inputs = [t for t in tf.nest.flatten(inputs) if t.dtype.is_floating]
-        with tf.GradientTape() as tape:
-            tape.watch(float_inputs)
-            scalar = _RandomProjection(layer(*inputs))
-        sources = list(layer.trainable_variables) + float_inputs
-        self.assertNotEmpty(sources)
-        for i, grad in enumerate(tape.gradient(scalar, sources)):
-            self.assertIsNotNone(grad, f'no gradient for source {i}')
-            grad = tf.convert_to_tensor(grad).numpy()
-            self.assertTrue(np.all(np.isfinite(grad)), f'source {i}: {grad}')
-            self.assertTrue(np.any(grad != 0), f'source {i} has an all-zero gradient')
+    def testGradientsMatchFiniteDifferences(self, make_params, make_inputs):
+        # Relu, relu6 and max pooling have kinks: the check fails with "not differentiable
+        # here" if a seeded input lies within its step (1e-6) of one. These lie 6e-6 or more
+        # away (sequential_cnn's max-pool near-tie is the closest).
+        p = make_params()
+        for layer_params in [p] + dict(p.IterParams()).get('sub', []):
+            layer_params.dtype = tf.float64  # Sub-layers do not take their parent's dtype.
+        inputs = tf.nest.map_structure(
+                lambda t: tf.cast(t, tf.float64) if t.dtype.is_floating else t, make_inputs())
+        test_utils.AssertGradientsMatchFiniteDifferences(self, p.Instantiate(), *inputs)
 
     @parameterized.named_parameters(*_CASES)
     def testParamsRoundTripThroughText(self, make_params, make_inputs):
