@@ -22,6 +22,7 @@ import dataclasses
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 from absl import app
@@ -534,7 +535,11 @@ def _Where(config: Config, prog) -> str:
 def RunTrain(config: Config, p, plan, logdir, with_eval: bool) -> dict:
     from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
     eval_params = TaskParams(config, p.train.eval_dataset).input if with_eval else None
+    start = time.time()
+    print(f'building {config.model}: its variables on their devices and the input pipeline',
+          flush=True)
     prog = _Program(config, p, plan, logdir)
+    print(f'built in {time.time() - start:.0f} s', flush=True)
     m = plan.num_micro_batches if plan and plan.num_micro_batches else 1
     print(f'training {config.model} in {logdir}: {_Where(config, prog)}, '
           f'M={m}, batch {p.input.batch_size}, {_GraphMode(config)}', flush=True)
@@ -557,7 +562,6 @@ def _Translates(task) -> bool:
 def ReportBleu(prog, eval_params, name: str, logdir: str, num_samples: int = 5) -> float:
     """Greedy-decodes `eval_params`' data, prints its BLEU and a few translations, and writes
     the BLEU and every translation (`<logdir>/decode_<step>.tsv`)."""
-    import time  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import decode  # pylint: disable=g-import-not-at-top
     start = time.time()
