@@ -192,7 +192,9 @@ def _TaskParams(config: Config, dataset: str):
     try:
         p = model_registry.GetParams(model, dataset)
     except LookupError as error:  # An unknown model or dataset: the registry names the close ones.
-        raise errors.ConfigError(f'--model={model}: {error}') from None
+        # In the command line's words: the registry's ListModels() is --list_models here.
+        message = str(error).strip("'\"").replace('ListModels()', '--list_models')
+        raise errors.ConfigError(f'--model={model}: {message}') from None
     if config.model_params_file_override:
         path = config.model_params_file_override
         if not os.path.isfile(path):
@@ -653,7 +655,13 @@ def CheckPlan(p):
         raise errors.ConfigError(f'--num_micro_batches: {error} M must divide the '
                                  f'{per_replica} examples of a replica: one of {divisors}.'
                                  ) from None
-    return plan_lib.MakePlan(model, place=False)  # K > layers, cells that do not chain.
+    try:
+        return plan_lib.MakePlan(model, place=False)  # K > layers, cells that do not chain.
+    except errors.ConfigError as error:
+        if 'num_cells' in str(error):  # In the command line's words.
+            raise errors.ConfigError(f'--worker_split_size={model.num_cells}: '
+                                     f'{error}') from None
+        raise
 
 
 def CheckDataDir(p) -> None:

@@ -583,7 +583,7 @@ class ErrorsTest(TrainerTestCase):
     def testUnknownModelSuggestsCloseNames(self):
         self.AssertFails(r"^error: --model=examples\.PipelinedMLQ: Unknown "
                          r"model 'examples\.PipelinedMLQ'; closest registered "
-                         r'models: .*examples\.PipelinedMLP',
+                         r'models: .*examples\.PipelinedMLP.*see --list_models\)\.$',
                          '--model=examples.PipelinedMLQ', '--mode=inspect_params')
 
     def testMalformedOverrideNamesTheLine(self):
@@ -620,8 +620,9 @@ class ErrorsTest(TrainerTestCase):
                                         r'split into 3 equal replicas', '--worker_replicas=3')
 
     def testMoreCellsThanLayers(self):
-        self.AssertFailsBeforeTheLogdir(r'num_cells \(9\) is larger than the number of layers '
-                                        r'\(4\)', '--worker_split_size=9')
+        self.AssertFailsBeforeTheLogdir(r'^error: --worker_split_size=9: num_cells \(9\) is '
+                                        r'larger than the number of layers \(4\)\.$',
+                                        '--worker_split_size=9')
 
     def testNegativeMaxSteps(self):
         self.AssertFailsBeforeTheLogdir(r'^error: --max_steps: train\.max_steps must be an '
