@@ -95,10 +95,8 @@ class PipeliningLayer(BaseLayer):
         super().__init__(params)
         p = self.p
         self.plan = plan_lib.MakePlan(p, check_devices=True)
-        self._cell_metas = self.plan.metas
-        self._num_cells = self.plan.num_cells
-        self._mesh = self.plan.mesh
-        self._devices = self._mesh[0]  # The variables live on the first replica's devices.
+        # The variables live on the first replica's devices.
+        self._devices = self.plan.mesh[0]
         with tf.device(self._devices[0]):
             self._before = [self.CreateChild(plan_lib.LayerName(lp, i), lp)
                             for i, lp in enumerate(p.before_tpl)]
@@ -109,7 +107,7 @@ class PipeliningLayer(BaseLayer):
                     f'cell_{k}', sequential.SequentialLayer.Params().Set(sub=layers)))
         self._replica_functions = [
             [recompute.CellFunctions(cell, device) for cell, device in zip(self._cells, row)]
-            for row in self._mesh]
+            for row in self.plan.mesh]
         self._functions = self._replica_functions[0]
         logging.info('%s partition:\n%s', self.path, self.PartitionReport())
 
@@ -128,7 +126,7 @@ class PipeliningLayer(BaseLayer):
     # ---- introspection ----------------------------------------------------------------------
     @property
     def num_cells(self) -> int:
-        return self._num_cells
+        return self.plan.num_cells
 
     @property
     def devices(self) -> list[str]:
@@ -142,7 +140,7 @@ class PipeliningLayer(BaseLayer):
     @property
     def mesh(self) -> list[list[str]]:
         """The device of each (replica, stage)."""
-        return [list(row) for row in self._mesh]
+        return [list(row) for row in self.plan.mesh]
 
     @property
     def cell_functions(self) -> list:
@@ -169,7 +167,7 @@ class PipeliningLayer(BaseLayer):
         """A table: per cell its device, layers, FLOPs, parameters and activation bytes."""
         rows = []
         for k, cell in enumerate(self._cells):
-            meta = self._cell_metas[k] if self._cell_metas else None
+            meta = self.plan.metas[k] if self.plan.metas else None
             rows.append(partition.ReportRow(
                 cell=k, device=self._devices[k], layers=[l.p.name for l in cell.sequence],
                 flops=meta.flops if meta else None,
@@ -201,7 +199,7 @@ class PipeliningLayer(BaseLayer):
                                           tf.cast(ctx.step, tf.int64), assign)
                 for functions in self._replica_functions]
         thetas = []
-        for k in range(self._num_cells):
+        for k in range(self.plan.num_cells):
             with tf.name_scope(f'cell_{k}_theta'):
                 thetas.append(executor.AssignNest(assign, k, theta[f'cell_{k}']))
         if not ctx.training:  # Forward only, micro-batched, no re-materialization.
