@@ -96,6 +96,24 @@ class PaperSizeTest(tf.test.TestCase, parameterized.TestCase):
         naive = model_registry.GetParams('lm.TransformerL_3', 'Train').model
         self.assertEqual((naive.num_micro_batches, naive.recompute), (1, 'never'))
 
+    def testPipelineParamsWrapTheLayerListLikeAmoebaNet(self):
+        for make, layers, shapes, model in (
+                (transformer_model.LmPipelineParams, transformer_model.LmLayers,
+                 transformer_model.LmInputShapes(8, 16),
+                 transformer_model.LmParams().Set(max_length=16)),
+                (transformer_model.MtPipelineParams, transformer_model.MtLayers,
+                 transformer_model.MtInputShapes(8, 16, 16),
+                 transformer_model.MtParams().Set(max_length=16))):
+            with self.subTest(make=make.__name__):
+                p = make(model, batch_size=8, num_cells=2, num_micro_batches=4,
+                         recompute='never')
+                self.assertIs(p.cls, pipelining_layer.PipeliningLayer)
+                self.assertEqual((p.num_cells, p.num_micro_batches, p.recompute),
+                                 (2, 4, 'never'))
+                self.assertEqual(p.input_shapes, shapes)
+                self.assertEqual([l.ToText() for l in p.layer_tpl],
+                                 [l.ToText() for l in layers(model)])
+
     def testDeepModelsScaleFfnInitByTheNumberOfLayers(self):
         layers = model_registry.GetParams('mt.multilingual.T_64_16384_32', 'Train').model.layer_tpl
         blocks = [p for p in layers if p.cls is attention.TransformerLayer]

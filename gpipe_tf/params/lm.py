@@ -33,7 +33,6 @@ from gpipe_tf import optimizer
 from gpipe_tf.input import synthetic_text
 from gpipe_tf.models.transformer import network as transformer_model
 from gpipe_tf.nested_map import NestedMap
-from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.tasks import sequence
 
 
@@ -73,11 +72,9 @@ class TransformerLm:
 
     def Pipeline(self) -> hyperparams.Params:
         """The PipeliningLayer Params: embedding, L Transformer layers, softmax over K cells."""
-        return pipelining_layer.PipeliningLayer.Params().Set(
-            name='lm', layer_tpl=transformer_model.LmLayers(self.ModelParams()),
-            num_cells=self.NUM_CELLS, num_micro_batches=self.NUM_MICRO_BATCHES,
-            recompute=self.RECOMPUTE,
-            input_shapes=transformer_model.LmInputShapes(self.BATCH_SIZE, self.MAX_LENGTH))
+        return transformer_model.LmPipelineParams(
+            self.ModelParams(), self.BATCH_SIZE, self.NUM_CELLS, self.NUM_MICRO_BATCHES,
+            self.RECOMPUTE)
 
     def Task(self) -> hyperparams.Params:
         """An LM task; RMSProp as the paper trained its Table 1 Transformers (its learning rate

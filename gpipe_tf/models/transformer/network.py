@@ -62,6 +62,7 @@ from gpipe_tf.layers import losses
 from gpipe_tf.layers import normalization
 from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import pipelining_layer
 
 POSITION_EMBEDDINGS = ('sinusoidal', 'learned')
 LM_INPUT_KEYS = ('ids', 'paddings', 'labels', 'weights')
@@ -467,6 +468,28 @@ def MtInputShapes(batch_size: int, source_length: int, target_length: int) -> di
     """PipeliningLayer.input_shapes of a translation batch."""
     return {key: [batch_size, source_length if key.startswith('src') else target_length]
             for key in MT_INPUT_KEYS}
+
+
+def LmPipelineParams(p, batch_size: int, num_cells: int, num_micro_batches: int,
+                     recompute: str = 'always', name: str = 'lm') -> hyperparams.Params:
+    """PipeliningLayer Params running the LM of `LmParams()` p in K cells (as AmoebaNet's
+    `PipelineParams`): embedding, the Transformer layers, softmax; input_shapes for batches of
+    `batch_size` sequences of p.max_length tokens."""
+    return pipelining_layer.PipeliningLayer.Params().Set(
+        name=name, layer_tpl=LmLayers(p), num_cells=num_cells,
+        num_micro_batches=num_micro_batches, recompute=recompute,
+        input_shapes=LmInputShapes(batch_size, p.max_length))
+
+
+def MtPipelineParams(p, batch_size: int, num_cells: int, num_micro_batches: int,
+                     recompute: str = 'always', name: str = 'mt') -> hyperparams.Params:
+    """PipeliningLayer Params running the encoder-decoder of `MtParams()` p in K cells (as
+    AmoebaNet's `PipelineParams`); input_shapes for batches of `batch_size` pairs of
+    p.max_length tokens."""
+    return pipelining_layer.PipeliningLayer.Params().Set(
+        name=name, layer_tpl=MtLayers(p), num_cells=num_cells,
+        num_micro_batches=num_micro_batches, recompute=recompute,
+        input_shapes=MtInputShapes(batch_size, p.max_length, p.max_length))
 
 
 def PipelineMeta(pipeline_params) -> LayerMeta:

@@ -35,7 +35,6 @@ from gpipe_tf import optimizer
 from gpipe_tf.input import text
 from gpipe_tf.models.transformer import network as transformer_model
 from gpipe_tf.nested_map import NestedMap
-from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.tasks import sequence
 
 # Token ids of the synthetic data: padding, begin and end of sentence, then one token per
@@ -122,11 +121,8 @@ class MultilingualTransformer:
 
     def Pipeline(self) -> hyperparams.Params:
         """The PipeliningLayer Params: the encoder-decoder as a flat layer list over K cells."""
-        return pipelining_layer.PipeliningLayer.Params().Set(
-            name='mt', layer_tpl=transformer_model.MtLayers(self.ModelParams()),
-            num_cells=self.NUM_CELLS, num_micro_batches=self.NUM_MICRO_BATCHES,
-            input_shapes=transformer_model.MtInputShapes(self.BATCH_SIZE, self.MAX_LENGTH,
-                                                         self.MAX_LENGTH))
+        return transformer_model.MtPipelineParams(
+            self.ModelParams(), self.BATCH_SIZE, self.NUM_CELLS, self.NUM_MICRO_BATCHES)
 
     def Task(self) -> hyperparams.Params:
         """A translation task; Adam with warm-up, as Transformer Big (the paper gives no
