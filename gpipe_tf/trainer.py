@@ -93,9 +93,16 @@ def DefineFlags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_string('plot_dir', None, 'inspect_model: also write the plan pictures here: '
                         'cell_costs.png, timeline_predicted.png and memory.png.',
                         flag_values=flag_values)
-    flags.DEFINE_float('device_memory_gb', None, 'inspect_model: an accelerator\'s memory in GiB; '
-                       'the memory plan says which cells fit, and memory.png draws it as a line.',
-                       flag_values=flag_values)
+    flags.DEFINE_float('device_memory_gib', None, 'inspect_model: an accelerator\'s memory in '
+                       'GiB (2**30 bytes); the memory plan says which cells fit, and memory.png '
+                       'draws it as a line.', flag_values=flag_values)
+    flags.DEFINE_float('device_memory_gb', None, 'Deprecated (until 0.2): the old name of '
+                       '--device_memory_gib; it always meant GiB.', flag_values=flag_values)
+    flags.register_multi_flags_validator(
+        ['device_memory_gib', 'device_memory_gb'],
+        lambda values: values['device_memory_gib'] is None or values['device_memory_gb'] is None,
+        message='--device_memory_gb is the old name of --device_memory_gib: give one of them.',
+        flag_values=flag_values)
     flags.DEFINE_integer('seed', None, 'Seed of initialisation and data order (default: Params).',
                          flag_values=flag_values)
     flags.DEFINE_list('decode_input', [], 'decode mode: image files, or sentences to translate.',
@@ -139,7 +146,7 @@ class Config:
     tpu_timeout_s: float
     data_dir: str | None
     plot_dir: str | None
-    device_memory_gb: float | None
+    device_memory_gib: float | None
     seed: int | None
     decode_input: tuple[str, ...]
     decode_input_file: str | None
@@ -151,6 +158,10 @@ class Config:
         values = {f.name: flag_values[f.name].value for f in dataclasses.fields(cls)
                   if f.name in flag_values}
         values['decode_input'] = tuple(values['decode_input'])
+        if flag_values['device_memory_gb'].value is not None:
+            print('warning: --device_memory_gb is deprecated: use --device_memory_gib (the same '
+                  'value; it always meant GiB).', file=sys.stderr, flush=True)
+            values['device_memory_gib'] = flag_values['device_memory_gb'].value
         return cls(graph_mode_given=flag_values['graph_mode'].present, **values)
 
 
@@ -360,11 +371,11 @@ def InspectMemory(p, name: str, device_bytes: float | None = None,
 def RunInspectModel(config: Config, p, plan) -> None:
     """Prints the partition table and the memory plan, and writes the pictures (--plot_dir)."""
     device_bytes = None
-    if config.device_memory_gb is not None:
-        if not config.device_memory_gb > 0:
-            raise errors.ConfigError(f'--device_memory_gb must be > 0, got '
-                                     f'{config.device_memory_gb}.')
-        device_bytes = config.device_memory_gb * 2**30
+    if config.device_memory_gib is not None:
+        if not config.device_memory_gib > 0:
+            raise errors.ConfigError(f'--device_memory_gib must be > 0, got '
+                                     f'{config.device_memory_gib}.')
+        device_bytes = config.device_memory_gib * 2**30
     name = config.model
     print(InspectModel(p, name, plan))
     try:

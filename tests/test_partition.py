@@ -94,6 +94,7 @@ class OtherPartitionersTest(tf.test.TestCase):
         self.assertLen(report.splitlines(), 4)
         self.assertIn('/device:CPU:2', report)
         self.assertIn('50.0%', report)
+        self.assertIn('1.00KiB', report)  # Bytes in binary units, as the memory tables.
 
 
 if __name__ == '__main__':

@@ -748,7 +748,7 @@ class PipelinePicturesTest(TrainerTestCase):
     def testInspectModelWritesThePlanPicturesAndPrintsTheMemoryPlan(self):
         plot_dir = os.path.join(self.LogDir(), 'plots')
         output = InProcess(f'--model={MLP}', '--mode=inspect_model', f'--plot_dir={plot_dir}',
-                           '--device_memory_gb=16').stdout
+                           '--device_memory_gib=16').stdout
         self.AssertPngs(plot_dir, output)
         table = output[output.index('planned memory per device'):]
         rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
@@ -765,7 +765,7 @@ class PipelinePicturesTest(TrainerTestCase):
         # K=128 cells of 83.9B parameters: planned and drawn from Params alone.
         plot_dir = os.path.join(self.LogDir(), 'plots')
         output = InProcess('--model=lm.TransformerL_1663', '--mode=inspect_model',
-                           f'--plot_dir={plot_dir}', '--device_memory_gb=16').stdout
+                           f'--plot_dir={plot_dir}', '--device_memory_gib=16').stdout
         self.AssertPngs(plot_dir, output)
         self.assertIn('K=128 M=32 batch=32', output)
 
@@ -777,10 +777,24 @@ class PipelinePicturesTest(TrainerTestCase):
         self.assertIn('the plan pictures need model.input_shapes', result.stderr)
 
     def testDeviceMemoryMustBePositive(self):
-        result = InProcess(f'--model={MLP}', '--mode=inspect_model', '--device_memory_gb=0',
+        result = InProcess(f'--model={MLP}', '--mode=inspect_model', '--device_memory_gib=0',
                            check=False)
-        self.assertNotEqual(result.returncode, 0)
-        self.assertIn('--device_memory_gb must be > 0, got 0.0', result.stderr)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn('--device_memory_gib must be > 0, got 0.0', result.stderr)
+
+    def testDeviceMemoryGbIsADeprecatedNameOfGib(self):
+        tiny = '--device_memory_gib=0.00005'  # 54 kB: cells 1 and 2 of the MLP do not fit.
+        new = InProcess(f'--model={MLP}', '--mode=inspect_model', tiny)
+        old = InProcess(f'--model={MLP}', '--mode=inspect_model',
+                        tiny.replace('_gib', '_gb'))
+        self.assertEqual(old.stdout, new.stdout)
+        self.assertEqual(new.stdout.split().count('NO'), 2)
+        self.assertIn('--device_memory_gb is deprecated: use --device_memory_gib', old.stderr)
+        self.assertNotIn('deprecated', new.stderr)
+        both = InProcess(f'--model={MLP}', '--mode=inspect_model', tiny,
+                         tiny.replace('_gib', '_gb'), check=False)
+        self.assertEqual(both.returncode, 2)
+        self.assertIn('--device_memory_gb is the old name of --device_memory_gib', both.stderr)
 
     def AssertImages(self, logdir, tags, step):
         images = Images(logdir)

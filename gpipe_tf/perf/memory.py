@@ -26,6 +26,7 @@ import dataclasses
 import tensorflow as tf
 
 from gpipe_tf import optimizer as optimizer_lib
+from gpipe_tf import units
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import sequential
 from gpipe_tf.pipeline import plan as plan_lib
@@ -161,21 +162,16 @@ class MemoryPlan:
         rows = [header]
         for c in self.cells:
             row = (str(c.cell), 'yes' if c.recompute else 'no') + tuple(
-                FormatMiB(getattr(c, name)) for name in COMPONENTS) + (FormatMiB(c.total),)
+                units.MiB(getattr(c, name)) for name in COMPONENTS) + (units.MiB(c.total),)
             if device_bytes:
                 row += ('yes' if c.total <= device_bytes else 'NO',)
             rows.append(row)
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = ['  '.join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
         lines.append(f'K={self.num_cells} M={self.num_micro_batches} batch={self.batch_size}: '
-                     f'peak per device {FormatMiB(self.peak_device_bytes)} MiB, all devices in one '
-                     f'memory {FormatMiB(self.shared_peak_bytes)} MiB')
+                     f'peak per device {units.MiB(self.peak_device_bytes)} MiB, all devices in one '
+                     f'memory {units.MiB(self.shared_peak_bytes)} MiB')
         return '\n'.join(lines)
-
-
-def FormatMiB(n: float) -> str:
-    """Bytes as MiB with one decimal, as the memory tables print them."""
-    return f'{n / 2**20:.1f}'
 
 
 def _ScaleBatch(shapes, batch_dim: int, batch_size: int):
@@ -308,6 +304,6 @@ def SuggestPipeline(p, device_bytes: float, slots_per_param: int = 1,
         if best is None or plan.peak_device_bytes < best.peak_device_bytes:
             best = plan
     raise ValueError(
-        f'{p.name} does not fit on devices of {FormatMiB(device_bytes)} MiB with up to {max_cells} '
+        f'{p.name} does not fit on devices of {units.MiB(device_bytes)} MiB with up to {max_cells} '
         f'cells: the best, K={best.num_cells} M={best.num_micro_batches}, needs '
-        f'{FormatMiB(best.peak_device_bytes)} MiB on its largest cell.')
+        f'{units.MiB(best.peak_device_bytes)} MiB on its largest cell.')

@@ -11,6 +11,8 @@ import dataclasses
 import math
 from typing import Sequence
 
+from gpipe_tf import units
+
 
 def _Prefix(costs: Sequence[float]) -> list[float]:
     prefix = [0.0]
@@ -162,15 +164,6 @@ class ReportRow:
     activation_bytes: int | None
 
 
-def _Human(value: float | None, unit: str = '') -> str:
-    if value is None:
-        return '?'
-    for scale, suffix in ((1e12, 'T'), (1e9, 'G'), (1e6, 'M'), (1e3, 'K')):
-        if abs(value) >= scale:
-            return f'{value / scale:.2f}{suffix}{unit}'
-    return f'{value:g}{unit}'
-
-
 def _LayerRange(names: list) -> str:
     if len(names) <= 3:
         return ', '.join(names)
@@ -185,8 +178,9 @@ def FormatReport(rows: list[ReportRow]) -> str:
     for r in rows:
         share = f'{100 * r.flops / total_flops:.1f}%' if r.flops is not None and total_flops \
             else '?'
-        table.append((str(r.cell), r.device, _Human(r.flops), share, _Human(r.num_params),
-                      _Human(r.activation_bytes, 'B'), _LayerRange(r.layers)))
+        table.append((str(r.cell), r.device, units.Count(r.flops), share,
+                      units.Count(r.num_params), units.Bytes(r.activation_bytes),
+                      _LayerRange(r.layers)))
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     lines = ['  '.join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + '  ' + row[-1]
              for row in table]

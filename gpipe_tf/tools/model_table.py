@@ -21,6 +21,7 @@ from absl import app
 from absl import flags
 
 from gpipe_tf import model_registry
+from gpipe_tf import units
 from gpipe_tf.layers import base_layer
 from gpipe_tf.pipeline import plan as plan_lib
 
@@ -72,20 +73,13 @@ def Row(key: str) -> ModelRow:
         flops_balance=max(flops) / (sum(flops) / len(flops)) if sum(flops) else 1.0)
 
 
-def _Human(n: float, unit: str) -> str:
-    for scale, suffix in ((1e12, 'T'), (1e9, 'G'), (1e6, 'M'), (1e3, 'K')):
-        if n >= scale:
-            return f'{n / scale:.2f}{suffix}{unit}'
-    return f'{n:.0f}{unit}'
-
-
 def FormatTable(rows: list[ModelRow]) -> str:
     header = ('model', 'K', 'M', 'batch', 'params', 'param mem', 'act mem', 'act mem remat',
               'flops max/mean')
     table = [header] + [
         (r.model, str(r.num_cells), str(r.num_micro_batches), str(r.batch_size),
-         _Human(r.num_params, ''), _Human(r.param_bytes, 'B'), _Human(r.activation_bytes, 'B'),
-         _Human(r.remat_activation_bytes, 'B'), f'{r.flops_balance:.2f}') for r in rows]
+         units.Count(r.num_params), units.Bytes(r.param_bytes), units.Bytes(r.activation_bytes),
+         units.Bytes(r.remat_activation_bytes), f'{r.flops_balance:.2f}') for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return '\n'.join('  '.join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths))) for row in table)

@@ -26,11 +26,11 @@ from typing import Mapping, Sequence
 
 import tensorflow as tf
 
+from gpipe_tf import units
 from gpipe_tf.perf import memory as memory_lib
 
 QUERY_COLUMNS = ('index', 'uuid', 'name', 'memory.free', 'memory.total')
 _MIB = 2**20
-_MiB = memory_lib.FormatMiB  # The memory plan's MiB format.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,17 +241,17 @@ def MemoryReport(plan: memory_lib.MemoryPlan, stage_devices: Sequence[str],
     cell_rows = [('cell', 'device', 'planned MiB', 'GPU', 'name', 'free MiB')]
     for cell, device in enumerate(stage_devices):
         gpu = gpus[position_of[cell]]
-        cell_rows.append((str(cell), device, _MiB(plan.cells[cell].total),
-                          _GpuLabel(position_of[cell], gpu), gpu.name, _MiB(gpu.free_bytes)))
+        cell_rows.append((str(cell), device, units.MiB(plan.cells[cell].total),
+                          _GpuLabel(position_of[cell], gpu), gpu.name, units.MiB(gpu.free_bytes)))
     short = Shortfalls(plan, stage_devices, gpus)
     gpu_rows = [('GPU', 'name', 'cells', 'planned MiB', 'free MiB', 'verdict')]
     for position, cells in by_gpu.items():
         gpu = gpus[position]
-        verdict = (f'DOES NOT FIT (short by {_MiB(short[position])} MiB)' if position in short
+        verdict = (f'DOES NOT FIT (short by {units.MiB(short[position])} MiB)' if position in short
                    else 'fits')
         gpu_rows.append((_GpuLabel(position, gpu), gpu.name, ','.join(map(str, cells)),
-                         _MiB(sum(plan.cells[c].total for c in cells)), _MiB(gpu.free_bytes),
-                         verdict))
+                         units.MiB(sum(plan.cells[c].total for c in cells)),
+                         units.MiB(gpu.free_bytes), verdict))
     lines = ['Planned peak memory per cell against its GPU\'s free memory (nvidia-smi):']
     lines += _Table(cell_rows)
     lines += ['', 'Per GPU, the cells on it:']
@@ -281,7 +281,7 @@ def Report(plan: memory_lib.MemoryPlan, stage_devices: Sequence[str],
         gpus = VisibleGpus(every_gpu, environ.get('CUDA_VISIBLE_DEVICES'))
     except GpuQueryError as error:
         rows = [('cell', 'device', 'planned MiB')] + [
-            (str(cell), device, _MiB(plan.cells[cell].total))
+            (str(cell), device, units.MiB(plan.cells[cell].total))
             for cell, device in enumerate(stage_devices)]
         return '\n'.join([f'free GPU memory unknown: {error}'] + _Table(rows))
     report = MemoryReport(plan, stage_devices, gpus)
