@@ -350,16 +350,17 @@ def InspectModel(p, name: str, plan=None) -> str:
 
 
 def InspectMemory(p, name: str, device_bytes: float | None = None,
-                  plot_dir: str | None = None) -> str:
-    """The memory plan table of task Params `p`'s pipeline from Params alone; with `plot_dir`,
-    also writes the plan pictures there as PNGs and lists their paths.
+                  plot_dir: str | None = None, plan=None) -> str:
+    """The memory plan table of task Params `p`'s pipeline from Params alone (from its `plan`
+    when given); with `plot_dir`, also writes the plan pictures there as PNGs and lists their
+    paths.
 
     Raises:
       ValueError: for a model that is not a PipeliningLayer or has no input_shapes.
     """
     from gpipe_tf.perf import pictures  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import plot  # pylint: disable=g-import-not-at-top
-    plan = pictures.Plan(p)
+    plan = pictures.Plan(p, pipeline_plan=plan)
     lines = [f'{name}: planned memory per device, in MiB (slots per parameter: '
              f'{plan.memory.slots_per_param}).', plan.memory.Format(device_bytes)]
     if plot_dir:
@@ -379,7 +380,7 @@ def RunInspectModel(config: Config, p, plan) -> None:
     name = config.model
     print(InspectModel(p, name, plan))
     try:
-        report = InspectMemory(p, name, device_bytes, config.plot_dir)
+        report = InspectMemory(p, name, device_bytes, config.plot_dir, plan)
     except ValueError as error:
         if config.plot_dir or device_bytes is not None:
             raise errors.ConfigError(str(error)) from None
@@ -401,8 +402,9 @@ def GpuMemoryReport(p, plan=None) -> str:
         return (f'No GPU memory report: the memory plan covers one pipeline, not '
                 f'{model.num_replicas} replicas.')
     try:
-        memory = pictures.Plan(p).memory  # Raises for a model that is not a pipeline.
-        report = gpu.Report(memory, (plan or PipelinePlan(p)).devices)
+        plan = plan or PipelinePlan(p)
+        memory = pictures.Plan(p, pipeline_plan=plan).memory  # Raises for a non-pipeline.
+        report = gpu.Report(memory, plan.devices)
     except ValueError as error:  # Informational: never stops the run.
         return f'No GPU memory report: {error}'
     return (report + '\nPlanned memory leaves out what CUDA and TensorFlow themselves take on '

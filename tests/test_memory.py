@@ -2,6 +2,7 @@
 memory of real steps on virtual CPU devices (a ratio bound)."""
 
 import os
+from unittest import mock
 
 os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')  # Allocation statistics on the CPU.
 
@@ -13,6 +14,8 @@ from gpipe_tf import optimizer  # pylint: disable=g-import-not-at-top
 from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import memory  # pylint: disable=g-import-not-at-top
+from gpipe_tf.perf import pictures  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 
 DEVICES = test_utils.ConfigureVirtualCpus()
@@ -85,6 +88,16 @@ class PlanTest(tf.test.TestCase, parameterized.TestCase):
         (optimizer.RMSProp.Params().Set(momentum=0.0), 1))
     def testSlotsPerParam(self, params, slots):
         self.assertEqual(memory.SlotsPerParam(params), slots)
+
+    def testFromAPlanEqualsFromParamsWithoutPartitioningAgain(self):
+        p = _Dense(num_cells=4, m=8)
+        pipeline_plan = plan_lib.MakePlan(p, place=False)
+        with mock.patch.object(plan_lib, 'MakePlan', side_effect=AssertionError('re-planned')):
+            from_plan = memory.FromPlan(pipeline_plan, 2)
+            pictured = pictures.Plan(p, 2, pipeline_plan=pipeline_plan)
+        self.assertEqual(from_plan, memory.PlanMemory(p, 2))
+        self.assertEqual(pictured.memory, from_plan)
+        self.assertEqual(pictured.forward_flops, [m.flops for m in pipeline_plan.metas])
 
     def testBadInput(self):
         with self.assertRaisesRegex(ValueError, 'needs input_shapes'):

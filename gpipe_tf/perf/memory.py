@@ -222,7 +222,21 @@ def PlanMemory(p, slots_per_param: int = 1, num_cells: int | None = None,
       ValueError: for Params without input_shapes, or a K, M or batch that do not fit them.
     """
     p = _Configure(p, num_cells, num_micro_batches, batch_size, recompute)
-    pipeline_plan = plan_lib.MakePlan(p, place=False)
+    return FromPlan(plan_lib.MakePlan(p, place=False), slots_per_param)
+
+
+def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1) -> MemoryPlan:
+    """The memory plan of a pipeline's plan (`pipeline.plan.MakePlan`): its cells, M and
+    re-materialization as partitioned there, so a caller holding the plan does not partition
+    again.
+
+    Raises:
+      ValueError: for a plan of Params without input_shapes.
+    """
+    p = pipeline_plan.params
+    if p.input_shapes is None:
+        raise ValueError(f'{p.name}: planning memory needs input_shapes (the shapes of one '
+                         'mini-batch of inputs).')
     cells, m, batch = (pipeline_plan.cells, pipeline_plan.num_micro_batches,
                        pipeline_plan.batch_size)
     shapes = plan_lib.InputShapes(p)

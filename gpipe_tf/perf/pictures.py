@@ -86,7 +86,8 @@ def CellsAndMicroBatches(task_params) -> tuple[int, int]:
     return plan.num_cells, plan_lib.NumMicroBatches(model, task_params.input.batch_size)
 
 
-def Plan(params, slots_per_param: int | None = None) -> PipelinePlan:
+def Plan(params, slots_per_param: int | None = None,
+         pipeline_plan: plan_lib.Plan | None = None) -> PipelinePlan:
     """The plan of task Params (a PipeliningLayer `model`) or of PipeliningLayer Params; no
     variable is built, no TF op run.
 
@@ -94,6 +95,8 @@ def Plan(params, slots_per_param: int | None = None) -> PipelinePlan:
       params: task Params or PipeliningLayer Params, with input_shapes.
       slots_per_param: optimizer slots per parameter; None: those of the task's optimizer
         (`memory.SlotsPerParam`), or 1 (the GPipe paper's count) for pipeline Params.
+      pipeline_plan: the pipeline's plan (`plan.MakePlan`) when the caller has made it already;
+        None: made here.
 
     Raises:
       ValueError: for a model that is not a PipeliningLayer, Params without input_shapes, or an
@@ -107,9 +110,10 @@ def Plan(params, slots_per_param: int | None = None) -> PipelinePlan:
                          'mini-batch of inputs) to estimate each cell\'s FLOPs and memory.')
     if slots_per_param is None:
         slots_per_param = memory_lib.SlotsPerParam(params.train.optimizer) if is_task else 1
-    metas = plan_lib.MakePlan(model, place=False).metas
-    return PipelinePlan(forward_flops=[float(meta.flops) for meta in metas],
-                        memory=memory_lib.PlanMemory(model, slots_per_param))
+    if pipeline_plan is None:
+        pipeline_plan = plan_lib.MakePlan(model, place=False)
+    return PipelinePlan(forward_flops=[float(meta.flops) for meta in pipeline_plan.metas],
+                        memory=memory_lib.FromPlan(pipeline_plan, slots_per_param))
 
 
 def PredictedTimeline(plan: PipelinePlan,

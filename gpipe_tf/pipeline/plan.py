@@ -6,7 +6,8 @@ TF op exists.
 R x K device mesh (`devices`). Everything Params allow to be checked is checked here: K against
 the layers, the shapes between cells, the batch against R and M, and (optionally) that the
 devices exist. `PipeliningLayer`, the trainer, `tools/model_table.py` and `perf/` read the plan
-instead of re-deriving any of it.
+instead of re-deriving any of it; its memory plan is `perf.memory.FromPlan(plan)` (perf builds on
+the pipeline, not the other way round).
 """
 
 from __future__ import annotations
