@@ -21,7 +21,7 @@ setuptools.setup(
         'matplotlib',  # Timeline, cell cost and memory pictures (gpipe_tf/perf/plot.py).
     ],
     extras_require={
-        'test': ['pytest'],
+        'test': ['pytest', 'pytest-xdist'],  # -n 2: the suite on two worker processes.
     },
     entry_points={'console_scripts': ['gpipe-train = gpipe_tf.trainer:Run']},
     license='Apache-2.0',

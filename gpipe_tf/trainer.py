@@ -637,8 +637,13 @@ def RunDecode(config: Config, p, plan, logdir) -> list[str]:
     if TpuAddress(config) is not None:
         raise errors.UserError('decode runs eagerly on this machine\'s devices, not on a TPU: drop '
                          '--tpu and --run_locally=tpu.')
+    lines = _DecodeLines(config)
+    try:  # Before the model is built: a bad request is the user's, in one line.
+        decode.CheckRequest(p, lines, config.target_language)
+    except (ValueError, FileNotFoundError) as error:
+        raise errors.UserError(str(error)) from None
     prog, _ = _RestoredProgram(config, p, plan, logdir)
-    results = decode.Decode(prog.task, p, _DecodeLines(config), config.target_language)
+    results = decode.Decode(prog.task, p, lines, config.target_language)
     for source, result in results:
         print(f'{source}\t{result}', flush=True)
     return results

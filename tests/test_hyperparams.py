@@ -236,12 +236,12 @@ class TextRoundTripTest(tf.test.TestCase):
 
     def test_ints_round_trip(self):
         for value in (0, 7, -3, 2**40):
-            with self.subTest(value=value):
+            with self.subTest(value=repr(value)):
                 self.assertRoundTrips(value)
 
     def test_floats_round_trip_exactly(self):
         for value in (0.0, 0.5, -0.5, 1e-8, -1e-8, 1e30, 0.1 + 0.2, math.inf, -math.inf):
-            with self.subTest(value=value):
+            with self.subTest(value=repr(value)):
                 self.assertRoundTrips(value)
 
     def test_nan_round_trips(self):
@@ -256,23 +256,23 @@ class TextRoundTripTest(tf.test.TestCase):
         for value in ('', 'abc', "it's", 'say "hi"', '\'"mixed"\'', 'a : b', 'x :', '# no comment',
                       'line1\nline2\r\n', 'tab\there', '  padded  ', 'back\\slash', 'ünï→code',
                       'a\u2028b'):
-            with self.subTest(value=value):
+            with self.subTest(value=repr(value)):
                 self.assertRoundTrips(value)
 
     def test_bools_and_none_round_trip(self):
         for value in (True, False, None):
-            with self.subTest(value=value):
+            with self.subTest(value=repr(value)):
                 self.assertRoundTrips(value)
 
     def test_containers_round_trip(self):
         for value in ([], [1, 'a', None], (), (1,), (1, 2.5), {}, {'a': 1, 2: [True, None]},
                       [[1, (2, 3)], {'k': {'n': -1e-8}}]):
-            with self.subTest(value=value):
+            with self.subTest(value=repr(value)):
                 self.assertRoundTrips(value)
 
     def test_dtypes_round_trip(self):
         for dtype in (tf.float32, tf.int32, tf.bfloat16, tf.float16, tf.bool, tf.string):
-            with self.subTest(dtype=dtype):
+            with self.subTest(dtype=repr(dtype)):
                 self.assertEqual(_RoundTrip(dtype), dtype)
 
     def test_dtypes_inside_containers_round_trip(self):
@@ -280,12 +280,12 @@ class TextRoundTripTest(tf.test.TestCase):
 
     def test_classes_of_the_package_round_trip(self):
         for cls in (basic.DenseLayer, pipelining_layer.PipeliningLayer, hyperparams.InstantiableParams):
-            with self.subTest(cls=cls):
+            with self.subTest(cls=repr(cls)):
                 self.assertIs(_RoundTrip(cls), cls)
 
     def test_functions_of_the_package_round_trip(self):
         for fn in (base_layer.PathSeed, tpu.AssignToLogicalDevice):
-            with self.subTest(fn=fn):
+            with self.subTest(fn=repr(fn)):
                 self.assertIs(_RoundTrip(fn), fn)
 
     def test_classes_and_functions_outside_the_package_are_written_but_not_read(self):
@@ -294,7 +294,7 @@ class TextRoundTripTest(tf.test.TestCase):
                             (ModuleLevelFunction, f'callable/{__name__}/ModuleLevelFunction'),
                             (int, 'type/builtins/int'), (math.sqrt, 'callable/math/sqrt'),
                             (tf.nn.relu, f'callable/{tf.nn.relu.__module__}/relu')):
-            with self.subTest(value=value):
+            with self.subTest(value=repr(value)):
                 written = _Params(v=value).ToText()
                 self.assertEqual(written, f'v : {text}\n')
                 with self.assertRaisesRegex(ValueError, f'{text} is not allowed'):
@@ -309,19 +309,19 @@ class TextRoundTripTest(tf.test.TestCase):
             pass
 
         for value in (lambda x: x, Local):
-            with self.subTest(value=value):
+            with self.subTest(value=repr(value)):
                 with self.assertRaisesRegex(TypeError, 'no text form'):
                     _Params(v=value).ToText()
 
     def test_params_inside_tuples_or_dicts_have_no_text_form(self):
         for value in ((_Params(x=1),), {'p': _Params(x=1)}):
-            with self.subTest(value=value):
+            with self.subTest(value=repr(value)):
                 with self.assertRaisesRegex(TypeError, 'no text form'):
                     _Params(v=value).ToText()
 
     def test_unsupported_values_have_no_text_form(self):
         for value in (np.int64(3), b'bytes', {1, 2}, object()):
-            with self.subTest(value=value):
+            with self.subTest(value=repr(value)):
                 with self.assertRaisesRegex(TypeError, 'no text form'):
                     _Params(v=value).ToText()
 

@@ -102,8 +102,9 @@ class CopyTest(tf.test.TestCase):
         self.assertIs(m.Copy().inner.t, leaf)
 
     def test_deepcopy_and_pickle_keep_the_type_at_every_level(self):
-        for clone in (copy.deepcopy(_Example()), pickle.loads(pickle.dumps(_Example()))):
-            with self.subTest(clone=clone):
+        for how, clone in (('deepcopy', copy.deepcopy(_Example())),
+                           ('pickle', pickle.loads(pickle.dumps(_Example())))):
+            with self.subTest(how=how):
                 self.assertEqual(clone, _Example())
                 self.assertIsInstance(clone, NestedMap)
                 self.assertIsInstance(clone.a.y[1], NestedMap)

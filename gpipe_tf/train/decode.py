@@ -92,6 +92,31 @@ def Translate(task, task_params, sentences: list[str], target_language: str
                                              encoded.src_paddings, task_params.input.batch_size)))
 
 
+def CheckRequest(task_params, lines: list[str], target_language: str | None) -> None:
+    """Checks a decode request against task Params before any model is built or restored: the
+    task decodes, image files exist, a translation names a language the vocabulary knows and
+    every sentence fits max_length.
+
+    Raises:
+      ValueError (FileNotFoundError for a missing image): naming what is wrong.
+    """
+    if issubclass(task_params.cls, classifier.ClassifierTask):
+        for path in lines:
+            if not tf.io.gfile.exists(path):
+                raise FileNotFoundError(f'decode: no image file {path!r}.')
+        return
+    if issubclass(task_params.cls, sequence.SequenceTask) and task_params.translation:
+        if not target_language:
+            raise ValueError('decode: translation needs --target_language (e.g. de).')
+        try:
+            task_params.input.Instantiate().EncodeSources(lines, target_language)
+        except ValueError as error:
+            raise ValueError(f'decode: --target_language={target_language}: {error}') from None
+        return
+    raise ValueError(f'decode: {task_params.cls.__name__} cannot decode (image classification '
+                     'and translation tasks can).')
+
+
 def Decode(task, task_params, lines: list[str], target_language: str | None):
     """Classifies (image tasks) or translates (translation tasks) `lines`."""
     if isinstance(task, classifier.ClassifierTask):
