@@ -632,16 +632,28 @@ def _DecodeLines(config: Config) -> list[str]:
     return lines
 
 
-def RunDecode(config: Config, p, plan, logdir) -> list[str]:
+def DecodeRequest(config: Config, p) -> list[str]:
+    """The lines to decode, checked against task Params `p` before any device is set up or
+    model built.
+
+    Raises:
+      errors.UserError: no lines, a TPU, or a request the task cannot serve (a translation
+        without a known --target_language, a sentence too long, a missing image file).
+    """
     from gpipe_tf.train import decode  # pylint: disable=g-import-not-at-top
     if TpuAddress(config) is not None:
         raise errors.UserError('decode runs eagerly on this machine\'s devices, not on a TPU: drop '
-                         '--tpu and --run_locally=tpu.')
+                               '--tpu and --run_locally=tpu.')
     lines = _DecodeLines(config)
-    try:  # Before the model is built: a bad request is the user's, in one line.
+    try:
         decode.CheckRequest(p, lines, config.target_language)
     except (ValueError, FileNotFoundError) as error:
         raise errors.UserError(str(error)) from None
+    return lines
+
+
+def RunDecode(config: Config, p, plan, logdir, lines: list[str]) -> list[str]:
+    from gpipe_tf.train import decode  # pylint: disable=g-import-not-at-top
     prog, _ = _RestoredProgram(config, p, plan, logdir)
     results = decode.Decode(prog.task, p, lines, config.target_language)
     for source, result in results:
@@ -706,6 +718,7 @@ def main(config: Config) -> None:
     plan = CheckPlan(p)
     if config.mode in ('train', 'train_and_eval', 'eval'):
         CheckDataDir(p)
+    lines = DecodeRequest(config, p) if config.mode == 'decode' else None
     _SetUpDevices(config, p, plan, plan_only=config.mode == 'inspect_model')
     if plan is not None and (config.mode == 'inspect_model' or TpuAddress(config) is None):
         # On the devices just set up (no second partition). A TPU's strategy places the cells
@@ -727,7 +740,7 @@ def main(config: Config) -> None:
     elif config.mode == 'eval':
         RunEval(config, p, plan, logdir)
     else:
-        RunDecode(config, p, plan, logdir)
+        RunDecode(config, p, plan, logdir, lines)
 
 
 def RunInspectParams(p, logdir: str) -> None:

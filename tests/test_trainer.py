@@ -467,12 +467,6 @@ class ModesTest(TrainerTestCase):
                     self.assertLen(rows, p.model.num_cells)
         self.assertEmpty(graph.get_operations())
 
-    def testInspectModelOfAPaperSizeModelOnMoreCellsThanDevices(self):
-        output = InProcess('--model=lm.TransformerL_1663', '--mode=inspect_model').stdout
-        rows = [line for line in output.splitlines() if line[:1].isdigit()]
-        self.assertLen(rows, 128)
-        self.assertIn('device:CPU:127', rows[-1])
-
     def testInspectModelPrintsOneRowPerCell(self):
         output = InProcess('--model=image.amoebanet.AmoebaNetD_Small', '--mode=inspect_model',
                            '--worker_split_size=3').stdout
@@ -786,12 +780,17 @@ class PipelinePicturesTest(TrainerTestCase):
         self.assertNotIn('wrote', output)
 
     def testInspectModelPlotsAPaperSizeModelWithoutBuildingIt(self):
-        # K=128 cells of 83.9B parameters: planned and drawn from Params alone.
+        # K=128 cells of 83.9B parameters, on more cells than devices: planned and drawn from
+        # Params alone.
         plot_dir = os.path.join(self.LogDir(), 'plots')
         output = InProcess('--model=lm.TransformerL_1663', '--mode=inspect_model',
                            f'--plot_dir={plot_dir}', '--device_memory_gib=16').stdout
         self.AssertPngs(plot_dir, output)
         self.assertIn('K=128 M=32 batch=32', output)
+        partition_table = output[:output.index('planned memory per device')]
+        rows = [line for line in partition_table.splitlines() if line[:1].isdigit()]
+        self.assertLen(rows, 128)
+        self.assertIn('device:CPU:127', rows[-1])
 
     def testInspectModelWithPlotDirNeedsInputShapes(self):
         result = InProcess(f'--model={MLP}', '--mode=inspect_model', f'--plot_dir={self.LogDir()}',

@@ -1,0 +1,410 @@
+r"""Does a pairwise grid of 12 (K, M, recompute) cases catch what the full grid of 36 catches?
+
+tests/test_pipeline.py checks that a PipeliningLayer's outputs and gradients equal the
+un-partitioned layers' over GRID = {1, 2, 4} cells x {1, 2, 4, 8} micro-batches x 3 recompute
+modes (36 cases). PAIRWISE, 12 of them,
+
+    PAIRWISE = [(k, m, MODES[(i + j) % 3]) for i, k in enumerate([1, 2, 4])
+                                           for j, m in enumerate([1, 2, 4, 8])]
+
+covers every (K, M), (K, mode) and (M, mode) pair. This script seeds defects into gpipe_tf at
+graph-build time (each a context manager of `unittest.mock.patch`es; no source file is edited),
+runs the tests' equivalence check on every case of the full grid under each defect, and reports
+which cases fail (relative error at or above the tests' tolerance, or an exception) in the full
+grid and among the pairwise cases, and whether the pairwise grid still catches the defect (at
+least one failing case). A row without any defect checks that both grids pass as they are.
+
+The check is the tests' `testTfFunctionMatchesUnpartitioned` (with `--v1`
+also `testV1GraphMatchesUnpartitioned`), rebuilt here from `gpipe_tf.test_utils`: the same
+8-layer dense tanh stack, batch 16, width 8, tolerance 1e-5, on 8 virtual CPU devices.
+
+    python benchmarks/grid_defects.py [--v1] [--defects=a,b]
+                                      [--out=benchmarks/results/grid_defects.json]
+
+Prints one progress line per defect to stderr, then a table; writes every case to JSON. About
+40 s per defect for the tf.function check on this machine's CPUs.
+
+Wrong re-materialization flags alone are invisible to this check (recompute changes memory, not
+values): `--defects=recompute_flags_inverted` shows it; it is not in the default list.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import argparse  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import contextlib
+import itertools
+import json
+import sys
+import time
+from unittest import mock
+
+import tensorflow as tf  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from absl import logging  # pylint: disable=g-import-not-at-top
+
+from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
+from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import executor  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import microbatch  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import recompute  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import schedule  # pylint: disable=g-import-not-at-top
+
+DEVICES: list[str] = []  # Set by main() before any TF op runs.
+
+# As in tests/test_pipeline.py.
+TOLERANCE = 1e-5
+BATCH, DIM, NUM_LAYERS = 16, 8, 8
+KS, MS, MODES = [1, 2, 4], [1, 2, 4, 8], pipelining_layer.RECOMPUTE_MODES
+GRID = list(itertools.product(KS, MS, MODES))
+PAIRWISE = [(k, m, MODES[(i + j) % 3]) for i, k in enumerate(KS) for j, m in enumerate(MS)]
+
+
+def CheckPairwiseCoverage() -> None:
+    """PAIRWISE holds every (K, M), (K, mode) and (M, mode) pair of GRID."""
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        want = {(case[a], case[b]) for case in GRID}
+        got = {(case[a], case[b]) for case in PAIRWISE}
+        assert got == want, f'PAIRWISE misses pairs {sorted(want - got)} of positions {a, b}.'
+
+
+# ---- the tests' pipeline and checks ----------------------------------------------------------
+
+def DenseStack(num_layers=NUM_LAYERS, dim=DIM):
+    return [basic.DenseLayer.Params().Set(input_dim=dim, output_dim=dim, activation='tanh')
+            for _ in range(num_layers)]
+
+
+def PipelineParams(num_cells, num_micro_batches, recompute_mode='always'):
+    return pipelining_layer.PipeliningLayer.Params().Set(
+        name='pipe', layer_tpl=DenseStack(), num_cells=num_cells,
+        num_micro_batches=num_micro_batches, recompute=recompute_mode,
+        input_shapes=[BATCH, DIM], devices=DEVICES[:4])
+
+
+def RandomInputs(shape=(BATCH, DIM)):
+    return tf.random.stateless_normal(shape, [7, 11])
+
+
+def TfFunctionError(k, m, mode) -> float:
+    """testTfFunctionMatchesUnpartitioned's relative error."""
+    layer = PipelineParams(k, m, mode).Instantiate()
+    x = RandomInputs()
+    got = tf.function(lambda x: test_utils.OutputsAndGrads(layer, layer, x))(x)
+    want = test_utils.OutputsAndGrads(lambda x: test_utils.Unpartitioned(layer, x), layer, x)
+    return test_utils.MaxRelativeError(got, want)
+
+
+def V1GraphError(k, m, mode) -> float:
+    """testV1GraphMatchesUnpartitioned's relative error."""
+    graph = tf.Graph()
+    with graph.as_default():
+        layer = PipelineParams(k, m, mode).Instantiate()
+        inputs = RandomInputs()
+        xs = test_utils.FloatLeaves(inputs) + list(layer.trainable_variables)
+        y = layer(inputs)
+        y_ref = test_utils.Unpartitioned(layer, inputs)
+        fetches = ([y, tf.compat.v1.gradients(test_utils.SquareLoss(y), xs)],
+                   [y_ref, tf.compat.v1.gradients(test_utils.SquareLoss(y_ref), xs)])
+        config = tf.compat.v1.ConfigProto(device_count={'CPU': len(DEVICES)})
+        with tf.compat.v1.Session(graph=graph, config=config) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            got, want = sess.run(fetches)
+    return test_utils.MaxRelativeError(got, want)
+
+
+VARIANTS = {'tf_function': TfFunctionError, 'v1': V1GraphError}
+
+
+# ---- seeded defects --------------------------------------------------------------------------
+
+def _ZeroGrads(d_theta):
+    return [None if g is None else tf.zeros_like(g) for g in d_theta]
+
+
+class _Running:
+    """The UnrolledSchedule whose Backward is being built, for defects that depend on K or M:
+    `executor.UnrolledSchedule.Backward` is wrapped to record it."""
+
+    def __init__(self):
+        self.stack = []
+
+    @contextlib.contextmanager
+    def Recording(self):
+        real = executor.UnrolledSchedule.Backward
+        running = self
+
+        def Backward(self, d_outputs):
+            running.stack.append(self)
+            try:
+                return real(self, d_outputs)
+            finally:
+                running.stack.pop()
+
+        with mock.patch.object(executor.UnrolledSchedule, 'Backward', Backward):
+            yield
+
+    @property
+    def schedule(self):
+        return self.stack[-1] if self.stack else None
+
+
+@contextlib.contextmanager
+def NoDefect():
+    yield
+
+
+@contextlib.contextmanager
+def ConcatReversed():
+    real = microbatch.Concat
+
+    def Concat(micro_batches, batch_dim=0):
+        return real(list(reversed(micro_batches)), batch_dim)
+
+    # executor looks it up as `microbatch.Concat` for the outputs and the input gradients.
+    with mock.patch.object(microbatch, 'Concat', Concat):
+        yield
+
+
+@contextlib.contextmanager
+def BackwardLastTickDropped():
+    real = schedule.BackwardTicks
+
+    def BackwardTicks(num_micro_batches, num_cells):
+        return real(num_micro_batches, num_cells)[:-1]  # range(M + K - 2): an off-by-one.
+
+    with mock.patch.object(schedule, 'BackwardTicks', BackwardTicks):
+        yield
+
+
+@contextlib.contextmanager
+def ExceptLastFlagsShort():
+    real = plan_lib.RecomputeFlags
+
+    def RecomputeFlags(mode, num_cells):
+        if mode == 'except_last':  # "All but the last" written as range(num_cells - 1).
+            return [True for _ in range(num_cells - 1)]
+        return real(mode, num_cells)
+
+    # MakePlan looks it up in plan's globals.
+    with mock.patch.object(plan_lib, 'RecomputeFlags', RecomputeFlags):
+        yield
+
+
+@contextlib.contextmanager
+def LastMicroBatchGradsDropped(min_cells_times_micro_batches=1, recompute_only=False):
+    """Every cell's weight gradient of micro-batch M - 1 is left out of its running sum (only
+    when K * M >= the threshold; with recompute_only, only in re-materializing cells)."""
+    running = _Running()
+
+    def IsLast(sched, m) -> bool:
+        return (sched is not None and m == sched._num_micro_batches - 1 and  # pylint: disable=protected-access
+                sched._num_cells * sched._num_micro_batches >=  # pylint: disable=protected-access
+                min_cells_times_micro_batches)
+
+    real_cell_backward = recompute.CellFunctions.Backward
+
+    def CellBackward(self, theta, inputs, step, micro_batch, d_outputs):
+        d_theta, d_x = real_cell_backward(self, theta, inputs, step, micro_batch, d_outputs)
+        if IsLast(running.schedule, int(tf.get_static_value(micro_batch))):
+            d_theta = _ZeroGrads(d_theta)
+        return d_theta, d_x
+
+    real_differentiate = recompute.Differentiate
+
+    def Differentiate(outputs, theta, inputs, d_outputs, trainable, tape=None):
+        d_theta, d_x = real_differentiate(outputs, theta, inputs, d_outputs, trainable, tape)
+        sched = running.schedule
+        # The executor's call for a cell that keeps its activations passes its recorded
+        # inputs; the re-materializing backward's own call (inside CellFunctions) does not.
+        if sched is not None and any(
+                inputs is cell_inputs[-1] for cell_inputs in sched._inputs) and IsLast(  # pylint: disable=protected-access
+                    sched, sched._num_micro_batches - 1):  # pylint: disable=protected-access
+            d_theta = _ZeroGrads(d_theta)
+        return d_theta, d_x
+
+    patches = [mock.patch.object(recompute.CellFunctions, 'Backward', CellBackward)]
+    if not recompute_only:
+        # executor calls `recompute.Differentiate` for cells that keep their activations.
+        patches.append(mock.patch.object(recompute, 'Differentiate', Differentiate))
+    with running.Recording(), contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+@contextlib.contextmanager
+def BigPipelineTickDropped():
+    real = schedule.BackwardTicks
+
+    def BackwardTicks(num_micro_batches, num_cells):
+        ticks = real(num_micro_batches, num_cells)
+        if num_micro_batches * num_cells >= 32:  # Cell 0's backward of the last micro-batch.
+            ticks = [[(k, m) for k, m in tick if (k, m) != (0, num_micro_batches - 1)]
+                     for tick in ticks]
+        return ticks
+
+    with mock.patch.object(schedule, 'BackwardTicks', BackwardTicks):
+        yield
+
+
+@contextlib.contextmanager
+def RecomputeFlagsInverted():
+    real = plan_lib.RecomputeFlags
+
+    def RecomputeFlags(mode, num_cells):
+        return [not flag for flag in real(mode, num_cells)]
+
+    with mock.patch.object(plan_lib, 'RecomputeFlags', RecomputeFlags):
+        yield
+
+
+# name -> (context manager factory, one-line description of the patch).
+DEFECTS = {
+    'none': (NoDefect, 'no patch (sanity: both grids must pass)'),
+    'concat_reversed': (
+        ConcatReversed,
+        'microbatch.Concat joins the micro-batches in reverse order (outputs and input '
+        'gradients)'),
+    'backward_last_tick_dropped': (
+        BackwardLastTickDropped,
+        'schedule.BackwardTicks returns M + K - 2 ticks: cell 0\'s backward of micro-batch M-1 '
+        'never runs'),
+    'except_last_flags_short': (
+        ExceptLastFlagsShort,
+        'plan.RecomputeFlags gives K - 1 flags for "except_last" (the last cell\'s is missing)'),
+    'last_mb_grads_dropped': (
+        LastMicroBatchGradsDropped,
+        'every cell\'s weight gradient of micro-batch M-1 is not added to the running sum '
+        '(CellFunctions.Backward and recompute.Differentiate return zeros for it)'),
+    'big_pipeline_tick_dropped': (
+        BigPipelineTickDropped,
+        'schedule.BackwardTicks drops cell 0\'s backward of micro-batch M-1 when K * M >= 32'),
+    'big_pipeline_recompute_grad_dropped': (
+        lambda: LastMicroBatchGradsDropped(min_cells_times_micro_batches=32,
+                                           recompute_only=True),
+        'when K * M >= 32, a re-materializing cell\'s (CellFunctions.Backward) weight gradient '
+        'of micro-batch M-1 is dropped: a K x M x mode interaction'),
+    # Not run by default: re-materialization changes memory, not values, so no equivalence
+    # case can see wrong flags (run it with --defects to check).
+    'recompute_flags_inverted': (
+        RecomputeFlagsInverted,
+        'plan.RecomputeFlags inverted: "always" keeps activations, "never" re-materializes'),
+}
+DEFAULT_DEFECTS = [name for name in DEFECTS if name != 'recompute_flags_inverted']
+
+
+# ---- running ---------------------------------------------------------------------------------
+
+def RunCase(variant: str, defect: str, case) -> dict:
+    k, m, mode = case
+    start = time.perf_counter()
+    try:
+        with DEFECTS[defect][0]():
+            error = VARIANTS[variant](k, m, mode)
+        exception = None
+    except Exception as e:  # pylint: disable=broad-except
+        error, exception = None, f'{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ""}'
+    failed = exception is not None or not error < TOLERANCE  # NaN fails too.
+    return {'variant': variant, 'defect': defect, 'k': k, 'm': m, 'mode': mode,
+            'pairwise': case in PAIRWISE, 'max_relative_error': error, 'exception': exception,
+            'failed': failed, 'seconds': round(time.perf_counter() - start, 3)}
+
+
+def Summarize(variant: str, defect: str, cases: list[dict]) -> dict:
+    full = [(c['k'], c['m'], c['mode']) for c in cases if c['failed']]
+    pairwise = [case for case in full if case in PAIRWISE]
+    return {'variant': variant, 'defect': defect, 'description': DEFECTS[defect][1],
+            'full_failures': len(full), 'full_cases': len(GRID),
+            'pairwise_failures': len(pairwise), 'pairwise_cases': len(PAIRWISE),
+            'full_caught': bool(full), 'pairwise_caught': bool(pairwise),
+            'failing_cases': [list(c) for c in full],
+            'failing_pairwise_cases': [list(c) for c in pairwise],
+            'exceptions': sum(c['exception'] is not None for c in cases)}
+
+
+def FormatCases(cases: list) -> str:
+    if not cases:
+        return '-'
+    if len(cases) > 4:
+        return f'{len(cases)} cases'
+    return ' '.join(f'{k}/{m}/{mode}' for k, m, mode in cases)
+
+
+def FormatTable(summaries: list[dict]) -> str:
+    header = (f'{"variant":11s} {"defect":36s} {"full fail":>9s} {"pairwise fail":>13s} '
+              f'{"small grid catches":>18s}  failing cases (K/M/mode): full | pairwise')
+    lines = [header, '-' * len(header)]
+    for s in summaries:
+        if s['defect'] == 'none':
+            verdict = 'ok (passes)' if not s['full_caught'] and not s['pairwise_caught'] else \
+                'BROKEN'
+        elif not s['full_caught']:
+            verdict = 'n/a (full misses)'
+        else:
+            verdict = 'yes' if s['pairwise_caught'] else 'NO'
+        lines.append(f'{s["variant"]:11s} {s["defect"]:36s} '
+                     f'{s["full_failures"]:>4d}/{s["full_cases"]:<4d} '
+                     f'{s["pairwise_failures"]:>8d}/{s["pairwise_cases"]:<4d} {verdict:>18s}  '
+                     f'{FormatCases([tuple(c) for c in s["failing_cases"]])} | '
+                     f'{FormatCases([tuple(c) for c in s["failing_pairwise_cases"]])}')
+    return '\n'.join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--variants', default='tf_function',
+                        help=f'Comma-separated checks, of {list(VARIANTS)}.')
+    parser.add_argument('--v1', action='store_true',
+                        help='Also the v1 graph check (adds v1 to --variants).')
+    parser.add_argument('--defects', default=','.join(DEFAULT_DEFECTS),
+                        help=f'Comma-separated defects, of {list(DEFECTS)}.')
+    parser.add_argument('--out', default='benchmarks/results/grid_defects.json',
+                        help='JSON path.')
+    args = parser.parse_args()
+    variants, defects = args.variants.split(','), args.defects.split(',')
+    if args.v1 and 'v1' not in variants:
+        variants.append('v1')
+    for name, known in ((variants, VARIANTS), (defects, DEFECTS)):
+        unknown = [n for n in name if n not in known]
+        if unknown:
+            parser.error(f'unknown {unknown}; choose from {list(known)}')
+    CheckPairwiseCoverage()
+    DEVICES[:] = test_utils.ConfigureVirtualCpus()
+    logging.set_verbosity(logging.WARNING)
+    tf.get_logger().setLevel('ERROR')
+    start = time.perf_counter()
+    summaries, cases = [], []
+
+    def Write():
+        os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)
+        with open(args.out, 'w', encoding='utf-8') as f:  # After every defect.
+            json.dump({'tensorflow': tf.__version__, 'tolerance': TOLERANCE,
+                       'grid': [list(c) for c in GRID], 'pairwise': [list(c) for c in PAIRWISE],
+                       'seconds': round(time.perf_counter() - start, 1),
+                       'summaries': summaries, 'cases': cases}, f, indent=1)
+
+    print(f'TensorFlow {tf.__version__}, {len(DEVICES)} virtual CPU devices; full grid '
+          f'{len(GRID)} cases, pairwise {len(PAIRWISE)}', file=sys.stderr)
+    for variant in variants:
+        for defect in defects:
+            defect_start = time.perf_counter()
+            results = [RunCase(variant, defect, case) for case in GRID]
+            cases.extend(results)
+            summaries.append(Summarize(variant, defect, results))
+            s = summaries[-1]
+            print(f'[{time.perf_counter() - start:7.1f}s] {variant} {defect}: full '
+                  f'{s["full_failures"]}/{len(GRID)} failing ({s["exceptions"]} exceptions), '
+                  f'pairwise {s["pairwise_failures"]}/{len(PAIRWISE)} '
+                  f'({time.perf_counter() - defect_start:.1f}s)', file=sys.stderr, flush=True)
+            Write()
+    print(FormatTable(summaries))
+    print(f'total {time.perf_counter() - start:.1f}s; wrote {args.out}')
+
+
+if __name__ == '__main__':
+    main()
