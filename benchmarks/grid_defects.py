@@ -1,4 +1,4 @@
-r"""Does a pairwise grid of 12 (K, M, recompute) cases catch what the full grid of 36 catches?
+r"""Does a small grid of (K, M, recompute) cases catch what the full grid of 36 catches?
 
 tests/test_pipeline.py checks that a PipeliningLayer's outputs and gradients equal the
 un-partitioned layers' over GRID = {1, 2, 4} cells x {1, 2, 4, 8} micro-batches x 3 recompute
@@ -7,12 +7,13 @@ modes (36 cases). PAIRWISE, 12 of them,
     PAIRWISE = [(k, m, MODES[(i + j) % 3]) for i, k in enumerate([1, 2, 4])
                                            for j, m in enumerate([1, 2, 4, 8])]
 
-covers every (K, M), (K, mode) and (M, mode) pair. This script seeds defects into gpipe_tf at
+covers every (K, M), (K, mode) and (M, mode) pair; the tests' grid (SMALL) adds (4, 8, 'always'),
+the largest pipeline in the default mode, for a defect that needs all three. This script seeds defects into gpipe_tf at
 graph-build time (each a context manager of `unittest.mock.patch`es; no source file is edited),
 runs the tests' equivalence check on every case of the full grid under each defect, and reports
 which cases fail (relative error at or above the tests' tolerance, or an exception) in the full
-grid and among the pairwise cases, and whether the pairwise grid still catches the defect (at
-least one failing case). A row without any defect checks that both grids pass as they are.
+grid, among the pairwise cases and among the tests' cases, and whether each smaller grid still
+catches the defect (at least one failing case). A row without any defect checks that both grids pass as they are.
 
 The check is the tests' `testTfFunctionMatchesUnpartitioned` (with `--v1`
 also `testV1GraphMatchesUnpartitioned`), rebuilt here from `gpipe_tf.test_utils`: the same
@@ -62,6 +63,9 @@ BATCH, DIM, NUM_LAYERS = 16, 8, 8
 KS, MS, MODES = [1, 2, 4], [1, 2, 4, 8], pipelining_layer.RECOMPUTE_MODES
 GRID = list(itertools.product(KS, MS, MODES))
 PAIRWISE = [(k, m, MODES[(i + j) % 3]) for i, k in enumerate(KS) for j, m in enumerate(MS)]
+# tests/test_pipeline.py's GRID: the pairwise cases and the largest pipeline in the default mode
+# (pairwise alone misses big_pipeline_recompute_grad_dropped, which needs all three at once).
+SMALL = PAIRWISE + [(4, 8, 'always')]
 
 
 def CheckPairwiseCoverage() -> None:
@@ -308,20 +312,25 @@ def RunCase(variant: str, defect: str, case) -> dict:
             error = VARIANTS[variant](k, m, mode)
         exception = None
     except Exception as e:  # pylint: disable=broad-except
-        error, exception = None, f'{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ""}'
+        # A tf.function error's message starts with its traceback; its last line is the cause.
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        error, exception = None, f'{type(e).__name__}: {lines[-1][:200] if lines else ""}'
     failed = exception is not None or not error < TOLERANCE  # NaN fails too.
     return {'variant': variant, 'defect': defect, 'k': k, 'm': m, 'mode': mode,
-            'pairwise': case in PAIRWISE, 'max_relative_error': error, 'exception': exception,
+            'pairwise': case in PAIRWISE, 'small': case in SMALL, 'max_relative_error': error, 'exception': exception,
             'failed': failed, 'seconds': round(time.perf_counter() - start, 3)}
 
 
 def Summarize(variant: str, defect: str, cases: list[dict]) -> dict:
     full = [(c['k'], c['m'], c['mode']) for c in cases if c['failed']]
     pairwise = [case for case in full if case in PAIRWISE]
+    small = [case for case in full if case in SMALL]
     return {'variant': variant, 'defect': defect, 'description': DEFECTS[defect][1],
             'full_failures': len(full), 'full_cases': len(GRID),
             'pairwise_failures': len(pairwise), 'pairwise_cases': len(PAIRWISE),
+            'small_failures': len(small), 'small_cases': len(SMALL),
             'full_caught': bool(full), 'pairwise_caught': bool(pairwise),
+            'small_caught': bool(small),
             'failing_cases': [list(c) for c in full],
             'failing_pairwise_cases': [list(c) for c in pairwise],
             'exceptions': sum(c['exception'] is not None for c in cases)}
@@ -337,19 +346,22 @@ def FormatCases(cases: list) -> str:
 
 def FormatTable(summaries: list[dict]) -> str:
     header = (f'{"variant":11s} {"defect":36s} {"full fail":>9s} {"pairwise fail":>13s} '
-              f'{"small grid catches":>18s}  failing cases (K/M/mode): full | pairwise')
+              f'{"pairwise catches":>16s} {"tests fail":>10s} {"tests catch":>11s}  '
+              f'failing cases (K/M/mode): full | pairwise')
     lines = [header, '-' * len(header)]
     for s in summaries:
         if s['defect'] == 'none':
-            verdict = 'ok (passes)' if not s['full_caught'] and not s['pairwise_caught'] else \
-                'BROKEN'
+            verdict = small_verdict = ('ok' if not s['full_caught'] and not s['small_caught']
+                                       else 'BROKEN')
         elif not s['full_caught']:
-            verdict = 'n/a (full misses)'
+            verdict = small_verdict = 'n/a'
         else:
             verdict = 'yes' if s['pairwise_caught'] else 'NO'
+            small_verdict = 'yes' if s['small_caught'] else 'NO'
         lines.append(f'{s["variant"]:11s} {s["defect"]:36s} '
                      f'{s["full_failures"]:>4d}/{s["full_cases"]:<4d} '
-                     f'{s["pairwise_failures"]:>8d}/{s["pairwise_cases"]:<4d} {verdict:>18s}  '
+                     f'{s["pairwise_failures"]:>8d}/{s["pairwise_cases"]:<4d} {verdict:>16s} '
+                     f'{s["small_failures"]:>5d}/{s["small_cases"]:<4d} {small_verdict:>11s}  '
                      f'{FormatCases([tuple(c) for c in s["failing_cases"]])} | '
                      f'{FormatCases([tuple(c) for c in s["failing_pairwise_cases"]])}')
     return '\n'.join(lines)
@@ -385,6 +397,7 @@ def main():
         with open(args.out, 'w', encoding='utf-8') as f:  # After every defect.
             json.dump({'tensorflow': tf.__version__, 'tolerance': TOLERANCE,
                        'grid': [list(c) for c in GRID], 'pairwise': [list(c) for c in PAIRWISE],
+                       'small': [list(c) for c in SMALL],
                        'seconds': round(time.perf_counter() - start, 1),
                        'summaries': summaries, 'cases': cases}, f, indent=1)
 
@@ -399,7 +412,8 @@ def main():
             s = summaries[-1]
             print(f'[{time.perf_counter() - start:7.1f}s] {variant} {defect}: full '
                   f'{s["full_failures"]}/{len(GRID)} failing ({s["exceptions"]} exceptions), '
-                  f'pairwise {s["pairwise_failures"]}/{len(PAIRWISE)} '
+                  f'pairwise {s["pairwise_failures"]}/{len(PAIRWISE)}, tests\' grid '
+                  f'{s["small_failures"]}/{len(SMALL)} '
                   f'({time.perf_counter() - defect_start:.1f}s)', file=sys.stderr, flush=True)
             Write()
     print(FormatTable(summaries))
