@@ -10,11 +10,6 @@ import os
 
 # The BFC allocator keeps the CPU's allocation statistics, which the memory tests read.
 os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')
-if 'PYTEST_XDIST_WORKER' in os.environ:
-    # One of several worker processes (-n N): each op on one thread, so that N workers (and the
-    # trainers they start, which inherit this) do not spin N x the cores' threads against each
-    # other. Inter-op threads stay as they are: collectives need more than one.
-    os.environ.setdefault('TF_NUM_INTRAOP_THREADS', '1')
 
 from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
 
