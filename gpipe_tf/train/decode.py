@@ -30,6 +30,21 @@ def _Text(vocab, ids) -> str:
     return vocab.Decode(ids)
 
 
+def _RequireImageFile(path: str) -> None:
+    if not tf.io.gfile.exists(path):
+        raise FileNotFoundError(f'decode: no image file {path!r}.')
+
+
+def _RequireTargetLanguage(target_language: str | None) -> None:
+    if not target_language:
+        raise ValueError('decode: translation needs --target_language (e.g. de).')
+
+
+def _CannotDecode(task_name: str) -> ValueError:
+    return ValueError(f'decode: {task_name} cannot decode (image classification and '
+                      'translation tasks can).')
+
+
 def LoadImage(path: str, image_size: int, num_channels: int, mean: float, std: float):
     """An image file (PNG, JPEG, GIF, BMP) as the model's input: [size, size, channels] float32,
     scaled to [0, 1] and normalised like the training data.
@@ -37,8 +52,7 @@ def LoadImage(path: str, image_size: int, num_channels: int, mean: float, std: f
     Raises:
       FileNotFoundError: for a missing file; ValueError: for a file that is not an image.
     """
-    if not tf.io.gfile.exists(path):
-        raise FileNotFoundError(f'decode: no image file {path!r}.')
+    _RequireImageFile(path)
     try:
         pixels = tf.io.decode_image(tf.io.read_file(path), channels=num_channels,
                                     expand_animations=False)
@@ -84,8 +98,7 @@ def _Translations(task, vocab, src_ids, src_paddings, batch_size: int) -> list[s
 def Translate(task, task_params, sentences: list[str], target_language: str
               ) -> list[tuple[str, str]]:
     """(sentence, translation into `target_language`) for each sentence."""
-    if not target_language:
-        raise ValueError('decode: translation needs --target_language (e.g. de).')
+    _RequireTargetLanguage(target_language)
     data = task_params.input.Instantiate()
     encoded = data.EncodeSources(sentences, target_language)
     return list(zip(sentences, _Translations(task, data.vocab, encoded.src_ids,
@@ -102,19 +115,16 @@ def CheckRequest(task_params, lines: list[str], target_language: str | None) -> 
     """
     if issubclass(task_params.cls, classifier.ClassifierTask):
         for path in lines:
-            if not tf.io.gfile.exists(path):
-                raise FileNotFoundError(f'decode: no image file {path!r}.')
+            _RequireImageFile(path)
         return
     if issubclass(task_params.cls, sequence.SequenceTask) and task_params.translation:
-        if not target_language:
-            raise ValueError('decode: translation needs --target_language (e.g. de).')
+        _RequireTargetLanguage(target_language)
         try:
             task_params.input.Instantiate().EncodeSources(lines, target_language)
         except ValueError as error:
             raise ValueError(f'decode: --target_language={target_language}: {error}') from None
         return
-    raise ValueError(f'decode: {task_params.cls.__name__} cannot decode (image classification '
-                     'and translation tasks can).')
+    raise _CannotDecode(task_params.cls.__name__)
 
 
 def Decode(task, task_params, lines: list[str], target_language: str | None):
@@ -123,8 +133,7 @@ def Decode(task, task_params, lines: list[str], target_language: str | None):
         return ClassifyImages(task, task_params, lines)
     if isinstance(task, sequence.SequenceTask) and task.p.translation:
         return Translate(task, task_params, lines, target_language)
-    raise ValueError(f'decode: {type(task).__name__} cannot decode (image classification and '
-                     'translation tasks can).')
+    raise _CannotDecode(type(task).__name__)
 
 
 def EvaluateBleu(task, input_params, max_sentences: int | None = None) -> tuple[float, list]:
