@@ -558,7 +558,7 @@ def RunTrain(config: Config, p, plan, logdir, with_eval: bool) -> dict:
     m = plan.num_micro_batches if plan and plan.num_micro_batches else 1
     print(f'training {config.model} in {logdir}: {_Where(config, prog)}, '
           f'M={m}, batch {p.input.batch_size}, {_GraphMode(config)}', flush=True)
-    metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params)
+    metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params, plan=plan)
     # Greedy decoding runs eagerly, outside a TPU strategy's replicas.
     if (with_eval and _Translates(prog.task) and _GraphMode(config) != 'v1' and
             TpuAddress(config) is None):

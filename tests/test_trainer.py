@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
@@ -25,6 +26,7 @@ from gpipe_tf import test_utils
 from gpipe_tf import trainer
 from gpipe_tf.perf import pictures
 from gpipe_tf.perf import trace
+from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.tasks import base_task
 from gpipe_tf.tasks import classifier
 from gpipe_tf.train import cluster as cluster_lib
@@ -896,17 +898,35 @@ class PipelineFiguresTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, 'need a PipeliningLayer model; got DenseLayer'):
             pictures.PlanFigures(p, MLP)
 
+    def testTheLoopsPicturesUseTheTrainersPlan(self):
+        p = self.MlpParams()
+        plan = trainer.PipelinePlan(p)
+        events = [trace.OpEvent(f'model/cell_{k}_mb_{m}_fwd/MatMul', k + m, k + m + 1.0)
+                  for k in range(plan.num_cells) for m in range(plan.num_micro_batches)]
+        with mock.patch.object(plan_lib, 'MakePlan', side_effect=AssertionError('re-planned')):
+            figures = loop.PipelineFigures(p, plan, 2, program.StepTrace(events=events))
+        self.assertCountEqual(figures, PLAN_PICTURES + ('timeline_measured',))
+
+    def testAModelThatIsNotAPipelineHasNoPictures(self):
+        p = self.MlpParams()
+        with self.assertLogs('absl', 'WARNING') as logs:
+            figures = loop.PipelineFigures(p, None, 2, program.StepTrace(events=[]))
+        self.assertEqual(figures, {})
+        self.assertIn('is not a PipeliningLayer', '\n'.join(logs.output))
+
     def testFailedTracingLeavesTheMeasuredTimelineOut(self):
         p = self.MlpParams()
         with self.assertLogs('absl', 'WARNING') as logs:
-            figures = loop.PipelineFigures(p, 2, program.StepTrace(error=RuntimeError('busy')))
+            figures = loop.PipelineFigures(p, trainer.PipelinePlan(p), 2,
+                                           program.StepTrace(error=RuntimeError('busy')))
         self.assertCountEqual(figures, PLAN_PICTURES)
         self.assertIn('tracing step 2 failed: busy', '\n'.join(logs.output))
 
     def testATraceWithoutPipelineOpsLeavesTheMeasuredTimelineOut(self):
         step_trace = program.StepTrace(events=[trace.OpEvent('loss/Mean', 0.0, 1.0)])
         with self.assertLogs('absl', 'WARNING') as logs:
-            figures = loop.PipelineFigures(self.MlpParams(), 2, step_trace)
+            p = self.MlpParams()
+            figures = loop.PipelineFigures(p, trainer.PipelinePlan(p), 2, step_trace)
         self.assertCountEqual(figures, PLAN_PICTURES)
         self.assertIn('None of the 1 traced ops is a pipeline op', '\n'.join(logs.output))
 

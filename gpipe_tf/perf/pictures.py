@@ -74,18 +74,6 @@ def PipelineParams(params):
     return model
 
 
-def CellsAndMicroBatches(task_params) -> tuple[int, int]:
-    """(K, M) of task Params' pipeline, with or without input_shapes (M from the input's batch
-    size).
-
-    Raises:
-      ValueError: for a model that is not a PipeliningLayer, or a K or M that do not fit.
-    """
-    model = PipelineParams(task_params)
-    plan = plan_lib.MakePlan(model, place=False)
-    return plan.num_cells, plan_lib.NumMicroBatches(model, task_params.input.batch_size)
-
-
 def Plan(params, slots_per_param: int | None = None,
          pipeline_plan: plan_lib.Plan | None = None) -> PipelinePlan:
     """The plan of task Params (a PipeliningLayer `model`) or of PipeliningLayer Params; no

@@ -150,14 +150,22 @@ def WriteScalars(writer, step: int, metrics: dict, prefix: str = '') -> None:
     writer.flush()
 
 
-def PipelineFigures(task_params, step: int, step_trace) -> dict:
+def PipelineFigures(task_params, plan, step: int, step_trace) -> dict:
     """The pictures of task Params' pipeline: the plan's and, from `step_trace`
     (`program.StepTrace` of `step`), the measured timeline. A picture that cannot be drawn is
-    left out with a warning: pictures never stop training."""
+    left out with a warning: pictures never stop training.
+
+    Args:
+      plan: the pipeline's plan (`pipeline.plan.MakePlan` of `task_params.model`), made once by
+        the caller; None for a model that is not a pipeline (no picture, a warning).
+    """
     name = task_params.name
+    if plan is None:
+        logging.warning('No pipeline pictures of %s: its model is not a PipeliningLayer.', name)
+        return {}
     figures = {}
     try:
-        figures.update(pictures.PlanFigures(task_params, name))
+        figures.update(pictures.Figures(pictures.Plan(task_params, pipeline_plan=plan), name))
     except Exception as error:  # pylint: disable=broad-except
         logging.warning('No plan pictures of %s: %s', name, error)
     if step_trace.events is None:
@@ -165,20 +173,20 @@ def PipelineFigures(task_params, step: int, step_trace) -> dict:
                         step_trace.error)
         return figures
     try:
-        num_cells, num_micro_batches = pictures.CellsAndMicroBatches(task_params)
         figures['timeline_measured'] = pictures.MeasuredTimelineFigure(
-            step_trace.events, num_cells, num_micro_batches, f'{name}\nmeasured step {step}')
+            step_trace.events, plan.num_cells, plan.num_micro_batches,
+            f'{name}\nmeasured step {step}')
     except Exception as error:  # pylint: disable=broad-except
         logging.warning('No measured timeline of %s: %s', name, error)
     return figures
 
 
-def WritePipelinePictures(writer, step: int, task_params, step_trace) -> list[str]:
+def WritePipelinePictures(writer, step: int, task_params, plan, step_trace) -> list[str]:
     """Writes `PipelineFigures` as TensorBoard images 'pipeline/<name>' at `step`; returns
     their tags. Failures are warnings, never errors."""
     tags = []
     with writer.as_default():
-        for key, figure in PipelineFigures(task_params, step, step_trace).items():
+        for key, figure in PipelineFigures(task_params, plan, step, step_trace).items():
             try:
                 tf.summary.image(f'pipeline/{key}', plot.ImageArray(figure), step=step)
                 tags.append(f'pipeline/{key}')
@@ -198,7 +206,7 @@ def Evaluate(program, input_params, writer, step: int, name: str, printer=print)
 
 
 def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
-          printer=print) -> dict:
+          printer=print, plan=None) -> dict:
     """Trains `program` until `max_steps`; returns the last step's metrics (and `eval_*`).
 
     SIGINT, SIGTERM and SIGHUP stop training after the step that runs (a second one at once,
@@ -207,6 +215,8 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
     Args:
       eval_params: input Params evaluated every `eval_interval_steps` and at the end (the
         train_and_eval mode), or None.
+      plan: the pipeline's plan, for the pictures (`train.plot_pipeline`); None for a model
+        that is not a pipeline.
     """
     train = task_params.train
     step = program.Restore()
@@ -244,7 +254,7 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
                     'rate or clip gradients (train.clip_gradient_norm_to_value) and restart.')
             progress.Update(step, metrics, force=step == max_steps)
             if step == traced_step:
-                tags = WritePipelinePictures(writer, step, task_params, step_trace)
+                tags = WritePipelinePictures(writer, step, task_params, plan, step_trace)
                 if tags:
                     printer(f'pipeline pictures at step {step} in TensorBoard: '
                             f'{", ".join(tags)}', flush=True)
