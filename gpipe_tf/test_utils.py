@@ -115,15 +115,18 @@ def Unpartitioned(pipeline_layer, inputs, num_micro_batches: int = 1, step: int 
     """A PipeliningLayer's layers applied one after another, without the pipeline.
 
     No devices, no recompute, no pipeline code: each micro-batch (M=1: the whole batch) runs
-    through `pipeline_layer.Layers()` under `fprop_context.Scope(step, micro_batch=m)`. Training
-    updates (batch norm's moving statistics) are collected and dropped, so this changes no state.
+    through `pipeline_layer.Layers()` under `fprop_context.Scope(step, first_example=m n)`.
+    Training updates (batch norm's moving statistics) are collected and dropped, so this changes
+    no state. Only batch norm's statistics depend on num_micro_batches: the layers' randomness
+    is drawn per example.
     """
     batch_dim = pipeline_layer.p.batch_dim
     flat = [tf.split(x, num_micro_batches, batch_dim) for x in tf.nest.flatten(inputs)]
     outputs = []
     for m in range(num_micro_batches):
         args = (tf.nest.pack_sequence_as(inputs, [parts[m] for parts in flat]),)
-        with fprop_context.Scope(step=step, micro_batch=m,
+        size = flat[0][m].shape[batch_dim]
+        with fprop_context.Scope(step=step, first_example=m * size, batch_dim=batch_dim,
                                  update_collector=fprop_context.UpdateCollector()):
             for layer in pipeline_layer.Layers():
                 args = base_layer.AsArgs(layer.FProp(layer.theta, *args))

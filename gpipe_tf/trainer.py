@@ -30,6 +30,7 @@ from absl import flags
 
 from gpipe_tf import errors
 from gpipe_tf.pipeline import devices as devices_lib
+from gpipe_tf.train import partition_change
 
 MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model', 'decode')
 
@@ -411,6 +412,17 @@ def GpuMemoryReport(p, plan=None) -> str:
             'each GPU.')
 
 
+def ReadParams(logdir: str) -> str | None:
+    """The text of `<logdir>/params.txt` (the last start's Params), or None without one."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    path = os.path.join(logdir, 'params.txt')
+    try:
+        with tf.io.gfile.GFile(path) as f:  # gfile: a gs:// logdir too.
+            return f.read()
+    except (tf.errors.NotFoundError, UnicodeDecodeError):
+        return None
+
+
 def WriteParams(text: str, logdir: str) -> str:
     """Writes Params `text` to `<logdir>/params.txt` atomically (creating logdir); returns the
     path."""
@@ -547,7 +559,7 @@ def _Where(config: Config, prog) -> str:
             f'{model.mesh if len(model.mesh) > 1 else model.devices}')
 
 
-def RunTrain(config: Config, p, plan, logdir, with_eval: bool) -> dict:
+def RunTrain(config: Config, p, plan, logdir, with_eval: bool, resume_note: str = '') -> dict:
     from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
     eval_params = TaskParams(config, p.train.eval_dataset).input if with_eval else None
     start = time.time()
@@ -558,7 +570,8 @@ def RunTrain(config: Config, p, plan, logdir, with_eval: bool) -> dict:
     m = plan.num_micro_batches if plan and plan.num_micro_batches else 1
     print(f'training {config.model} in {logdir}: {_Where(config, prog)}, '
           f'M={m}, batch {p.input.batch_size}, {_GraphMode(config)}', flush=True)
-    metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params, plan=plan)
+    metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params, plan=plan,
+                         resume_note=resume_note)
     # Greedy decoding runs eagerly, outside a TPU strategy's replicas.
     if (with_eval and _Translates(prog.task) and _GraphMode(config) != 'v1' and
             TpuAddress(config) is None):
@@ -735,8 +748,10 @@ def main(config: Config) -> None:
         # Held for the whole run: checkpoints, params.txt and summaries are this run's.
         with LockLogdir(logdir):
             FindCheckpoint(logdir, writer=True, start_from_scratch=config.start_from_scratch)
+            previous = ReadParams(logdir)
             WriteParams(p.ToText(), logdir)
-            RunTrain(config, p, plan, logdir, with_eval=config.mode == 'train_and_eval')
+            RunTrain(config, p, plan, logdir, with_eval=config.mode == 'train_and_eval',
+                     resume_note=partition_change.Describe(previous, p.ToText()))
     elif config.mode == 'eval':
         RunEval(config, p, plan, logdir)
     else:

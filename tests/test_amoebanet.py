@@ -125,7 +125,7 @@ def Reference(layer, inputs, num_micro_batches, step=0):
     outputs = []
     for m in range(num_micro_batches):
         state = tf.nest.pack_sequence_as(inputs, [x[m] for x in parts])
-        with fprop_context.Scope(step=step, micro_batch=m,
+        with fprop_context.Scope(step=step, first_example=m * int(parts[0][m].shape[0]),
                                  update_collector=fprop_context.UpdateCollector()):
             for l in layer.Layers():
                 state = l.FProp(l.theta, state)
@@ -198,7 +198,7 @@ class SmallNetworkTrainingTest(tf.test.TestCase):
             return outputs, grads
 
         inputs = Batch(cls.params)
-        # At step 3, drop path and dropout draw the masks of (step 3, micro-batch m) in both.
+        # At step 3, drop path and dropout draw each example's masks of step 3 in both.
         cls.sequential = OutputsAndGrads(
             lambda x: Reference(layer, x, SMALL.NUM_MICRO_BATCHES, step=3), layer, inputs)
         cls.pipelined = TrainStep(inputs, tf.constant(3, tf.int64))

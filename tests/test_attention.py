@@ -153,12 +153,12 @@ class MultiHeadAttentionTest(tf.test.TestCase, parameterized.TestCase):
         paddings = tf.cast(_Paddings([5, 3, 4, 1], TIME), tf.float64)
         test_utils.AssertGradientsMatchFiniteDifferences(self, layer, x, None, paddings)
 
-    def testAttentionDropoutRepeatsForTheSameStepAndMicroBatch(self):
+    def testAttentionDropoutRepeatsForTheSameStepAndExamples(self):
         layer = _Attention(atten_dropout_keep_prob=0.5).Instantiate()
         x = _Normal([BATCH, TIME, DIM])
-        with fprop_context.Scope(step=3, micro_batch=1):
+        with fprop_context.Scope(step=3, first_example=1):
             first, again = layer(x), layer(x)
-        with fprop_context.Scope(step=4, micro_batch=1):
+        with fprop_context.Scope(step=4, first_example=1):
             other = layer(x)
         self.assertAllEqual(first, again)
         self.assertGreater(float(tf.reduce_max(tf.abs(first - other))), 1e-3)

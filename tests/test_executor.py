@@ -55,14 +55,17 @@ class RecordingDense(base_layer.BaseLayer):
         kind = 'recompute' if recompute.RECOMPUTE_SCOPE in scopes else 'fwd'
         cell = self.p.cell_index
 
-        def Record(micro_batch, unused_x):
-            EVENTS.append((cell, kind, int(micro_batch)))
-            return micro_batch
+        batch_dim = fprop_context.Current().batch_dim
+
+        def Record(first_example, x):
+            micro_batch = int(first_example) // int(x.shape[batch_dim])
+            EVENTS.append((cell, kind, micro_batch))
+            return first_example
 
         done = []
         if self.p.record:  # Takes x so that it runs once the cell's input exists; y waits.
             done = [tf.py_function(
-                Record, [tf.cast(fprop_context.Current().micro_batch, tf.int64), x], tf.int64)]
+                Record, [tf.cast(fprop_context.Current().first_example, tf.int64), x], tf.int64)]
         with tf.control_dependencies(done):
             y = tf.tanh(tf.tensordot(x, theta.w, 1) + theta.b)
         self.AddUpdate(NestedMap(input_sum=tf.reduce_sum(x)))

@@ -192,21 +192,48 @@ class DropoutLayerTest(tf.test.TestCase):
     def _Layer(self, keep_prob=0.5):
         return basic.DropoutLayer.Params().Set(name='drop', keep_prob=keep_prob).Instantiate()
 
-    def testSameMaskForSameStepAndMicroBatch(self):
+    def testSameMaskForSameStepAndExamples(self):
         layer, x = self._Layer(), tf.ones([8, 16])
-        with fprop_context.Scope(step=3, micro_batch=1):
+        with fprop_context.Scope(step=3, first_example=8):
             first = layer(x)
-        with fprop_context.Scope(step=3, micro_batch=1):
+        with fprop_context.Scope(step=3, first_example=8):
             second = layer(x)
         self.assertAllEqual(first, second)
 
-    def testDifferentMaskForAnotherMicroBatch(self):
+    def testEachExamplesMaskIsTheSameInAnySplitOfTheBatch(self):
+        layer, x = self._Layer(), tf.ones([12, 5, 3])
+        for batch_dim in (0, 1):
+            with self.subTest(batch_dim=repr(batch_dim)):
+                x = tf.ones([12, 5, 3]) if batch_dim == 0 else tf.ones([5, 12, 3])
+                with fprop_context.Scope(step=3, batch_dim=batch_dim):
+                    whole = layer(x)
+                for parts in (2, 3, 4, 12):
+                    pieces = []
+                    for m, piece in enumerate(tf.split(x, parts, batch_dim)):
+                        first = m * piece.shape[batch_dim]
+                        with fprop_context.Scope(step=3, batch_dim=batch_dim,
+                                                 first_example=first):
+                            pieces.append(layer(piece))
+                    self.assertAllEqual(tf.concat(pieces, batch_dim), whole)
+
+    def testExamplesAtOtherIndicesGetOtherMasks(self):
         layer, x = self._Layer(), tf.ones([8, 16])
-        with fprop_context.Scope(step=3, micro_batch=1):
+        with fprop_context.Scope(step=3, first_example=0):
             first = layer(x)
-        with fprop_context.Scope(step=3, micro_batch=2):
+        with fprop_context.Scope(step=3, first_example=8):
             second = layer(x)
         self.assertNotAllEqual(first, second)
+
+    def testAMaskBroadcastOverTheBatchIsOneForAllExamples(self):
+        p = basic.DropoutLayer.Params().Set(name='drop', keep_prob=0.5,
+                                            noise_shape_broadcast_dims=[0])
+        layer = p.Instantiate()
+        with fprop_context.Scope(step=3, first_example=4):
+            y = layer(tf.ones([4, 32])).numpy()
+        with fprop_context.Scope(step=3, first_example=0):
+            z = layer(tf.ones([2, 32])).numpy()
+        self.assertAllEqual(y, np.tile(y[:1], [4, 1]))
+        self.assertAllEqual(z[0], y[0])
 
     def testDifferentMaskForAnotherStep(self):
         layer, x = self._Layer(), tf.ones([8, 16])

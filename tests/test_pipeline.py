@@ -249,8 +249,7 @@ class BatchNormTest(tf.test.TestCase, parameterized.TestCase):
         chunks = tf.split(x, num_micro_batches)
         seen = {}
         for m, h in enumerate(chunks):
-            with fprop_context.Scope(micro_batch=m,
-                                     update_collector=fprop_context.UpdateCollector()):
+            with fprop_context.Scope(update_collector=fprop_context.UpdateCollector()):
                 for l in layer.Layers():
                     if isinstance(l, normalization.BatchNormLayer):
                         seen.setdefault(l.path, []).append(h)

@@ -286,8 +286,8 @@ class CellFunctionsTest(tf.test.TestCase, parameterized.TestCase):
 
 
 class StatelessDropoutTest(tf.test.TestCase):
-    """The recompute draws the first forward's mask: dropout is seeded from (layer, step,
-    micro-batch), which the cell functions pass on."""
+    """The recompute draws the first forward's mask: dropout is drawn from (layer, step,
+    example), the first example's index being what the cell functions pass on."""
 
     KEEP_PROB = 0.5
 
@@ -315,9 +315,10 @@ class StatelessDropoutTest(tf.test.TestCase):
         g = dy * mask / self.KEEP_PROB
         self.assertLess(test_utils.MaxRelativeError(d_theta, [g.sum(0), x.T @ g]), TOLERANCE)
         self.assertLess(test_utils.MaxRelativeError(d_x, [g @ w.T]), TOLERANCE)
-        # The mask is the standalone layer's under the same (step, micro-batch), and another
-        # micro-batch's differs (so a recompute with the wrong seed would be seen).
-        with fprop_context.Scope(step=3, micro_batch=1):
+        # The mask is the standalone layer's under the same (step, first example), and that of
+        # a micro-batch starting elsewhere differs (so a recompute with the wrong seed would be
+        # seen).
+        with fprop_context.Scope(step=3, first_example=1):
             self.assertAllEqual(cell.FProp(theta, tf.constant(x)), y)
         other, _ = functions.Forward(theta, tf.constant(x), step, Ids(2))
         self.assertNotAllEqual(other.numpy() != 0, mask.astype(bool))

@@ -147,7 +147,7 @@ def Reference(layer, inputs, num_micro_batches=1, step=0):
     outputs = []
     for m in range(num_micro_batches):
         args = (tf.nest.pack_sequence_as(inputs, [parts[m] for parts in flat]),)
-        with fprop_context.Scope(step=step, micro_batch=m):
+        with fprop_context.Scope(step=step, first_example=m * int(flat[0][m].shape[0])):
             for l in layer.Layers():
                 args = base_layer.AsArgs(l.FProp(l.theta, *args))
         outputs.append(args[0])

@@ -372,7 +372,7 @@ class MissingGradientsTest(tf.test.TestCase):
         # The weight decay reaches the weight matrices, so only the biases lack a gradient.
         message = self._Raise(weight_decay=WEIGHT_DECAY)
         named = sorted(n for n in message.split("'") if n.startswith('PipelinedMLP/'))
-        self.assertEqual(named, [f'PipelinedMLP/model/cell_{i}/dense_{i}/b:0'
+        self.assertEqual(named, [f'PipelinedMLP/model/dense_{i}/b:0'
                                  for i in range(NUM_LAYERS)])
         self.assertNotIn('...', message)
 

@@ -312,11 +312,12 @@ class BaseLayer(tf.Module):
         raise NotImplementedError(f'{type(self).__name__} makes no updates.')
 
     def StepSeed(self) -> tf.Tensor:
-        """A [2] int seed for stateless randomness, unique per (layer, step, micro-batch)."""
+        """A [2] int seed for stateless randomness, unique per (layer, step): the same in every
+        micro-batch; draw per example from it (`example_random.Uniform`) so that the values do
+        not depend on how the batch is split."""
         ctx = fprop_context.Current()
         base = tf.constant([PathSeed(self.path, self.p.random_seed), 0], tf.int64)
-        seed = tf.random.experimental.stateless_fold_in(base, tf.cast(ctx.step, tf.int64))
-        return tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.micro_batch, tf.int64))
+        return tf.random.experimental.stateless_fold_in(base, tf.cast(ctx.step, tf.int64))
 
 
 def _InsideFunction() -> bool:

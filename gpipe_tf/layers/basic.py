@@ -5,6 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import example_random
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta, WeightParams
 
@@ -122,11 +123,12 @@ class IdentityLayer(BaseLayer):
 
 
 class DropoutLayer(BaseLayer):
-    """Inverted dropout whose mask is a pure function of (seed, layer, step, micro-batch).
+    """Inverted dropout whose mask is a pure function of (seed, layer, step, example).
 
-    Because the mask is stateless, a re-materialized forward draws exactly the mask of the first
-    forward. Micro-batch semantics: micro-batch m of step s draws the mask a standalone forward
-    draws under `fprop_context.Scope(step=s, micro_batch=m)`.
+    Each example's mask is drawn from its index in the mini-batch (`example_random.Uniform`), so
+    it is the same whether the example is in the whole batch or in any micro-batch or replica's
+    shard (M and R do not change it); being stateless, a re-materialized forward draws exactly
+    the first forward's mask. A mask broadcast along the batch dimension is one for the step.
     """
 
     @classmethod
@@ -151,7 +153,11 @@ class DropoutLayer(BaseLayer):
             shape = tf.tensor_scatter_nd_update(
                 shape, [[d] for d in p.noise_shape_broadcast_dims],
                 tf.ones([len(p.noise_shape_broadcast_dims)], shape.dtype))
-        uniform = tf.random.stateless_uniform(shape, self.StepSeed(), dtype=x.dtype)
+        batch_dim = fprop_context.Current().batch_dim % x.shape.rank
+        if batch_dim in [d % x.shape.rank for d in p.noise_shape_broadcast_dims or []]:
+            uniform = tf.random.stateless_uniform(shape, self.StepSeed())
+        else:
+            uniform = example_random.Uniform(self.StepSeed(), shape)
         keep = tf.cast(uniform < p.keep_prob, x.dtype)
         return x * keep / p.keep_prob
 

@@ -1,8 +1,9 @@
-"""The context a forward pass runs in: training or not, step, micro-batch, update collector.
+"""The context a forward pass runs in: training or not, step, which examples, update collector.
 
 Layers read it instead of taking extra arguments, so `FProp(theta, *inputs)` stays the one
-signature. PipeliningLayer sets the micro-batch index (a tensor, so one traced cell serves all
-micro-batches) and collects the layers' training updates; a trainer sets the step.
+signature. PipeliningLayer sets the index of a micro-batch's first example in the mini-batch (a
+tensor, so one traced cell serves all micro-batches), by which randomness is drawn per example
+(`example_random`), and collects the layers' training updates; a trainer sets the step.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ class FPropContext:
     """Attributes:
       training: whether this is a training pass (batch statistics, dropout on).
       step: the training step (int or scalar int tensor); seeds randomness.
-      micro_batch: index of the micro-batch being computed (int or scalar int tensor).
+      first_example: the index in the mini-batch of the first example being computed (int or
+        scalar int tensor): 0 for a whole batch, m * n for micro-batch m of n examples.
+      batch_dim: the inputs' batch dimension, along which `first_example` counts.
       update_collector: where layers' training updates go; None applies them at once.
     """
     training: bool = True
     step: Any = 0
-    micro_batch: Any = 0
+    first_example: Any = 0
+    batch_dim: int = 0
     update_collector: Any = None
 
 
@@ -37,7 +41,7 @@ def _Stack() -> list:
 
 
 def Current() -> FPropContext:
-    """The innermost active context (the default one is training, step 0, micro-batch 0)."""
+    """The innermost active context (the default one is training, step 0, first example 0)."""
     return _Stack()[-1]
 
 

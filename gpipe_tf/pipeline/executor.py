@@ -71,9 +71,13 @@ class UnrolledSchedule:
       assign: None, or a function (tensor, k) -> tensor assigning a tensor to logical device k
         (XLA model parallelism); then each cell's inputs, outputs, incoming and outgoing
         gradients are assigned to the cell's logical device.
+      first_example: the index in the mini-batch of the first example of the batch this
+        schedule runs (a replica's shard starts further on); micro-batch m of n examples starts
+        at first_example + m n. The layers draw their randomness per example from it.
     """
 
-    def __init__(self, functions, recomputes, num_micro_batches, batch_dim, step, assign=None):
+    def __init__(self, functions, recomputes, num_micro_batches, batch_dim, step, assign=None,
+                 first_example=0):
         self._functions = functions
         self._devices = [f.device for f in functions]
         self._recomputes = list(recomputes)
@@ -82,7 +86,8 @@ class UnrolledSchedule:
         self._batch_dim = batch_dim
         self._step = step
         self._assign = assign
-        self._micro_batch_ids = [tf.constant(m, tf.int64) for m in range(num_micro_batches)]
+        self._first_example = first_example
+        self._first_examples = None  # Per micro-batch, set by Forward.
 
     def _Assign(self, k: int, nest):
         if self._assign is None:
@@ -107,6 +112,11 @@ class UnrolledSchedule:
         m_count, batch_dim = self._num_micro_batches, self._batch_dim
         with tf.device(self._devices[0]):
             acts = [microbatch.Split(inputs, m_count, batch_dim)] + self._Grid()
+            size = microbatch.BatchSize(acts[0][0], batch_dim)
+            if size is None:  # Not known statically.
+                size = tf.shape(tf.nest.flatten(acts[0][0])[0], out_type=tf.int64)[batch_dim]
+            self._first_examples = [tf.cast(self._first_example, tf.int64) + m * size
+                                    for m in range(m_count)]
         stats = self._Grid()
         self._thetas = list(thetas)
         self._inputs = self._Grid()  # Differentiation sources of each (cell, micro-batch).
@@ -116,7 +126,7 @@ class UnrolledSchedule:
         self._tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
         for tick in schedule.ForwardTicks(m_count, self._num_cells):
             for k, m in tick:
-                fn, mb_id = self._functions[k], self._micro_batch_ids[m]
+                fn, first = self._functions[k], self._first_examples[m]
                 # A device works on one micro-batch at a time, in the schedule's order: the
                 # forward of micro-batch m waits for the cell's forward of m - 1.
                 previous = _Done(acts[k + 1][m - 1], self._devices[k]) if m else []
@@ -124,7 +134,7 @@ class UnrolledSchedule:
                     if not training or self._recomputes[k]:
                         self._inputs[k][m] = self._Assign(k, acts[k][m])
                         outputs, stats[k][m] = fn.Forward(
-                            thetas[k], self._inputs[k][m], self._step, mb_id, training=training)
+                            thetas[k], self._inputs[k][m], self._step, first, training=training)
                         acts[k + 1][m] = self._Assign(k, outputs)
                         continue
                     # Fresh identities as differentiation sources: tf.gradients would otherwise
@@ -136,7 +146,7 @@ class UnrolledSchedule:
                         self._tape.watch(tf.nest.flatten(self._thetas[k]) +
                                          recompute.FloatLeaves(self._inputs[k][m]))
                         outputs, stats[k][m] = fn.Forward(
-                            self._thetas[k], self._inputs[k][m], self._step, mb_id)
+                            self._thetas[k], self._inputs[k][m], self._step, first)
                         acts[k + 1][m] = self._Assign(k, outputs)
                 self._outputs[k][m] = acts[k + 1][m]
         updates = []
@@ -174,7 +184,7 @@ class UnrolledSchedule:
                     if self._recomputes[k]:
                         d_theta, d_x = self._functions[k].Backward(
                             self._thetas[k], self._inputs[k][m], self._step,
-                            self._micro_batch_ids[m], d_y)
+                            self._first_examples[m], d_y)
                     else:
                         with tf.device(self._devices[k]):
                             d_theta, d_x = recompute.Differentiate(

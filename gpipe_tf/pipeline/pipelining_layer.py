@@ -22,6 +22,7 @@ from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import sequential
 from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import executor
 from gpipe_tf.pipeline import microbatch
@@ -98,15 +99,18 @@ class PipeliningLayer(BaseLayer):
         # The variables live on the first replica's devices.
         self._devices = self.plan.mesh[0]
         with tf.device(self._devices[0]):
-            self._before = [self.CreateChild(plan_lib.LayerName(lp, i), lp)
-                            for i, lp in enumerate(p.before_tpl)]
-        self._cells = []
+            self._before = [self.CreateChild(lp.name, lp) for lp in self.plan.before]
+        # The layers are this layer's children, named by their place in the model; a cell only
+        # groups them (`cell.Cell`), so names, checkpoint keys and seeds do not depend on K.
+        cells = []
         for k, layers in enumerate(self.plan.cells):
             with tf.device(self._devices[k]), self._LogicalDeviceScope(k):
-                self._cells.append(self.CreateChild(
-                    f'cell_{k}', sequential.SequentialLayer.Params().Set(sub=layers)))
+                cells.append(cell_lib.Cell([self.CreateChild(lp.name, lp) for lp in layers],
+                                           f'{self.path}.cell_{k}'))
+        self._cells = tuple(cells)
         self._replica_functions = [
-            [recompute.CellFunctions(cell, device) for cell, device in zip(self._cells, row)]
+            [recompute.CellFunctions(cell, device, p.batch_dim)
+             for cell, device in zip(self._cells, row)]
             for row in self.plan.mesh]
         self._functions = self._replica_functions[0]
         logging.info('%s partition:\n%s', self.path, self.PartitionReport())
@@ -117,6 +121,18 @@ class PipeliningLayer(BaseLayer):
         """From Params alone: each cell's layer Params, and each cell's FPropMeta (None without
         input_shapes); see `plan.MakePlan`, which also checks M and the devices."""
         return plan_lib.Cells(p)
+
+    @classmethod
+    def UnpipelinedParams(cls, p):
+        """The same model without the pipeline: a SequentialLayer of the same name over the same
+        (named) layers, before_tpl first. Its variables have the pipeline's names, checkpoint keys
+        and initial values, so a pipeline's checkpoint restores into it and back (to evaluate or
+        export on one device, say)."""
+        plan = plan_lib.MakePlan(p, place=False)
+        return sequential.SequentialLayer.Params().Set(
+            name=p.name, dtype=p.dtype, params_init=p.params_init.Copy(),
+            random_seed=p.random_seed,
+            sub=plan.before + [lp for layers in plan.cells for lp in layers])
 
     @staticmethod
     def InputShapes(p) -> tuple | None:
@@ -149,14 +165,16 @@ class PipeliningLayer(BaseLayer):
 
     @property
     def theta(self) -> NestedMap:
-        """Variable values, each cell's read on the cell's device."""
+        """Variable values keyed by layer name, like `vars`; each cell's read on the cell's
+        device."""
         theta = NestedMap()
         with tf.device(self._devices[0]):
             for layer in self._before:
                 theta[layer.p.name] = layer.theta
         for k, cell in enumerate(self._cells):
             with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_theta'):
-                theta[f'cell_{k}'] = cell.theta
+                for layer in cell.sequence:
+                    theta[layer.p.name] = layer.theta
         return theta
 
     def Layers(self) -> list:
@@ -179,15 +197,15 @@ class PipeliningLayer(BaseLayer):
     # ---- computation ----------------------------------------------------------------------
     def FProp(self, theta, *inputs):
         p = self.p
-        with tf.device(self._devices[0]):
+        with tf.device(self._devices[0]), fprop_context.Scope(batch_dim=p.batch_dim):
             args = inputs
             for layer in self._before:
                 args = base_layer.AsArgs(layer.FProp(theta[layer.p.name], *args))
         inputs = args[0] if len(args) == 1 else args
         batch_size = microbatch.BatchSize(inputs, p.batch_dim)
         if batch_size is None:
-            raise errors.ConfigError(f'{self.path}: the batch dimension {p.batch_dim} of the inputs must '
-                             'be statically known to split micro-batches.')
+            raise errors.ConfigError(f'{self.path}: the batch dimension {p.batch_dim} of the '
+                                     'inputs must be statically known to split micro-batches.')
         try:
             num_micro_batches = plan_lib.NumMicroBatches(p, batch_size)
         except errors.ConfigError as error:
@@ -195,13 +213,18 @@ class PipeliningLayer(BaseLayer):
         ctx = fprop_context.Current()
         recomputes = self.plan.recompute
         assign = self._LogicalDeviceFn()
+        # Replica r's shard starts at example r N / R of the mini-batch (after the examples
+        # that come before this whole batch, under a strategy's replicas).
+        shard = batch_size // p.num_replicas
         runs = [executor.UnrolledSchedule(functions, recomputes, num_micro_batches, p.batch_dim,
-                                          tf.cast(ctx.step, tf.int64), assign)
-                for functions in self._replica_functions]
+                                          tf.cast(ctx.step, tf.int64), assign,
+                                          first_example=tf.cast(ctx.first_example, tf.int64) +
+                                          r * shard)
+                for r, functions in enumerate(self._replica_functions)]
         thetas = []
         for k in range(self.plan.num_cells):
             with tf.name_scope(f'cell_{k}_theta'):
-                thetas.append(executor.AssignNest(assign, k, theta[f'cell_{k}']))
+                thetas.append(executor.AssignNest(assign, k, self._cells[k].Theta(theta)))
         if not ctx.training:  # Forward only, micro-batched, no re-materialization.
             return self._Replicated(
                 lambda r, shard: runs[r].Forward(thetas, shard, training=False)[0], inputs)

@@ -36,13 +36,14 @@ class Plan:
 
     Attributes:
       params: the PipeliningLayer Params the plan is of.
-      cells: per cell, its layers' Params (named).
+      cells: per cell, its layers' Params (named: by their own name, else `layer_<index>`).
       metas: per cell, its FPropMeta on one mini-batch; None without input_shapes.
       recompute: per cell, whether its forward is re-materialized in the backward.
       batch_size: N, the examples of one mini-batch (from input_shapes; None without them).
       num_micro_batches: M for that mini-batch (None without input_shapes).
       mesh: the device of each (replica, stage), R lists of K; None until placed (a trainer
         needs K to know how many devices to set up, before the devices exist).
+      before: the before_tpl layers' Params (named), run ahead of cell 0 on its device.
     """
     params: Any
     cells: list[list]
@@ -51,6 +52,7 @@ class Plan:
     batch_size: int | None
     num_micro_batches: int | None
     mesh: list[list[str]] | None = None
+    before: list = dataclasses.field(default_factory=list)
 
     @property
     def num_cells(self) -> int:
@@ -111,8 +113,10 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
         raise errors.ConfigError(f'With logical_device_fn the replicas are the strategy\'s: '
                                  f'num_replicas must be 1, got {p.num_replicas}.')
     cells, metas = Cells(p)
+    before = BeforeLayers(p)
+    _CheckUniqueNames(p, before + [lp for layers in cells for lp in layers])
     batch_size = BatchSize(p)
-    plan = Plan(params=p, cells=cells, metas=metas,
+    plan = Plan(params=p, cells=cells, metas=metas, before=before,
                 recompute=RecomputeFlags(p.recompute, len(cells)), batch_size=batch_size,
                 num_micro_batches=(None if batch_size is None else
                                    NumMicroBatches(p, batch_size)))
@@ -178,6 +182,22 @@ def Cells(p) -> tuple[list[list], list[LayerMeta] | None]:
     """
     cells = _CellLayerParams(p)
     return cells, _CheckCellsFit(p, cells)
+
+
+def BeforeLayers(p) -> list:
+    """The before_tpl layers' Params, named (their own name, else `layer_<index>`)."""
+    return [lp.Copy().Set(name=LayerName(lp, i)) for i, lp in enumerate(p.before_tpl)]
+
+
+def _CheckUniqueNames(p, layers: list) -> None:
+    """Every layer is a child of the pipeline, known by its name wherever it is placed."""
+    names = [lp.name for lp in layers]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise errors.ConfigError(
+            f'{p.name}: layer names must be unique across before_tpl and the cells (a layer\'s '
+            f'name is its identity in checkpoints, whatever cell it lands in); '
+            f'{", ".join(duplicates)} appear more than once.')
 
 
 def LayerName(p, index: int) -> str:

@@ -45,13 +45,16 @@ class CellFunctions:
     """The traced forward and backward functions of one cell on one device.
 
     Args:
-      cell: the cell layer; `cell.FProp(theta, *args)`.
+      cell: the cell (`cell.Cell`); `cell.FProp(theta, *args)`.
       device: the device string every op of the cell is placed on.
+      batch_dim: the inputs' batch dimension (the layers' per-example randomness counts
+        examples along it).
     """
 
-    def __init__(self, cell: base_layer.BaseLayer, device: str):
+    def __init__(self, cell, device: str, batch_dim: int = 0):
         self.cell = cell
         self.device = device
+        self.batch_dim = batch_dim
         # Per leaf of the cell's theta, whether it is trainable (and so gets a gradient).
         self.trainable = [v.trainable for v in tf.nest.flatten(cell.vars)]
         # Layers that report training updates, in the order they report them; set when the
@@ -62,11 +65,11 @@ class CellFunctions:
             for training in (True, False)}
         self._backward = tf.function(self._Backward, autograph=False)
 
-    def _Run(self, theta, inputs, step, micro_batch, training):
+    def _Run(self, theta, inputs, step, first_example, training):
         collector = fprop_context.UpdateCollector()
         with tf.device(self.device), fprop_context.Scope(
-                training=training, step=step, micro_batch=micro_batch,
-                update_collector=collector):
+                training=training, step=step, first_example=first_example,
+                batch_dim=self.batch_dim, update_collector=collector):
             outputs = self.cell.FProp(theta, *base_layer.AsArgs(inputs))
         layers = [layer for layer, _ in collector.Items()]
         if training and self.update_layers is None:
@@ -75,12 +78,12 @@ class CellFunctions:
         return outputs, stats
 
     def _MakeForward(self, training: bool):
-        def Forward(theta, inputs, step, micro_batch):
-            return self._Run(theta, inputs, step, micro_batch, training)
+        def Forward(theta, inputs, step, first_example):
+            return self._Run(theta, inputs, step, first_example, training)
         Forward.__name__ = f'{self.cell.path.replace(".", "_")}_fwd'
         return Forward
 
-    def _Backward(self, theta, inputs, step, micro_batch, d_outputs):
+    def _Backward(self, theta, inputs, step, first_example, d_outputs):
         """Recomputes the forward once `d_outputs` (gradients of the float outputs) exist, then
         differentiates it.
 
@@ -93,18 +96,19 @@ class CellFunctions:
                 with tf.control_dependencies(d_outputs):
                     theta = Identity(theta)
                     inputs = Identity(inputs)
-                outputs, _ = self._Run(theta, inputs, step, micro_batch, training=True)
+                outputs, _ = self._Run(theta, inputs, step, first_example, training=True)
             return Differentiate(outputs, theta, inputs, d_outputs, self.trainable)
 
-    def Forward(self, theta, inputs, step, micro_batch, training: bool = True):
-        """(outputs, update stats) of the cell on one micro-batch; one call op on the device."""
+    def Forward(self, theta, inputs, step, first_example, training: bool = True):
+        """(outputs, update stats) of the cell on one micro-batch whose first example has index
+        `first_example` (scalar int64 tensor) in the mini-batch; one call op on the device."""
         with tf.device(self.device):
-            return self._forward[training](theta, inputs, step, micro_batch)
+            return self._forward[training](theta, inputs, step, first_example)
 
-    def Backward(self, theta, inputs, step, micro_batch, d_outputs):
+    def Backward(self, theta, inputs, step, first_example, d_outputs):
         """(flat d_theta, flat d_inputs) for one micro-batch, recomputing the forward."""
         with tf.device(self.device):
-            return self._backward(theta, inputs, step, micro_batch, d_outputs)
+            return self._backward(theta, inputs, step, first_example, d_outputs)
 
 
 def Differentiate(outputs, theta, inputs, d_outputs, trainable, tape=None):

@@ -206,7 +206,7 @@ def Evaluate(program, input_params, writer, step: int, name: str, printer=print)
 
 
 def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
-          printer=print, plan=None) -> dict:
+          printer=print, plan=None, resume_note: str = '') -> dict:
     """Trains `program` until `max_steps`; returns the last step's metrics (and `eval_*`).
 
     SIGINT, SIGTERM and SIGHUP stop training after the step that runs (a second one at once,
@@ -217,11 +217,14 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
         train_and_eval mode), or None.
       plan: the pipeline's plan, for the pictures (`train.plot_pipeline`); None for a model
         that is not a pipeline.
+      resume_note: added to the line that reports a resume (`partition_change.Describe`).
     """
     train = task_params.train
     step = program.Restore()
     if step:
-        printer(f'resumed from {program.manager.latest_checkpoint} at step {step}', flush=True)
+        note = f'; {resume_note}' if resume_note else ''
+        printer(f'resumed from {program.manager.latest_checkpoint} at step {step}{note}',
+                flush=True)
     if step >= max_steps:
         printer(f'already at step {step} >= max_steps {max_steps}; nothing to train.',
                 flush=True)

@@ -27,6 +27,7 @@ from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.perf import trace
 from gpipe_tf.train import checkpoints
 from gpipe_tf.train import cluster as cluster_lib
+from gpipe_tf.train import legacy_checkpoints
 from gpipe_tf.train import update
 
 STEP_KEY = 'global_step/.ATTRIBUTES/VARIABLE_VALUE'
@@ -58,11 +59,15 @@ def _RestoreMatched(checkpoint, path: str):
     """`checkpoint.restore(path)`'s status, once every object of the model is known to be in
     the checkpoint.
 
+    A checkpoint that keys the pipeline's layers by cell (written before they were keyed by
+    name) is read through its converted copy (`legacy_checkpoints`).
+
     Raises:
       CheckpointMismatchError: if the checkpoint holds other variables than the model's.
     """
     try:
-        return checkpoint.restore(path).assert_existing_objects_matched()
+        return checkpoint.restore(
+            legacy_checkpoints.Readable(path)).assert_existing_objects_matched()
     except (AssertionError, ValueError) as error:  # ValueError: a variable of another shape.
         raise _Mismatch(path, checkpoints.FirstLine(error)) from None
 

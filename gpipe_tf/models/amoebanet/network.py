@@ -23,10 +23,10 @@ A layer passes on entries it does not read (labels, the aux loss). Scalars canno
 over micro-batches, so the loss is reduced after the pipeline (`Metrics`).
 
 Drop path (the reference's drop_path, "drop connect") zeroes a whole example's branch output
-with probability 1 - drop_path_keep_prob, with a mask seeded by `StepSeed()` and the branch: it is
-the same in a pipeline's re-materialized forward, and micro-batch m of step s draws what a
-standalone pass under `fprop_context.Scope(step=s, micro_batch=m)` draws. The keep probability is
-constant; the reference's burn-in schedule over training steps is not implemented.
+with probability 1 - drop_path_keep_prob, with a mask drawn per example from `StepSeed()`, the
+branch and the example's index in the mini-batch (`example_random.Uniform`): it is the same in a
+pipeline's re-materialized forward and at every M and R. The keep probability is constant; the
+reference's burn-in schedule over training steps is not implemented.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from gpipe_tf import hyperparams
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import conv
+from gpipe_tf.layers import example_random
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import losses
 from gpipe_tf.layers import pooling
@@ -124,8 +125,7 @@ class _TensorDataflow:
             return x
         seed = tf.random.experimental.stateless_fold_in(self._layer.StepSeed(), index)
         shape = tf.concat([tf.shape(x)[:1], tf.ones([x.shape.rank - 1], tf.int32)], 0)
-        keep = tf.cast(tf.random.stateless_uniform(shape, seed, dtype=x.dtype) < keep_prob,
-                       x.dtype)
+        keep = tf.cast(example_random.Uniform(seed, shape, batch_dim=0) < keep_prob, x.dtype)
         return x * (keep / keep_prob)
 
     def Add(self, a, b):
