@@ -45,7 +45,7 @@ class SequenceTask(base_task.BaseTask):
         missing = [k for k in self._Keys() if batch.get(k) is None]
         if missing:
             raise ValueError(f'{self.path}: the input batch lacks {missing}; it has '
-                             f'{sorted(batch.keys())}.')
+                             f'{sorted(k for k, v in batch.items() if v is not None)}.')
         return NestedMap({k: batch[k] for k in self._Keys()})
 
     def ComputeMetrics(self, batch, outputs):
