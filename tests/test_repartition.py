@@ -13,13 +13,12 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
-from gpipe_tf import model_registry
 from gpipe_tf import test_utils
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import normalization
+from gpipe_tf.params import lm
 from gpipe_tf.pipeline import pipelining_layer
-from gpipe_tf.tasks import base_task
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 BATCH, DIM, NUM_BLOCKS = 8, 8, 6
@@ -27,6 +26,10 @@ SEED = 7
 RTOL = 1e-5
 LEARNING_RATE = 0.1
 NUM_STEPS = 3
+
+
+class TinyLmWithDropout(lm.TransformerLTiny):
+    DROPOUT_KEEP_PROB = 0.8
 
 
 def Layers(batch_norm=False):
@@ -169,16 +172,20 @@ class TrainingTest(tf.test.TestCase):
         self.assertNotAllClose(first, clean)
         self.assertNotAllClose(first, second)
 
-    def testTheTransformerLmsFirstLossIsTheSameAtEveryK(self):
-        p = base_task.SyncInputShapes(model_registry.GetParams('lm.TransformerLTiny', 'Train'))
-        batch = next(iter(p.input.Instantiate().TrainDataset(start_step=0)))
+    def testTheTransformerLmsFirstLossIsTheSameAtEveryKAndM(self):
+        config = TinyLmWithDropout()
+        p = config.Task()
+        batch = next(iter(config.Train().Instantiate().TrainDataset(start_step=0)))
         losses = {}
-        for k in (1, 2, 3):
-            p.model.Set(num_cells=k, devices=DEVICES[:k], random_seed=SEED)
-            task = p.Instantiate()
+        for k, m in ((1, 1), (2, 4), (3, 2)):
+            p.model.Set(num_cells=k, num_micro_batches=m, devices=DEVICES[:k],
+                        random_seed=SEED)
             with fprop_context.Scope(step=5):
-                losses[k] = float(task.FPropTower(batch).loss[0])
-        self.assertAllClose([losses[2], losses[3]], [losses[1]] * 2, rtol=RTOL, atol=0)
+                losses[k, m] = float(p.Instantiate().FPropTower(batch).loss[0])
+        with fprop_context.Scope(training=False):
+            clean = float(p.Instantiate().FPropTower(batch).loss[0])
+        self.assertNotAllClose(losses[1, 1], clean)  # Dropout was on.
+        self.assertAllClose(list(losses.values()), [losses[1, 1]] * 3, rtol=RTOL, atol=0)
 
 
 class CheckpointTest(tf.test.TestCase):

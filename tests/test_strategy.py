@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from gpipe_tf import model_registry
 from gpipe_tf import test_utils
+from gpipe_tf.layers import basic
 from gpipe_tf.layers import normalization
 from gpipe_tf.tasks import base_task
 from gpipe_tf.train import program
@@ -22,15 +23,19 @@ CLIP = 0.25  # Below the gradient norms of both models' first steps.
 STRATEGY = tf.distribute.MirroredStrategy(DEVICES[:2])
 
 
-def _TaskParams(logical: bool, batch_norm: bool = False, model: str = 'examples.PipelinedMLP'):
+def _TaskParams(logical: bool, batch_norm: bool = False, model: str = 'examples.PipelinedMLP',
+                dropout: bool = False):
     p = model_registry.GetParams(model, 'Train')
-    p.model.num_cells = 2  # A layer's initial weights depend on its cell: same K in both.
+    p.model.num_cells = 2
     p.model.num_micro_batches = 4
     # Clipping is on, so the gradient the replicas combine must be the whole batch's before it.
     p.train.clip_gradient_norm_to_value = CLIP
     if batch_norm:
         p.model.layer_tpl.insert(1, normalization.BatchNormLayer.Params().Set(name='bn', dim=64))
         p.model.partition_method = [0, 2, 5]  # The same cells in every run.
+    if dropout:  # Each replica draws its examples' masks: those of one pipeline.
+        p.model.layer_tpl.insert(2, basic.DropoutLayer.Params().Set(name='dropout',
+                                                                    keep_prob=0.5))
     if logical:
         p.model.logical_device_fn = tpu.ShardingAssign
     else:
@@ -52,10 +57,11 @@ class StrategyProgramTest(tf.test.TestCase):
     def Losses(self, prog, steps=STEPS):
         return [metrics['loss'] for metrics in self.Metrics(prog, steps)]
 
-    def AssertTrainsLikeOnePipeline(self, model):
-        reference = self.Metrics(program.EagerProgram(_TaskParams(False, model=model),
-                                                      self.LogDir()))
-        prog = program.StrategyProgram(_TaskParams(True, model=model), self.LogDir(), STRATEGY)
+    def AssertTrainsLikeOnePipeline(self, model, dropout=False):
+        reference = self.Metrics(program.EagerProgram(
+            _TaskParams(False, model=model, dropout=dropout), self.LogDir()))
+        prog = program.StrategyProgram(_TaskParams(True, model=model, dropout=dropout),
+                                       self.LogDir(), STRATEGY)
         metrics = self.Metrics(prog)
         self.assertEqual(prog.CurrentStep(), STEPS)
         for name in ('loss', 'accuracy', 'grad_norm'):
@@ -66,7 +72,7 @@ class StrategyProgramTest(tf.test.TestCase):
         self.assertLess(metrics[-1]['loss'], metrics[0]['loss'])
 
     def testReplicasOnLogicalDevicesTrainLikeOnePipeline(self):
-        self.AssertTrainsLikeOnePipeline('examples.PipelinedMLP')
+        self.AssertTrainsLikeOnePipeline('examples.PipelinedMLP', dropout=True)
 
     def testTokenWeightedLossesTrainLikeOnePipeline(self):
         # A language model's loss is a mean over tokens; the replicas' shards hold different

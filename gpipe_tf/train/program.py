@@ -177,10 +177,16 @@ class EagerProgram:
         """The dataset as the step takes it (a strategy's program splits it over replicas)."""
         return dataset
 
+    def _FirstExample(self):
+        """The index in the global batch of this replica's first example (the layers draw
+        their randomness per example): 0 for one program on the whole batch."""
+        return 0
+
     def _TrainMetrics(self, batch):
         """One update; returns its metrics as (value, weight) pairs."""
         with tf.GradientTape() as tape:
-            with fprop_context.Scope(training=True, step=self.global_step):
+            with fprop_context.Scope(training=True, step=self.global_step,
+                                     first_example=self._FirstExample()):
                 metrics = self.task.FPropTower(batch)
             _, metrics = update.Update(
                 self.task, self.optimizer, self.global_step, metrics,
@@ -258,6 +264,13 @@ class StrategyProgram(EagerProgram):
 
     def _Distribute(self, dataset):
         return self.strategy.experimental_distribute_dataset(dataset)
+
+    def _FirstExample(self):
+        # The distributed dataset gives replica r the r-th slice of every global batch, so
+        # its examples' indices start at r B / R: dropout masks are those of one program.
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        shard = self.task_params.input.batch_size // self.strategy.num_replicas_in_sync
+        return tf.cast(replica, tf.int64) * shard
 
     def Restore(self, training: bool = True, path: str | None = None) -> int:
         # Restored optimizer slots are created when first used, and must be the strategy's.
