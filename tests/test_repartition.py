@@ -225,6 +225,19 @@ class CheckpointTest(tf.test.TestCase):
                 for key, value in expected.items():
                     self.assertAllClose(values[key], value, rtol=RTOL, atol=1e-7, msg=key)
 
+    def testTheUnpipelinedStacksCheckpointRestoresIntoAPipeline(self):
+        stack = pipelining_layer.PipeliningLayer.UnpipelinedParams(
+            Pipeline(1).Set(random_seed=SEED + 1)).Instantiate()
+        directory = tempfile.mkdtemp(prefix='repartition_')
+        self.addCleanup(shutil.rmtree, directory, ignore_errors=True)
+        path = tf.train.Checkpoint(model=stack).save(os.path.join(directory, 'ckpt'))
+        layer = Pipeline(3, 2, 2).Instantiate()
+        tf.train.Checkpoint(model=layer).restore(path).assert_consumed()
+        expected = Values(stack)
+        self.assertCountEqual(Values(layer), expected)
+        for key, value in Values(layer).items():
+            self.assertAllEqual(value, expected[key], msg=key)
+
     def testDuplicateLayerNamesAreRefusedBeforeAnyVariable(self):
         layers = Layers()
         layers[2] = layers[2].Copy().Set(name='dense_0')
