@@ -291,6 +291,15 @@ def PipelinePlan(p, place: bool = True):
     return plan_lib.MakePlan(p.model, place=place)
 
 
+def NumMicroBatches(p, plan) -> int:
+    """M of task Params `p`'s pipeline (`plan`), from its input's batch when the plan has no
+    input_shapes; 1 for a model that is not a pipeline."""
+    from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    if plan is None:
+        return 1
+    return plan.num_micro_batches or plan_lib.NumMicroBatches(plan.params, p.input.batch_size)
+
+
 def TpuAddress(config: Config) -> str | None:
     """--tpu, or 'local' for --run_locally=tpu; None for a run without a TPU."""
     if config.tpu is not None:
@@ -342,8 +351,7 @@ def InspectModel(p, name: str, plan=None) -> str:
                                 num_params=metas[k].num_params if metas else None,
                                 activation_bytes=metas[k].activation_bytes if metas else None)
             for k, cell in enumerate(plan.cells)]
-    m = plan.num_micro_batches or 1
-    head = (f'{name}: K={plan.num_cells} cells, M={m} micro-batches, '
+    head = (f'{name}: K={plan.num_cells} cells, M={NumMicroBatches(p, plan)} micro-batches, '
             f'recompute={p.model.recompute}, batch {p.input.batch_size}. FLOPs and activation '
             'bytes are per mini-batch; with re-materialization a cell keeps about 1/M of its '
             'activations at a time.')
@@ -567,9 +575,9 @@ def RunTrain(config: Config, p, plan, logdir, with_eval: bool, resume_note: str 
           flush=True)
     prog = _Program(config, p, plan, logdir)
     print(f'built in {time.time() - start:.0f} s', flush=True)
-    m = plan.num_micro_batches if plan and plan.num_micro_batches else 1
     print(f'training {config.model} in {logdir}: {_Where(config, prog)}, '
-          f'M={m}, batch {p.input.batch_size}, {_GraphMode(config)}', flush=True)
+          f'M={NumMicroBatches(p, plan)}, batch {p.input.batch_size}, {_GraphMode(config)}',
+          flush=True)
     metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params, plan=plan,
                          resume_note=resume_note)
     # Greedy decoding runs eagerly, outside a TPU strategy's replicas.
@@ -608,6 +616,11 @@ def ReportBleu(prog, eval_params, name: str, logdir: str, num_samples: int = 5) 
     return bleu
 
 
+# How often eval and decode look for the newest checkpoint again when the one they found is
+# deleted under them by a trainer's max_to_keep.
+_RESTORE_ATTEMPTS = 5
+
+
 def _RestoredProgram(config: Config, p, plan, logdir: str):
     """(the program, its step) with the newest checkpoint that restores, read-only: for eval
     and decode, which may run beside a trainer.
@@ -615,12 +628,21 @@ def _RestoredProgram(config: Config, p, plan, logdir: str):
     Raises:
       errors.UserError: if `logdir` holds no checkpoint.
     """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     found = FindCheckpoint(logdir, writer=False)
     if found.path is None:
         raise errors.UserError(f'{config.mode}: no checkpoint under '
                                f'{os.path.join(logdir, "train")}; train first (--mode=train).')
     prog = _Program(config, p, plan, logdir)
-    return prog, prog.Restore(training=False, path=found.path)
+    for attempt in range(_RESTORE_ATTEMPTS):
+        try:
+            return prog, prog.Restore(training=False, path=found.path)
+        except tf.errors.NotFoundError:
+            # A trainer beside us deleted it (max_to_keep) after we found it: a newer one is
+            # there now.
+            if attempt + 1 == _RESTORE_ATTEMPTS:
+                raise
+            found = FindCheckpoint(logdir, writer=False)
 
 
 def RunEval(config: Config, p, plan, logdir) -> dict:

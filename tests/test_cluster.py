@@ -18,10 +18,10 @@ import sys
 import tempfile
 import time
 
-import tensorflow as tf
 from absl.testing import absltest
 
 from gpipe_tf import launch
+from gpipe_tf import test_utils
 from gpipe_tf.train import cluster as cluster_lib
 
 MLP = 'examples.PipelinedMLP'
@@ -82,13 +82,7 @@ def Run(*flags):
 
 
 def Losses(logdir):
-    values = {}
-    for path in sorted(glob.glob(os.path.join(logdir, 'train', 'events.*'))):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            for value in event.summary.value:
-                if value.tag == 'loss':
-                    values[event.step] = float(tf.make_ndarray(value.tensor))
-    return values
+    return test_utils.EventScalars(os.path.join(logdir, 'train'), 'loss')
 
 
 class ClusterSpecTest(absltest.TestCase):

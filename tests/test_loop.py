@@ -9,7 +9,6 @@ every `save_interval_steps` and at the end, evaluations every `eval_interval_ste
 end, the resume and nothing-to-train lines, and a non-finite loss stopping training with the
 last good checkpoint kept."""
 
-import glob
 import os
 import shutil
 import signal
@@ -22,6 +21,7 @@ import pytest
 import tensorflow as tf
 
 from gpipe_tf import model_registry
+from gpipe_tf import test_utils
 from gpipe_tf.train import loop
 
 pytestmark = pytest.mark.unit
@@ -229,13 +229,7 @@ class ScriptedProgram:
 
 def Scalars(directory, tag):
     """{step: value} of scalar `tag` in the event files under `directory`."""
-    values = {}
-    for path in sorted(glob.glob(os.path.join(directory, 'events.*'))):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            for value in event.summary.value:
-                if value.tag == tag:
-                    values[event.step] = float(tf.make_ndarray(value.tensor))
-    return values
+    return test_utils.EventScalars(directory, tag)
 
 
 class TrainWritesTest(tf.test.TestCase):

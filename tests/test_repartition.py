@@ -10,7 +10,6 @@ import os
 import shutil
 import tempfile
 
-import numpy as np
 import tensorflow as tf
 
 from gpipe_tf import test_utils

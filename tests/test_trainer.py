@@ -1,7 +1,13 @@
-"""The trainer binary, run as users run it (subprocesses): train, checkpoint, resume after
-SIGKILL with the same losses, recovery from damaged checkpoints, one trainer per logdir,
-SIGTERM saves in one line, v1 graph mode, eval, inspect modes, decode, the
-pipeline pictures (inspect_model's PNGs, training's TensorBoard images) and clear errors."""
+"""The trainer: train, checkpoint, resume after SIGKILL with the same losses, recovery from
+damaged checkpoints, one trainer per logdir, SIGTERM saves in one line, v1 graph mode, eval,
+inspect modes, decode, the pipeline pictures (inspect_model's PNGs, training's TensorBoard
+images) and clear errors.
+
+Most runs are trainer.Main in this process (`InProcess`): a subprocess pays TensorFlow's import
+and start-up again, several seconds a run. A run is a subprocess, as users run it, only where the
+test needs a process of its own: signals and kills, --help, what the real process prints at
+start-up or on a mistake, TPU connections (they change TensorFlow's global eager context), and
+the process's environment (TMPDIR)."""
 
 import contextlib
 import glob
@@ -20,7 +26,6 @@ from unittest import mock
 import numpy as np
 import tensorflow as tf
 
-from gpipe_tf import errors
 from gpipe_tf import model_registry
 from gpipe_tf import test_utils
 from gpipe_tf import trainer
@@ -33,6 +38,7 @@ from gpipe_tf.train import cluster as cluster_lib
 from gpipe_tf.train import loop
 from gpipe_tf.train import program
 
+# Before TensorFlow initialises: the in-process trainer runs on the first R x K of these.
 DEVICES = test_utils.ConfigureVirtualCpus()
 MLP = 'examples.PipelinedMLP'
 # Every step's loss goes to TensorBoard; checkpoints every 4 steps.
@@ -55,6 +61,8 @@ def StartTrainer(logdir, overrides, **popen_kwargs):
 
 
 def Run(*flags, check=True):
+    """The trainer with `flags` as a subprocess, as users run it: for the runs that need a
+    process of their own (the module's docstring says which); the others run `InProcess`."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
     result = subprocess.run(Command(*flags), capture_output=True, text=True, timeout=TIMEOUT,
                             env=env)
@@ -64,33 +72,13 @@ def Run(*flags, check=True):
     return result
 
 
-def InProcess(*flags, check=True):
-    """Runs the trainer with `flags` in this process (trainer.Main): a CompletedProcess with
-    its exit status and what it printed. For runs that build no TF program of their own
-    (errors, inspect modes); training runs as a subprocess, as users run it."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            status = trainer.Main(trainer.ParseConfig(list(flags)))
-        except errors.UserError as error:  # A bad flag, as _ParseFlags reports it.
-            print(f'error: {error}', file=sys.stderr)
-            status = 2
-    result = subprocess.CompletedProcess(list(flags), status, stdout.getvalue(),
-                                         stderr.getvalue())
-    if check and status != 0:
-        raise AssertionError(f'trainer failed ({status}):\n{result.stdout}\n{result.stderr}')
-    return result
+# The trainer in this process (`test_utils.TrainerInProcess`).
+InProcess = test_utils.TrainerInProcess
 
 
 def Scalars(logdir, tag, files=None):
-    """{step: value} of scalar `tag` in the event files under <logdir>/train (later files win)."""
-    values = {}
-    for path in files or sorted(glob.glob(os.path.join(logdir, 'train', 'events.*'))):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            for value in event.summary.value:
-                if value.tag == tag:
-                    values[event.step] = float(tf.make_ndarray(value.tensor))
-    return values
+    """{step: value} of scalar `tag` in the training event files of `logdir`."""
+    return test_utils.EventScalars(os.path.join(logdir, 'train'), tag, files)
 
 
 def Images(logdir):
@@ -140,9 +128,9 @@ class ReferenceRunTestCase(TrainerTestCase):
     def setUpClass(cls):
         super().setUpClass()
         cls.reference_dir = tempfile.mkdtemp(prefix='trainer_reference_')
-        cls.reference_output = Run(f'--model={MLP}', f'--logdir={cls.reference_dir}',
-                                   f'--max_steps={cls.MAX_STEPS}',
-                                   f'--model_params_override={cls.OVERRIDES}').stdout
+        cls.reference_output = InProcess(f'--model={MLP}', f'--logdir={cls.reference_dir}',
+                                         f'--max_steps={cls.MAX_STEPS}',
+                                         f'--model_params_override={cls.OVERRIDES}').stdout
         cls.reference = Scalars(cls.reference_dir, 'loss')
 
     @classmethod
@@ -180,8 +168,9 @@ class TrainAndResumeTest(ReferenceRunTestCase):
         saved = CheckpointSteps(logdir)[-1]
         self.assertLessEqual(saved, 16, 'the run was not killed mid-run')
         before = EventFiles(logdir)
-        output = Run(f'--model={MLP}', f'--logdir={logdir}', f'--max_steps={saved + 8}',
-                     f'--model_params_override={FAST}').stdout
+        # The resume needs no process of its own.
+        output = InProcess(f'--model={MLP}', f'--logdir={logdir}', f'--max_steps={saved + 8}',
+                           f'--model_params_override={FAST}').stdout
         self.assertIn(f'resumed from {os.path.join(logdir, "train", f"ckpt-{saved}")} at step '
                       f'{saved}', output)
         resumed = Scalars(logdir, 'loss', sorted(EventFiles(logdir) - before))
@@ -192,40 +181,41 @@ class TrainAndResumeTest(ReferenceRunTestCase):
 
     def testV1GraphModeGivesTheSameLossesAndResumes(self):
         logdir = self.LogDir()
-        Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=8', '--graph_mode=v1',
-            f'--model_params_override={FAST}')
-        output = Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=12',
-                     '--graph_mode=v1', f'--model_params_override={FAST}').stdout
+        InProcess(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=8', '--graph_mode=v1',
+                  f'--model_params_override={FAST}')
+        output = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=12',
+                           '--graph_mode=v1', f'--model_params_override={FAST}').stdout
         self.assertIn('at step 8', output)
         losses = Scalars(logdir, 'loss')
         self.assertEqual(sorted(losses), list(range(1, 13)))
         for step, loss in losses.items():
             self.assertAllClose(loss, self.reference[step], rtol=1e-5, msg=f'step {step}')
 
-    def testWorkerReplicasTrainLikeOnePipeline(self):
-        # R=2 replicas of K=2 cells on 4 devices, each on half of every batch: the summed
-        # gradients are the global batch's, so the losses are the one-pipeline run's.
-        # (K is the same in both runs: a layer's initial weights depend on its cell.)
-        losses = {}
-        for replicas in (1, 2):
-            logdir = self.LogDir()
-            output = Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=6',
-                         f'--worker_replicas={replicas}', '--worker_split_size=2',
-                         f'--model_params_override={FAST}').stdout
-            losses[replicas] = Scalars(logdir, 'loss')
-        self.assertIn('R=2 replicas x K=2 cells', output)
-        self.assertEqual(sorted(losses[2]), list(range(1, 7)))
-        for step, loss in losses[2].items():
-            self.assertAllClose(loss, losses[1][step], rtol=1e-5, msg=f'step {step}')
-
     def testEvalModeEvaluatesTheLatestCheckpoint(self):
-        output = Run(f'--model={MLP}', f'--logdir={self.reference_dir}', '--mode=eval').stdout
+        output = InProcess(f'--model={MLP}', f'--logdir={self.reference_dir}',
+                           '--mode=eval').stdout
         self.assertRegex(output, r'eval Test at step 24: accuracy 0\.\d+\s+log_loss \d')
+
+    def testEvalLooksAgainWhenATrainerDeletesItsCheckpointUnderIt(self):
+        # A trainer beside eval deletes old checkpoints (max_to_keep) as it saves new ones.
+        restore, paths = program.EagerProgram.Restore, []
+
+        def RestoreAfterADeletion(prog, training=True, path=None):
+            paths.append(path)
+            if len(paths) == 1:
+                raise tf.errors.NotFoundError(None, None, f'{path}.index: not found')
+            return restore(prog, training, path)
+
+        with mock.patch.object(program.EagerProgram, 'Restore', RestoreAfterADeletion):
+            output = InProcess(f'--model={MLP}', f'--logdir={self.reference_dir}',
+                               '--mode=eval').stdout
+        self.assertLen(paths, 2)
+        self.assertRegex(output, r'eval Test at step 24: accuracy 0\.\d+')
 
     def testSeedFlagChangesInitialisationAndDataOrder(self):
         logdir = self.LogDir()
-        Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=2', '--seed=7',
-            f'--model_params_override={FAST}')
+        InProcess(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=2', '--seed=7',
+                  f'--model_params_override={FAST}')
         self.assertNotAlmostEqual(Scalars(logdir, 'loss')[1], self.reference[1], places=6)
 
 
@@ -235,10 +225,10 @@ class NonFiniteLossTest(TrainerTestCase):
         logdir = self.LogDir()
         # A learning rate of 1e38 sends the weights to ~1e38 at step 1: step 2's loss is not
         # finite.
-        result = Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=50',
-                     '--model_params_override=train.learning_rate : 1e38; '
-                     'train.save_interval_steps : 1; train.clip_gradient_norm_to_value : 0.0',
-                     check=False)
+        result = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=50',
+                           '--model_params_override=train.learning_rate : 1e38; '
+                           'train.save_interval_steps : 1; '
+                           'train.clip_gradient_norm_to_value : 0.0', check=False)
         self.assertNotEqual(result.returncode, 0)
         self.assertRegex(result.stderr, r'The loss is (nan|inf) at step \d+: training stopped')
         found = re.search(r'at step (\d+): training stopped\. The last good checkpoint is '
@@ -284,8 +274,8 @@ class RecoveryTest(ReferenceRunTestCase):
         return logdir
 
     def Train(self, logdir, max_steps, *flags, check=True):
-        return Run(f'--model={MLP}', f'--logdir={logdir}', f'--max_steps={max_steps}',
-                   f'--model_params_override={RECOVERY}', *flags, check=check)
+        return InProcess(f'--model={MLP}', f'--logdir={logdir}', f'--max_steps={max_steps}',
+                         f'--model_params_override={RECOVERY}', *flags, check=check)
 
     def NewLosses(self, logdir):
         """The losses of the runs on a copy of the reference logdir, not of the reference."""
@@ -367,8 +357,10 @@ class RecoveryTest(ReferenceRunTestCase):
                 time.sleep(0.1)
             with open(os.path.join(logdir, 'params.txt')) as f:
                 params = f.read()
-            second = self.Train(logdir, 100000, '--model_params_override=train.learning_rate '
-                                ': 0.5', check=False)
+            # Subprocesses, as users run them beside a trainer (a second trainer that is not
+            # refused would train until TIMEOUT, not forever).
+            second = Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=100000',
+                         '--model_params_override=train.learning_rate : 0.5', check=False)
             self.assertEqual(second.returncode, 2)
             self.assertRegex(ErrorLine(second),
                              rf'^error: {logdir} is in use by another trainer \(pid '
@@ -400,12 +392,13 @@ class RecoveryTest(ReferenceRunTestCase):
         with open(victim, 'w') as f:
             f.write('keep me')
         os.symlink(victim, os.path.join(logdir, 'params.txt'))
-        Run(f'--model={MLP}', f'--logdir={logdir}', '--mode=inspect_params')
+        InProcess(f'--model={MLP}', f'--logdir={logdir}', '--mode=inspect_params')
         with open(victim) as f:
             self.assertEqual(f.read(), 'keep me')
         self.assertFalse(os.path.islink(os.path.join(logdir, 'params.txt')))
 
     def testTheDefaultLogdirIsPrivateAndRefusedWhenItIsNot(self):
+        # Subprocesses: the default root follows TMPDIR, which tempfile reads once a process.
         tmp = self.LogDir()
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', TMPDIR=tmp)
         result = subprocess.run(Command(f'--model={MLP}', '--mode=inspect_params'),
@@ -425,9 +418,9 @@ class RecoveryTest(ReferenceRunTestCase):
                          f'it. `chmod 700 {root}` or pass --logdir.')
 
     def testADeviceThatDoesNotExistIsAnError(self):
-        result = Run(f'--model={MLP}', f'--logdir={self.LogDir()}', '--max_steps=1',
-                     '--worker_split_size=2', '--model_params_override=model.devices : '
-                     "['/device:CPU:0', '/device:CPU:9']", check=False)
+        result = InProcess(f'--model={MLP}', f'--logdir={self.LogDir()}', '--max_steps=1',
+                           '--worker_split_size=2', '--model_params_override=model.devices : '
+                           "['/device:CPU:0', '/device:CPU:9']", check=False)
         self.assertEqual(result.returncode, 2, result.stderr[-3000:])
         line = ErrorLine(result)
         self.assertIn('/device:CPU:9', line)
@@ -491,15 +484,15 @@ class DecodeTest(TrainerTestCase):
 
     def testClassifiesImageFiles(self):
         logdir = self.LogDir()
-        Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=1')
+        InProcess(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=1')
         paths = []
         for i in range(3):
             path = os.path.join(logdir, f'image_{i}.png')
             pixels = tf.cast(tf.random.stateless_uniform([4, 4, 1], [i, 0], 0, 255), tf.uint8)
             tf.io.write_file(path, tf.io.encode_png(pixels))
             paths.append(path)
-        output = Run(f'--model={MLP}', f'--logdir={logdir}', '--mode=decode',
-                     f'--decode_input={",".join(paths)}').stdout
+        output = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--mode=decode',
+                           f'--decode_input={",".join(paths)}').stdout
         lines = output.strip().splitlines()
         self.assertLen(lines, 3)
         for path, line in zip(paths, lines):
@@ -510,14 +503,14 @@ class TranslateTest(TrainerTestCase):
 
     def testTrainsOnTheShippedCorpusThenTranslates(self):
         logdir = self.LogDir()
-        output = Run('--model=mt.multilingual.TransformerTiny', f'--logdir={logdir}',
-                     '--max_steps=2', '--model_params_override=train.summary_interval_steps : 1'
-                     ).stdout
+        output = InProcess('--model=mt.multilingual.TransformerTiny', f'--logdir={logdir}',
+                           '--max_steps=2',
+                           '--model_params_override=train.summary_interval_steps : 1').stdout
         self.assertRegex(output, r'step\s+2/2\s+loss \d+\.\d+')
         self.assertEqual(CheckpointSteps(logdir), [2])
-        output = Run('--model=mt.multilingual.TransformerTiny', f'--logdir={logdir}',
-                     '--mode=decode', '--target_language=de',
-                     '--decode_input=Enter a valid date.,Add user').stdout
+        output = InProcess('--model=mt.multilingual.TransformerTiny', f'--logdir={logdir}',
+                           '--mode=decode', '--target_language=de',
+                           '--decode_input=Enter a valid date.,Add user').stdout
         lines = output.rstrip('\n').split('\n')
         self.assertLen(lines, 2)
         self.assertTrue(lines[0].startswith('Enter a valid date.\t'), lines[0])
@@ -554,8 +547,9 @@ class SmallConfigsTrainTest(TrainerTestCase):
 
     def _TrainsTwoSteps(self, model, *flags):
         logdir = self.LogDir()
-        output = Run(f'--model={model}', f'--logdir={logdir}', '--max_steps=2',
-                     '--model_params_override=train.summary_interval_steps : 1', *flags).stdout
+        output = InProcess(f'--model={model}', f'--logdir={logdir}', '--max_steps=2',
+                           '--model_params_override=train.summary_interval_steps : 1',
+                           *flags).stdout
         self.assertRegex(output, r'step\s+2/2\s+loss \d+\.\d+')
         self.assertEqual(CheckpointSteps(logdir), [2])
 
@@ -686,7 +680,8 @@ class ErrorsTest(TrainerTestCase):
 
     def FailsWithoutTraceback(self, *flags) -> str:
         """Trains with `flags`, which must end in exit status 1 before any step and without a
-        traceback; returns stderr."""
+        traceback; returns stderr. A subprocess: connecting to a TPU changes TensorFlow's
+        global eager context, and the exit status 1 is _Main's (os._exit), not Main's."""
         result = Run(f'--model={MLP}', f'--logdir={self.LogDir()}', '--max_steps=1', *flags,
                      check=False)
         self.assertEqual(result.returncode, 1, result.stderr[-2000:])
@@ -828,8 +823,8 @@ class PipelinePicturesTest(TrainerTestCase):
 
     def testTrainingWritesThePicturesToTensorBoardOnce(self):
         logdir = self.LogDir()
-        output = Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=3',
-                     f'--model_params_override={FAST}').stdout
+        output = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=3',
+                           f'--model_params_override={FAST}').stdout
         tags = [f'pipeline/{key}' for key in PLAN_PICTURES + ('timeline_measured',)]
         # The run's second step is traced: its first also traces the step function.
         self.AssertImages(logdir, tags, step=2)
@@ -837,8 +832,8 @@ class PipelinePicturesTest(TrainerTestCase):
 
     def testV1GraphModeTracesItsStepToo(self):
         logdir = self.LogDir()
-        Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=2', '--graph_mode=v1',
-            f'--model_params_override={FAST}')
+        InProcess(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=2', '--graph_mode=v1',
+                  f'--model_params_override={FAST}')
         self.AssertImages(logdir, [f'pipeline/{key}' for key in PLAN_PICTURES +
                                    ('timeline_measured',)], step=2)
 
@@ -846,8 +841,8 @@ class PipelinePicturesTest(TrainerTestCase):
         losses = {}
         for plot in (True, False):
             logdir = self.LogDir()
-            Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=4',
-                f'--model_params_override={FAST}; train.plot_pipeline : {plot}')
+            InProcess(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=4',
+                      f'--model_params_override={FAST}; train.plot_pipeline : {plot}')
             self.assertEqual(bool(Images(logdir)), plot)
             losses[plot] = Scalars(logdir, 'loss')
         self.assertEqual(sorted(losses[True]), [1, 2, 3, 4])
@@ -856,9 +851,9 @@ class PipelinePicturesTest(TrainerTestCase):
     def testAPictureThatCannotBeDrawnIsAWarningNotAnError(self):
         logdir = self.LogDir()
         # Without input_shapes there is no plan to draw; the traced step still is.
-        output = Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=2',
-                     "--model_params_override=model.partition_method : 'uniform'; "
-                     'model.input_shapes : None').stdout
+        output = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=2',
+                           "--model_params_override=model.partition_method : 'uniform'; "
+                           'model.input_shapes : None').stdout
         self.assertRegex(output, r'step\s+2/2\s+loss \d+\.\d+')
         self.AssertImages(logdir, ['pipeline/timeline_measured'], step=2)
 

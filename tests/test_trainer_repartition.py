@@ -5,9 +5,7 @@ stopped and goes on with the losses of a run that never changed (layers are keye
 randomness drawn per example). The runs are in this process (`trainer.Main`).
 """
 
-import contextlib
 import glob
-import io
 import json
 import os
 import shutil
@@ -16,7 +14,6 @@ import tempfile
 import tensorflow as tf
 
 from gpipe_tf import test_utils
-from gpipe_tf import trainer
 from gpipe_tf.train import legacy_checkpoints
 
 DEVICES = test_utils.ConfigureVirtualCpus()
@@ -31,25 +28,13 @@ LEGACY = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data',
 
 def Main(*flags, overrides=FAST) -> str:
     """The trainer with `flags` in this process; its stdout. Raises unless it exits 0."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        status = trainer.Main(trainer.ParseConfig(
-            [f'--model={MLP}', f'--model_params_override={overrides}'] + list(flags)))
-    if status:
-        raise AssertionError(f'trainer exit status {status}:\n{stdout.getvalue()}\n'
-                             f'{stderr.getvalue()}')
-    return stdout.getvalue()
+    return test_utils.TrainerInProcess(
+        f'--model={MLP}', f'--model_params_override={overrides}', *flags).stdout
 
 
 def Losses(logdir: str) -> dict[int, float]:
-    """{step: loss} from the event files under <logdir>/train (later files win)."""
-    losses = {}
-    for path in sorted(glob.glob(os.path.join(logdir, 'train', 'events.*'))):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            for value in event.summary.value:
-                if value.tag == 'loss':
-                    losses[event.step] = float(tf.make_ndarray(value.tensor))
-    return losses
+    """{step: loss} of the run in `logdir` (a resumed run's steps from its own files)."""
+    return test_utils.EventScalars(os.path.join(logdir, 'train'), 'loss')
 
 
 class ResumeUnderAnotherPartitionTest(tf.test.TestCase):
