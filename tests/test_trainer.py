@@ -357,10 +357,11 @@ class RecoveryTest(ReferenceRunTestCase):
                 time.sleep(0.1)
             with open(os.path.join(logdir, 'params.txt')) as f:
                 params = f.read()
-            # Subprocesses, as users run them beside a trainer (a second trainer that is not
-            # refused would train until TIMEOUT, not forever).
-            second = Run(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=100000',
-                         '--model_params_override=train.learning_rate : 0.5', check=False)
+            # In this process, beside the trainer's (a second trainer that is not refused would
+            # train its 200 steps and exit 0).
+            second = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=200',
+                               '--model_params_override=train.learning_rate : 0.5',
+                               check=False)
             self.assertEqual(second.returncode, 2)
             self.assertRegex(ErrorLine(second),
                              rf'^error: {logdir} is in use by another trainer \(pid '
@@ -368,7 +369,7 @@ class RecoveryTest(ReferenceRunTestCase):
                              r'stop it, or pass another --logdir\.$')
             with open(os.path.join(logdir, 'params.txt')) as f:
                 self.assertEqual(f.read(), params)
-            evaluation = Run(f'--model={MLP}', f'--logdir={logdir}', '--mode=eval')
+            evaluation = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--mode=eval')
             self.assertRegex(evaluation.stdout, r'eval Test at step \d+: accuracy')
             self.assertIsNone(first.poll(), 'the first trainer stopped')
             first.send_signal(signal.SIGTERM)
