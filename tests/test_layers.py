@@ -1,6 +1,8 @@
 """Tests of the layers: FPropMeta against reality, gradients, Params text, and each layer's own
 semantics (dropout masks, batch norm statistics, window shapes, the loss)."""
 
+from unittest import mock
+
 import pytest
 import numpy as np
 import tensorflow as tf
@@ -185,6 +187,34 @@ class CostTest(tf.test.TestCase):
         expected = (depthwise.cls.FPropMeta(depthwise, shape).flops +
                     pointwise.cls.FPropMeta(pointwise, tf.TensorShape([1, 6, 6, 8])).flops)
         self.assertEqual(p.cls.FPropMeta(p, shape).flops, expected)
+
+
+class ChainMetaTest(tf.test.TestCase):
+    """ChainMeta computes each distinct layer's FPropMeta once: names do not count."""
+
+    def testEqualLayersAreComputedOnceAndOthersAgain(self):
+        dense = lambda i, dim=8: basic.DenseLayer.Params().Set(name=f'dense_{i}', input_dim=8,
+                                                              output_dim=dim)
+        calls = []
+        original = basic.DenseLayer.FPropMeta.__func__
+
+        def Counting(cls, p, *shapes):
+            calls.append(p.name)
+            return original(cls, p, *shapes)
+
+        with mock.patch.object(basic.DenseLayer, 'FPropMeta', classmethod(Counting)):
+            sequential._METAS.clear()  # pylint: disable=protected-access
+            total, metas = sequential.ChainMeta([dense(i) for i in range(6)],
+                                                tf.TensorShape([4, 8]))
+            self.assertEqual(calls, ['dense_0'])
+            self.assertEqual(total.flops, 6 * metas[0].flops)
+            # Another output size, and another input shape: computed anew.
+            sequential.ChainMeta([dense(6, dim=4)], tf.TensorShape([4, 8]))
+            sequential.ChainMeta([dense(7)], tf.TensorShape([2, 8]))
+            self.assertEqual(calls, ['dense_0', 'dense_6', 'dense_7'])
+            self.assertEqual(
+                sequential.ChainMeta([dense(8, dim=4)], tf.TensorShape([4, 8]))[0].out_shapes,
+                tf.TensorShape([4, 4]))
 
 
 class DropoutLayerTest(tf.test.TestCase):
