@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+from unittest import mock
 
 import tensorflow as tf
 
@@ -130,6 +131,20 @@ class CellKeyedCheckpointTest(tf.test.TestCase):
     def testEvalReadsIt(self):
         output = Main(f'--logdir={self.logdir}', '--mode=eval')
         self.assertRegex(output, r'eval Test at step 16: accuracy 0\.\d+')
+
+    def testEvalReadsItFromALogdirItCannotWrite(self):
+        converted_dir = os.path.dirname(legacy_checkpoints.ConvertedPath(self.checkpoint))
+        makedirs = tf.io.gfile.makedirs
+
+        def ReadOnly(path):
+            if path == converted_dir:
+                raise tf.errors.PermissionDeniedError(None, None, f'{path}: read-only')
+            return makedirs(path)
+
+        with mock.patch.object(tf.io.gfile, 'makedirs', ReadOnly):
+            output = Main(f'--logdir={self.logdir}', '--mode=eval')
+        self.assertRegex(output, r'eval Test at step 16: accuracy 0\.\d+')
+        self.assertFalse(os.path.exists(converted_dir))
 
 
 if __name__ == '__main__':

@@ -14,8 +14,11 @@ original is never changed. Checkpoints saved after the restore are keyed by laye
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
+import tempfile
 
 import tensorflow as tf
 from absl import logging
@@ -87,15 +90,18 @@ def Rewrite(graph) -> int:
     return len(pipelines)
 
 
-def ConvertedPath(prefix: str) -> str:
-    directory, name = os.path.split(prefix)
-    return os.path.join(directory, CONVERTED_DIR, name)
+def ConvertedPath(prefix: str, directory: str | None = None) -> str:
+    """Where the converted copy of `prefix` goes: `directory`, by default `converted/` beside
+    the checkpoint."""
+    checkpoint_dir, name = os.path.split(prefix)
+    return os.path.join(directory or os.path.join(checkpoint_dir, CONVERTED_DIR), name)
 
 
-def Convert(prefix: str) -> str:
-    """Writes the converted copy of old-layout checkpoint `prefix` (unless a complete one
-    exists); returns its prefix. Every tensor is copied under its own key."""
-    converted = ConvertedPath(prefix)
+def Convert(prefix: str, directory: str | None = None) -> str:
+    """Writes the converted copy of old-layout checkpoint `prefix` into `directory` (default:
+    `ConvertedPath`'s), unless a complete one is there; returns its prefix. Every tensor is
+    copied under its own key."""
+    converted = ConvertedPath(prefix, directory)
     if tf.io.gfile.exists(converted + '.index'):
         return converted
     reader = tf.train.load_checkpoint(prefix)
@@ -132,7 +138,16 @@ def Readable(prefix: str) -> str:
     converted copy (made now if needed), with a warning."""
     if not IsCellKeyed(prefix):
         return prefix
-    converted = Convert(prefix)
+    try:
+        converted = Convert(prefix)
+    except (tf.errors.OpError, OSError) as error:
+        # A logdir this process may not write (eval of a read-only bucket, say): a private
+        # copy, kept until the process ends (optimizer slots restore when first used).
+        directory = tempfile.mkdtemp(prefix='gpipe_converted_')
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        logging.warning('Cannot write the converted copy beside %s (%s); writing it to %s.',
+                        prefix, error, directory)
+        converted = Convert(prefix, directory)
     logging.warning('Checkpoint %s keys the pipeline\'s layers by cell (written before '
                     'checkpoints became independent of the partition); it is read through a '
                     'converted copy, %s. Checkpoints saved from now on restore at any K.',
