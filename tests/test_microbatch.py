@@ -65,6 +65,11 @@ class BatchSizeTest(tf.test.TestCase, parameterized.TestCase):
             microbatch.BatchSize([tf.zeros([4, 6, 2]), tf.zeros([4, 6])], 2)
         with self.assertRaisesRegex(ValueError, r'shape \(\) has no batch_dim 0'):
             microbatch.BatchSize(tf.constant(1.0), 0)
+        with self.assertRaisesRegex(ValueError, r'shape \(4, 3\) has no batch_dim -3'):
+            microbatch.BatchSize([tf.zeros([4, 3])], -3)
+
+    def testANegativeBatchDimCountsFromTheEnd(self):
+        self.assertEqual(microbatch.BatchSize([tf.zeros([4, 3])], -1), 3)
 
 
 class NumMicroBatchesTest(tf.test.TestCase, parameterized.TestCase):
@@ -181,6 +186,10 @@ class ConcatTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllEqual(back[0], inputs[0])
         self.assertAllEqual(back[1][0], inputs[1][0])
         self.assertIsNone(back[1][1])
+
+    def testNothingToConcatenateRaises(self):
+        with self.assertRaisesRegex(ValueError, 'at least one micro-batch'):
+            microbatch.Concat([])
 
     def testGathersInListOrder(self):
         parts = [tf.fill([2, 1], float(m)) for m in (3, 0, 2)]

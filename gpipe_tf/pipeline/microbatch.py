@@ -18,7 +18,7 @@ def BatchSize(inputs, batch_dim: int) -> int | None:
     sizes = set()
     for x in _Leaves(inputs):
         shape = x.shape
-        if shape.rank is not None and shape.rank <= batch_dim:
+        if shape.rank is not None and not -shape.rank <= batch_dim < shape.rank:
             raise ValueError(f'Input of shape {shape} has no batch_dim {batch_dim}.')
         sizes.add(shape[batch_dim] if shape.rank is not None else None)
     known = {s for s in sizes if s is not None}
@@ -66,7 +66,13 @@ def Split(inputs, num_micro_batches: int, batch_dim: int = 0) -> list:
 
 
 def Concat(micro_batches: list, batch_dim: int = 0):
-    """Concatenates a list of like-structured nests along `batch_dim`."""
+    """Concatenates a list of like-structured nests along `batch_dim`.
+
+    Raises:
+      ValueError: for an empty list (there is nothing to give the result its structure).
+    """
+    if not micro_batches:
+        raise ValueError('Concat needs at least one micro-batch, got none.')
     flats = [tf.nest.flatten(mb) for mb in micro_batches]
     joined = [tf.concat(list(parts), axis=batch_dim) if parts[0] is not None else None
               for parts in zip(*flats)]
