@@ -292,12 +292,9 @@ def PipelinePlan(p, place: bool = True):
 
 
 def NumMicroBatches(p, plan) -> int:
-    """M of task Params `p`'s pipeline (`plan`), from its input's batch when the plan has no
-    input_shapes; 1 for a model that is not a pipeline."""
-    from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
-    if plan is None:
-        return 1
-    return plan.num_micro_batches or plan_lib.NumMicroBatches(plan.params, p.input.batch_size)
+    """M of task Params `p`'s pipeline (`plan`) for its input's batch; 1 for a model that is not
+    a pipeline."""
+    return 1 if plan is None else plan.MicroBatchesOf(p.input.batch_size)
 
 
 def TpuAddress(config: Config) -> str | None:

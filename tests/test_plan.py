@@ -43,6 +43,16 @@ class MakePlanTest(parameterized.TestCase):
                                          micro_batch_size=micro_batch_size), place=False)
         self.assertEqual((plan.batch_size, plan.num_micro_batches), (BATCH, expected))
 
+    def testWithoutInputShapesMComesFromTheBatchGiven(self):
+        plan = plan_lib.MakePlan(_Params(micro_batch_size=2, partition_method='uniform').Set(
+            input_shapes=None), place=False)
+        self.assertIsNone(plan.num_micro_batches)
+        self.assertEqual(plan.MicroBatchesOf(32), 16)
+        with_shapes = plan_lib.MakePlan(_Params(micro_batch_size=2), place=False)
+        self.assertEqual(with_shapes.MicroBatchesOf(32), 8)  # The plan's own batch: 16.
+        with self.assertRaisesRegex(errors.ConfigError, 'not divisible by micro_batch_size'):
+            plan.MicroBatchesOf(7)
+
     def testMIsPerReplica(self):
         plan = plan_lib.MakePlan(_Params(num_replicas=2, micro_batch_size=2), place=False)
         self.assertEqual((plan.num_replicas, plan.num_micro_batches), (2, 4))

@@ -64,6 +64,11 @@ class Plan:
         """R."""
         return self.params.num_replicas
 
+    def MicroBatchesOf(self, batch_size: int) -> int:
+        """M: the plan's, or, for a plan without input_shapes, the one rule's for a mini-batch
+        of `batch_size` examples (a task's input batch)."""
+        return self.num_micro_batches or NumMicroBatches(self.params, batch_size)
+
     @property
     def devices(self) -> list[str]:
         """The device of each cell of the first replica, where the variables live."""

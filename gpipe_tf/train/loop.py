@@ -26,7 +26,6 @@ from absl import logging
 
 from gpipe_tf.perf import pictures
 from gpipe_tf.perf import plot
-from gpipe_tf.pipeline import plan as plan_lib
 
 
 def FormatDuration(seconds: float) -> str:
@@ -174,12 +173,9 @@ def PipelineFigures(task_params, plan, step: int, step_trace) -> dict:
                         step_trace.error)
         return figures
     try:
-        # Without input_shapes the plan has no batch: M from the input's (the one rule).
-        num_micro_batches = plan.num_micro_batches or plan_lib.NumMicroBatches(
-            plan.params, task_params.input.batch_size)
         figures['timeline_measured'] = pictures.MeasuredTimelineFigure(
-            step_trace.events, plan.num_cells, num_micro_batches,
-            f'{name}\nmeasured step {step}')
+            step_trace.events, plan.num_cells,
+            plan.MicroBatchesOf(task_params.input.batch_size), f'{name}\nmeasured step {step}')
     except Exception as error:  # pylint: disable=broad-except
         logging.warning('No measured timeline of %s: %s', name, error)
     return figures
