@@ -25,6 +25,15 @@ def ExpandRepeats(sub: list, repeat: int) -> list:
     return out
 
 
+def Apply(layers: list, theta, *inputs):
+    """`layers` applied in order, each to the previous one's outputs (a tuple is spread over the
+    next layer's arguments), each with `theta[<its name>]`; a single output is returned as is."""
+    args = inputs
+    for layer in layers:
+        args = base_layer.AsArgs(layer.FProp(theta[layer.p.name], *args))
+    return args[0] if len(args) == 1 else args
+
+
 # FPropMeta is a pure function of a layer's Params (its name aside) and its input shapes, and a
 # model's layers mostly repeat (the largest Transformer has 1663 equal layers): `Meta` computes
 # each distinct (Params, shapes) once. Metas are treated as values: nothing changes one.
@@ -86,10 +95,7 @@ class SequentialLayer(BaseLayer):
         return list(self._sequence)
 
     def FProp(self, theta, *inputs):
-        args = inputs
-        for layer in self._sequence:
-            args = base_layer.AsArgs(layer.FProp(theta[layer.p.name], *args))
-        return args[0] if len(args) == 1 else args
+        return Apply(self._sequence, theta, *inputs)
 
     @classmethod
     def FPropMeta(cls, p, *input_shapes):

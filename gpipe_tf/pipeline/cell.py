@@ -9,7 +9,7 @@ groups the layers for the executor: their variables, their theta, and their forw
 
 from __future__ import annotations
 
-from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import sequential
 from gpipe_tf.nested_map import NestedMap
 
 
@@ -55,7 +55,4 @@ class Cell:
     def FProp(self, theta: NestedMap, *inputs):
         """The layers applied in order, each to the previous one's outputs; `theta` is the cell's
         (`Theta`)."""
-        args = inputs
-        for layer in self._layers:
-            args = base_layer.AsArgs(layer.FProp(theta[layer.p.name], *args))
-        return args[0] if len(args) == 1 else args
+        return sequential.Apply(self._layers, theta, *inputs)

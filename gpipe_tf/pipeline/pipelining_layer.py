@@ -17,7 +17,6 @@ from absl import logging
 
 from gpipe_tf import errors
 from gpipe_tf import hyperparams
-from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import sequential
 from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
@@ -198,10 +197,7 @@ class PipeliningLayer(BaseLayer):
     def FProp(self, theta, *inputs):
         p = self.p
         with tf.device(self._devices[0]), fprop_context.Scope(batch_dim=p.batch_dim):
-            args = inputs
-            for layer in self._before:
-                args = base_layer.AsArgs(layer.FProp(theta[layer.p.name], *args))
-        inputs = args[0] if len(args) == 1 else args
+            inputs = sequential.Apply(self._before, theta, *inputs)
         batch_size = microbatch.BatchSize(inputs, p.batch_dim)
         if batch_size is None:
             raise errors.ConfigError(f'{self.path}: the batch dimension {p.batch_dim} of the '
