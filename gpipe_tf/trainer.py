@@ -30,6 +30,7 @@ from absl import flags
 
 from gpipe_tf import errors
 from gpipe_tf.pipeline import devices as devices_lib
+from gpipe_tf.pipeline import schedule as schedule_lib
 from gpipe_tf.train import partition_change
 
 MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model', 'decode')
@@ -65,6 +66,13 @@ def DefineFlags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer('worker_split_size', None, 'Override K, the number of cells.',
                          flag_values=flag_values)
     flags.DEFINE_integer('num_micro_batches', None, 'Override M, the number of micro-batches.',
+                         flag_values=flag_values)
+    flags.DEFINE_enum('schedule', None, list(schedule_lib.KINDS), 'Override the pipeline '
+                      'schedule: gpipe (fill-drain), 1f1b (at most K micro-batches\' activations '
+                      'stored), interleaved_1f1b (with --virtual_stages), zero_bubble (ZB-H1).',
+                      flag_values=flag_values)
+    flags.DEFINE_integer('virtual_stages', None, 'Override v, cells per device '
+                         '(interleaved_1f1b): the layers are split into v x K cells.',
                          flag_values=flag_values)
     flags.DEFINE_integer('worker_replicas', None, 'Override R, the replicas of the pipeline (data '
                          'parallelism: each runs on 1/R of the batch; gradients are summed).',
@@ -137,6 +145,8 @@ class Config:
     num_devices: int | None
     worker_split_size: int | None
     num_micro_batches: int | None
+    schedule: str | None
+    virtual_stages: int | None
     worker_replicas: int | None
     graph_mode: str
     graph_mode_given: bool  # --graph_mode was on the command line (a cluster refuses tf_function).
@@ -221,13 +231,15 @@ def _TaskParams(config: Config, dataset: str):
                          f'and `train`; got {p.cls.__name__}.')
     for flag, key in (('worker_split_size', 'model.num_cells'),
                       ('num_micro_batches', 'model.num_micro_batches'),
+                      ('schedule', 'model.schedule'),
+                      ('virtual_stages', 'model.virtual_stages'),
                       ('worker_replicas', 'model.num_replicas'),
                       ('max_steps', 'train.max_steps')):
         value = getattr(config, flag)
         if value is None:
             continue
-        if key == 'model.num_replicas' and 'num_replicas' not in p.model:
-            raise ValueError(f'--worker_replicas: the model of {model} '
+        if key.startswith('model.') and key[len('model.'):] not in p.model:
+            raise ValueError(f'--{flag}: the model of {model} '
                              f'({p.model.cls.__name__}) is not a PipeliningLayer.')
         try:
             p.Set(**{key: value})  # The field's own check names it: `must be >= 1, got 0`.
@@ -325,7 +337,7 @@ def _SetUpDevices(config: Config, p, plan, plan_only: bool = False) -> None:
         run_locally=config.run_locally, num_devices=config.num_devices,
         cluster=Cluster(config), cluster_job=config.cluster_job,
         tpu=TpuAddress(config) is not None)
-    devices = devices_lib.StageDeviceList(request, plan.num_cells if plan else 1,
+    devices = devices_lib.StageDeviceList(request, plan.num_devices if plan else 1,
                                           plan.num_replicas if plan else 1, plan_only)
     if plan is None or (request.tpu and not plan_only):
         # A TPU run places its cells through the strategy instead (`_TpuProgram`).
@@ -348,8 +360,11 @@ def InspectModel(p, name: str, plan=None) -> str:
                                 num_params=metas[k].num_params if metas else None,
                                 activation_bytes=metas[k].activation_bytes if metas else None)
             for k, cell in enumerate(plan.cells)]
-    head = (f'{name}: K={plan.num_cells} cells, M={NumMicroBatches(p, plan)} micro-batches, '
-            f'recompute={p.model.recompute}, batch {p.input.batch_size}. FLOPs and activation '
+    cells = (f'K={plan.num_cells} cells' if plan.virtual_stages == 1 else
+             f'K={plan.num_devices} devices x v={plan.virtual_stages} = {plan.num_cells} cells')
+    head = (f'{name}: {cells}, M={NumMicroBatches(p, plan)} micro-batches, schedule '
+            f'{p.model.schedule}, recompute={p.model.recompute}, batch {p.input.batch_size}. '
+            'FLOPs and activation '
             'bytes are per mini-batch; with re-materialization a cell keeps about 1/M of its '
             'activations at a time.')
     return head + '\n' + partition.FormatReport(rows)

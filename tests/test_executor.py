@@ -113,10 +113,10 @@ def NumpyChain(params, x, dy):
     return acts[-1], acts[:-1], d_thetas, g
 
 
-def CellOrders(ticks, num_cells):
-    """Per cell, the micro-batches it handles in the order the ticks list them."""
-    pairs = [pair for tick in ticks for pair in tick]
-    return [[mb for c, mb in pairs if c == cell] for cell in range(num_cells)]
+def CellOrders(sched, kind):
+    """Per cell, the micro-batches its `kind` actions handle, in its device's list order."""
+    return [[a.micro_batch for a in sched.actions[sched.DeviceOf(cell)]
+             if (a.kind, a.stage) == (kind, cell)] for cell in range(sched.num_stages)]
 
 
 def RandomArrays(shape, seed):
@@ -296,8 +296,8 @@ class ExecutionOrderTest(tf.test.TestCase, parameterized.TestCase):
                 sess.run(tf.compat.v1.global_variables_initializer())
                 self.assertEqual(EVENTS, [])
                 sess.run(fetches)
-        forward_order = CellOrders(schedule.ForwardTicks(m, k), k)
-        backward_order = CellOrders(schedule.BackwardTicks(m, k), k)
+        forward_order = CellOrders(schedule.Make('gpipe', k, m), 'F')
+        backward_order = CellOrders(schedule.Make('gpipe', k, m), 'B')
         for cell in range(k):
             self.assertEqual([mb for c, kind, mb in EVENTS if (c, kind) == (cell, 'fwd')],
                              forward_order[cell], msg=f'cell {cell} forward')

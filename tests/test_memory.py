@@ -1,6 +1,7 @@
 """The memory planner: its parts by hand, the GPipe paper's parameter memory, and measured peak
 memory of real steps on virtual CPU devices (a ratio bound)."""
 
+import dataclasses
 import os
 from unittest import mock
 
@@ -17,6 +18,7 @@ from gpipe_tf.perf import memory  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import pictures  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import schedule  # pylint: disable=g-import-not-at-top
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 MIB = 2**20
@@ -106,6 +108,91 @@ class PlanTest(tf.test.TestCase, parameterized.TestCase):
             memory.PlanMemory(_Dense(), num_micro_batches=3)
         with self.assertRaisesRegex(ValueError, 'recompute must be one of'):
             memory.PlanMemory(_Dense(), recompute='sometimes')
+
+
+class ScheduleTest(parameterized.TestCase):
+    """Stored activations follow the plan's schedule."""
+
+    @parameterized.parameters((4, 8), (4, 16), (2, 4), (4, 2))
+    def testStoredMicroBatchesAtTheFirstBackward(self, k, m):
+        # 16 re-materializing layers of width 512 on 1024 rows: a micro-batch keeps its
+        # stage's input, 1024 / M rows of 512 floats; the last stage also the pipeline's
+        # output: the whole batch's under GPipe (one loss on it), one micro-batch's per
+        # micro-batch alive under 1F1B (a loss per micro-batch). 1F1B's stage s holds
+        # min(K - s, M) at its first backward, GPipe's all M.
+        kept = 1024 // m * 512 * 4
+        for kind, alive, output in (('gpipe', lambda s: m, 1024 * 512 * 4),
+                                    ('1f1b', lambda s: min(k - s, m), kept)):
+            plan = memory.PlanMemory(_Dense(num_cells=k, m=m).Set(schedule=kind), 0)
+            self.assertEqual(plan.schedule.kind, kind)
+            for cell in plan.cells:
+                self.assertEqual(cell.during_backward[0] - cell.params,
+                                 alive(cell.cell) * kept + (output if cell.cell == k - 1 else 0),
+                                 f'{kind} stage {cell.cell}')
+
+    @parameterized.parameters((4, 8), (4, 16), (2, 8), (4, 4), (4, 2))
+    def testOneFOneBStoresAtMostKMicroBatches(self, k, m):
+        kept = 1024 // m * 512 * 4  # One micro-batch's input of a stage (see above).
+        one_f_one_b = memory.PlanMemory(_Dense(num_cells=k, m=m).Set(schedule='1f1b'), 0)
+        gpipe = memory.PlanMemory(_Dense(num_cells=k, m=m), 0)
+        self.assertLessEqual(max(schedule.StoredMicroBatches(one_f_one_b.schedule)), k)
+        for ours, theirs in zip(one_f_one_b.cells, gpipe.cells):
+            # At most K micro-batches' inputs, and the last stage's output of one.
+            self.assertLessEqual(ours.stored_activations, k * kept + kept)
+            if m > k:
+                self.assertLess(ours.stored_activations, theirs.stored_activations)
+                self.assertLess(ours.total, theirs.total)
+            else:
+                self.assertLessEqual(ours.total, theirs.total)
+        if m > k:
+            self.assertLess(one_f_one_b.shared_peak_bytes, gpipe.shared_peak_bytes)
+
+    def testZeroBubbleKeepsEachLayersInputAndOutputGradientFromIToW(self):
+        # K=2, M=2, 4 layers of 512x512: 512 rows, 1 MiB per layer output. The last stage runs
+        # F0 I0 F1 I1 W0 W1: at W0's start it holds, for both micro-batches, its 2 layers'
+        # inputs and the gradients of their 2 outputs (8 MiB), and the gradient sum W0
+        # allocates; nothing else (both I are done, the outputs' losses consumed).
+        plan = memory.PlanMemory(_Dense(num_cells=2, m=2, layers=4).Set(schedule='zero_bubble'),
+                                 slots_per_param=1)
+        last = plan.cells[1]
+        self.assertEqual([str(a) for a, _, _ in last.profile[:5]], [
+            'F(stage 1, micro-batch 0)', 'I(stage 1, micro-batch 0)',
+            'F(stage 1, micro-batch 1)', 'I(stage 1, micro-batch 1)',
+            'W(stage 1, micro-batch 0)'])
+        _, at_start, at_end = last.profile[4]
+        self.assertEqual(at_start, 3 * last.params + 8 * MIB)
+        self.assertEqual(at_end, 3 * last.params + 4 * MIB)
+        self.assertEqual(last.profile[-1][2], last.after_backward)
+        self.assertEqual(last.after_backward, 3 * last.params)
+        self.assertGreaterEqual(last.stored_activations, 8 * MIB)
+
+    def testVirtualStagesAddUpOnTheirDevice(self):
+        p = _Dense(num_cells=2, m=4).Set(schedule='interleaved_1f1b', virtual_stages=2)
+        plan = memory.PlanMemory(p, 2)
+        totals = [c.total for c in plan.cells]
+        self.assertEqual((plan.num_cells, plan.num_devices), (4, 2))
+        self.assertEqual(plan.device_totals, [totals[0] + totals[2], totals[1] + totals[3]])
+        self.assertEqual(plan.peak_device_bytes, max(plan.device_totals))
+        self.assertTrue(plan.Fits(plan.peak_device_bytes))
+        self.assertFalse(plan.Fits(plan.peak_device_bytes - 1))
+        text = plan.Format(device_bytes=plan.peak_device_bytes)
+        self.assertIn('K=2 v=2 schedule=interleaved_1f1b M=4 batch=1024', text)
+        self.assertIn('device 1 (cells 1,3)', text)
+
+    def testFromPlanWalksThePlansSchedule(self):
+        pipeline_plan = plan_lib.MakePlan(_Dense(num_cells=4, m=8).Set(schedule='1f1b'),
+                                          place=False)
+        from_plan = memory.FromPlan(pipeline_plan, 2)
+        self.assertIs(from_plan.schedule, pipeline_plan.schedule)
+        for cell in from_plan.cells:
+            self.assertEqual([a for a, _, _ in cell.profile],
+                             [a for a in pipeline_plan.schedule.actions[cell.cell]])
+
+    def testSharedPeakNeedsProfiles(self):
+        plan = memory.PlanMemory(_Dense(), 0)
+        cells = [dataclasses.replace(c, profile=()) for c in plan.cells]
+        with self.assertRaisesRegex(ValueError, 'lacks'):
+            _ = dataclasses.replace(plan, cells=cells).shared_peak_bytes
 
 
 # GPipe Table 1, "total param memory" at 12 bytes per parameter (weights, gradient, one RMSProp

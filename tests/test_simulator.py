@@ -7,6 +7,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from gpipe_tf.perf import simulator
+from gpipe_tf.pipeline import schedule
 
 pytestmark = pytest.mark.unit
 
@@ -197,6 +198,148 @@ class SimulatorTest(parameterized.TestCase):
             simulator.Simulate(_Uniform(2), 0, recompute=False)
         with self.assertRaisesRegex(ValueError, 'must be >= 1, got 0 and 4'):
             simulator.IdealUtilisation(0, 4)
+
+
+def _Schedule(kind, k, m, v=1):
+    return schedule.Make(kind, k, m, v)
+
+
+def _Actions(timeline):
+    """(kind, stage, micro-batch) -> (start, end) of each action; a recompute joins its B or I."""
+    kinds = {name: kind for kind, name in simulator.ACTION_INTERVALS.items()}
+    spans = {}
+    recomputes = _Spans(timeline, 'recompute')
+    for i in timeline.intervals:
+        if i.kind != 'recompute':
+            start = recomputes.get((i.cell, i.micro_batch), (i.start,))[0] if i.kind in (
+                'backward', 'input_grad') else i.start
+            spans[(kinds[i.kind], i.cell, i.micro_batch)] = (start, i.end)
+    return spans
+
+
+# (name, kind, K, M, v, costs, recompute) for the invariant tests of every schedule.
+_SCHEDULE_CASES = [
+    ('gpipe_v2', 'gpipe', 2, 3, 2, simulator.CellCosts([1, 2, 0.5, 1], [2, 1, 1, 3],
+                                                       transfer=0.3), True),
+    ('1f1b', '1f1b', 4, 6, 1, simulator.CellCosts([1, 3, 1, 2], [2, 6, 2, 1], transfer=0.5),
+     [True, True, True, False]),
+    ('1f1b_m_below_k', '1f1b', 4, 2, 1, _Uniform(4, transfer=0.25), False),
+    ('interleaved', 'interleaved_1f1b', 2, 4, 3,
+     simulator.CellCosts([1, 2, 1, 0.5, 1, 2], [2, 2, 1, 1, 3, 2], transfer=0.2), True),
+    ('zero_bubble', 'zero_bubble', 3, 5, 1,
+     simulator.CellCosts([1, 2, 1], [2, 3, 2], [0.5, 1, 1], transfer=0.4, weight_fraction=0.3),
+     True),
+]
+
+
+class SchedulesTest(parameterized.TestCase):
+    """Schedules other than GPipe's: closed-form bubbles with unit costs, and invariants."""
+
+    @parameterized.product(kind=['gpipe', '1f1b'], k_m=[(1, 3), (2, 1), (4, 8), (4, 2), (3, 7)])
+    def testUnitCostsGiveTheClosedFormBubble(self, kind, k_m):
+        k, m = k_m
+        timeline = simulator.Simulate(_Uniform(k), m, False, _Schedule(kind, k, m))
+        self.assertAlmostEqual(timeline.bubble, (k - 1) / (m + k - 1))
+        self.assertAlmostEqual(timeline.utilisation, simulator.IdealUtilisation(m, k, kind))
+
+    @parameterized.parameters((2, 4, 2), (4, 8, 2), (4, 4, 3), (3, 6, 4))
+    def testInterleavedBubbleShrinksWithVirtualStages(self, k, m, v):
+        # Each of the v K stages costs 1/v of a device's share (forward 1, backward 2).
+        timeline = simulator.Simulate(_Uniform(v * k, f=1 / v, b=2 / v), m, False,
+                                      _Schedule('interleaved_1f1b', k, m, v))
+        self.assertAlmostEqual(timeline.bubble, (k - 1) / (v * m + k - 1))
+        self.assertAlmostEqual(timeline.utilisation,
+                               simulator.IdealUtilisation(m, k, 'interleaved_1f1b', v))
+
+    def testInterleavedStagesAddUpOnTheirDevice(self):
+        # K=2, v=2: device 0 runs stages 0 and 2, device 1 stages 1 and 3.
+        costs = simulator.CellCosts([1, 2, 3, 4], [10, 20, 30, 40], [0.5, 0.5, 0.5, 0.5])
+        timeline = simulator.Simulate(costs, 4, [True, True, True, False],
+                                      _Schedule('interleaved_1f1b', 2, 4, 2))
+        self.assertEqual(timeline.busy, [4 * (1 + 10 + 0.5 + 3 + 30 + 0.5),
+                                         4 * (2 + 20 + 0.5 + 4 + 40)])
+        self.assertEqual({(i.cell, i.device) for i in timeline.intervals},
+                         {(0, 0), (1, 1), (2, 0), (3, 1)})
+
+    @parameterized.parameters((2, 4), (3, 6), (4, 8), (4, 16), (8, 16))
+    def testZeroBubbleIdlesAThirdOfOneFOneB(self, k, m):
+        # Forward 1, backward 2 split in halves: F = I = W = 1. recompute=False models the
+        # ideal split (the ZB paper's), whose I and W re-run nothing; the executor's
+        # zero_bubble re-materializes every stage (see the next test).
+        one_f_one_b = simulator.Simulate(_Uniform(k), m, False, _Schedule('1f1b', k, m))
+        zero_bubble = simulator.Simulate(_Uniform(k), m, False, _Schedule('zero_bubble', k, m))
+        self.assertEqual(one_f_one_b.idle, k * (k - 1) * 3.0)
+        self.assertEqual(zero_bubble.idle, one_f_one_b.idle / 3)
+        self.assertEqual(zero_bubble.busy, one_f_one_b.busy)
+        self.assertEqual({i.end - i.start for i in zero_bubble.intervals}, {1.0})
+
+    def testSplitBackwardCostsOfAReMaterializingStage(self):
+        # I = recompute + backward (1 - weight_fraction), drawn as a recompute then an I;
+        # W = forward (each layer re-run from its input) + backward * weight_fraction.
+        costs = simulator.CellCosts([1.0, 1.0], [4.0, 4.0], [0.5, 0.5], weight_fraction=0.25)
+        timeline = simulator.Simulate(costs, 3, True, _Schedule('zero_bubble', 2, 3))
+        durations = collections.defaultdict(set)
+        for i in timeline.intervals:
+            durations[i.kind].add(i.end - i.start)
+        self.assertEqual(dict(durations), {'forward': {1.0}, 'recompute': {0.5},
+                                           'input_grad': {3.0}, 'weight_grad': {2.0}})
+        self.assertEqual(timeline.busy, [3 * (1 + 0.5 + 3 + 2)] * 2)
+        for (cell, m), (start, _) in _Spans(timeline, 'input_grad').items():
+            self.assertEqual(start, _Spans(timeline, 'recompute')[(cell, m)][1])
+
+    def testOneFOneBComputesTheLossPerMicroBatch(self):
+        # K=2, M=2, f=1, b=2. Device 0: F0 F1 B0 B1; device 1: F0 B0 F1 B1. B(1, 0) starts
+        # right after F(1, 0), not after the last forward as GPipe's does.
+        timeline = simulator.Simulate(_Uniform(2), 2, False, _Schedule('1f1b', 2, 2))
+        self.assertEqual(_Actions(timeline), {
+            ('F', 0, 0): (0, 1), ('F', 0, 1): (1, 2), ('F', 1, 0): (1, 2),
+            ('B', 1, 0): (2, 4), ('B', 0, 0): (4, 6), ('F', 1, 1): (4, 5),
+            ('B', 1, 1): (5, 7), ('B', 0, 1): (7, 9)})
+        self.assertEqual(timeline.makespan, 9)
+
+    def testTheDefaultScheduleIsGPipes(self):
+        costs = simulator.CellCosts([1, 3, 1], [2, 6, 2], transfer=0.5)
+        self.assertEqual(simulator.Simulate(costs, 4, [True, False, True]),
+                         simulator.Simulate(costs, 4, [True, False, True],
+                                            _Schedule('gpipe', 3, 4)))
+
+    @parameterized.named_parameters(*_SCHEDULE_CASES)
+    def testDependenciesAndDeviceOrderHold(self, kind, k, m, v, costs, recompute):
+        sched = _Schedule(kind, k, m, v)
+        timeline = simulator.Simulate(costs, m, recompute, sched)
+        spans, t, last = _Actions(timeline), costs.transfer, costs.num_cells - 1
+        self.assertCountEqual(spans, sched.order)
+        for action, (start, _) in spans.items():
+            kind_, s, b = action
+            if kind_ == 'F' and s > 0:
+                self.assertGreaterEqual(start, spans[('F', s - 1, b)][1] + t)
+            if kind_ in 'BI':
+                self.assertGreaterEqual(start, spans[('F', s, b)][1])
+                if s < last:
+                    self.assertGreaterEqual(start, spans[(kind_, s + 1, b)][1] + t)
+            if kind_ == 'W':
+                self.assertGreaterEqual(start, spans[('I', s, b)][1])
+        for device, actions in enumerate(sched.actions):
+            ends = [spans[a] for a in actions]
+            for (_, end), (next_start, _) in zip(ends, ends[1:]):
+                self.assertLessEqual(end, next_start)
+            self.assertAlmostEqual(timeline.busy[device], sum(
+                i.end - i.start for i in timeline.intervals if i.device == device))
+        self.assertLen(timeline.busy, k)
+        self.assertEqual(timeline.makespan, max(i.end for i in timeline.intervals))
+
+    def testIdealUtilisationOfEachKind(self):
+        self.assertEqual(simulator.IdealUtilisation(8, 4, '1f1b'), 8 / 11)
+        self.assertAlmostEqual(simulator.IdealUtilisation(8, 4, 'interleaved_1f1b', 2), 16 / 19)
+        # ZB-H1 idles a third of 1F1B's 3 (K - 1) per device: 3 / (24 + 3).
+        self.assertEqual(simulator.IdealUtilisation(8, 4, 'zero_bubble'), 24 / 27)
+
+    def testRejectsAScheduleOfOtherCounts(self):
+        with self.assertRaisesRegex(ValueError, 'schedule has 4 stages and 8 micro-batches; '
+                                                'the costs have 2 stages and M is 8'):
+            simulator.Simulate(_Uniform(2), 8, False, _Schedule('1f1b', 4, 8))
+        with self.assertRaisesRegex(ValueError, 'weight_fraction must be in'):
+            simulator.CellCosts([1], [1], weight_fraction=1.5)
 
 
 if __name__ == '__main__':

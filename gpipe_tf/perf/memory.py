@@ -1,21 +1,30 @@
 """Plans a pipeline's memory per device from Params alone: parameters, gradients, optimizer slots
-and activations, with and without re-materialization.
+and activations, with and without re-materialization, under the plan's schedule.
 
-The model follows what the graph keeps alive (`pipeline/executor.py`, `pipeline/recompute.py`):
+The model follows what the graph keeps alive (`pipeline/executor.py`, `pipeline/recompute.py`),
+walking each stage's actions in the order its device runs them (`pipeline/schedule.py`):
 
-* Cell k's device holds its variables, the running sum of its weight gradients (and, from the
-  second micro-batch on, the micro-batch's gradient being added to it), and the optimizer's slots (`slots_per_param` copies: Adam and RMSProp with momentum keep 2, Momentum 1,
-  SGD 0; the GPipe paper's 12 bytes per parameter is one slot).
-* A re-materializing cell keeps only its input for every micro-batch (the whole mini-batch of
-  boundary activations) until its backward; while it runs the backward of one micro-batch it
-  holds that micro-batch's recomputed activations (`activation_bytes / M`), which its weight
-  gradients replace layer by layer, and two activation gradients (the incoming one and the one
-  computed from it; counted at the cell's largest layer output). Peak: O(N + (L/K)(N/M)).
-* A cell that keeps its activations ('never', and the last cell under 'except_last') holds its
-  input and every layer's output for the whole mini-batch, plus the two activation gradients of
-  one micro-batch while its backward runs.
-* The last cell also holds the pipeline's output for the mini-batch (the loss reads it).
+* Stage s's device holds its variables, the running sum of its weight gradients (from the
+  first weight gradient on: a fused backward B allocates it as it frees the micro-batch's
+  activations, so the first holds the larger of the two), and the optimizer's slots
+  (`slots_per_param` copies: Adam and RMSProp with momentum keep 2, Momentum 1, SGD 0; the GPipe
+  paper's 12 bytes per parameter is one slot).
+* From its forward until its backward (B, or the input gradient I of a split backward) starts,
+  a micro-batch keeps, on a re-materializing stage, only the stage's input; on a stage that
+  keeps its activations ('never', and the last stage under 'except_last'), the input and every
+  layer's output. So a stage holds as many micro-batches as its schedule lets through its
+  forward before their backward: all M under gpipe, at most K - s under 1f1b
+  (`schedule.StoredMicroBatches`).
+* While its backward runs, a micro-batch holds its recomputed (or kept) activations, which
+  its weight gradients replace layer by layer, and two activation gradients (the incoming one
+  and the one computed from it; counted at the stage's largest layer output).
+* A split backward's I keeps, for its W, each layer's input and the gradient of each layer's
+  output; W frees them. (W's own re-run of one layer at a time is not counted.)
+* The last stage also holds the pipeline's output: for the whole mini-batch under a schedule
+  that runs every forward first (the loss reads the whole batch), else per micro-batch until
+  its backward (the loss is computed per micro-batch).
 
+With v virtual stages per device, a device holds the sum of its stages' peaks.
 `activation_bytes` is the layers' own FPropMeta estimate of what their backward keeps alive.
 """
 
@@ -29,7 +38,9 @@ from gpipe_tf import optimizer as optimizer_lib
 from gpipe_tf import units
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import sequential
+from gpipe_tf.perf import simulator
 from gpipe_tf.pipeline import plan as plan_lib
+from gpipe_tf.pipeline import schedule as schedule_lib
 
 # The parts of a device's memory, in the order the plots stack them.
 COMPONENTS = ('params', 'gradients', 'slots', 'stored_activations', 'working_activations')
@@ -56,25 +67,28 @@ def SlotsPerParam(optimizer_params) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class CellMemory:
-    """Bytes one cell's device needs at its peak (the backward of one micro-batch).
+    """Bytes one cell's (stage's) device needs for it at its peak.
 
     Attributes:
-      cell: the cell index (device k runs cell k).
+      cell: the cell index (stage s, on device s % K).
       params: its variables.
       gradients: the running sum of its weight gradients at the peak.
       slots: the optimizer's slot variables for its weights.
-      stored_activations: activations kept from the forward for the micro-batches whose backward
-        has not run: the cell's input (and, without re-materialization, every layer's output; for
-        the last cell, the pipeline's output).
-      working_activations: what the backward of one micro-batch adds: the larger of its
-        recomputed activations (re-materializing cells) and its weight gradients, which replace
-        them layer by layer, plus two activation gradients.
+      stored_activations: at the peak, what micro-batches keep from their forward for their
+        backward: the cell's input (and, without re-materialization, every layer's output; for
+        the last cell, the pipeline's output), and after a split backward's I, what its W needs.
+      working_activations: what the running backward of one micro-batch adds: the larger of
+        its recomputed activations (re-materializing cells) and its weight gradients, which
+        replace them layer by layer, plus two activation gradients.
       recompute: whether the cell re-materializes its forward.
-      before_backward: bytes it holds from the end of its forward until its backward starts.
-      after_backward: bytes it holds once its backward is done (weights, gradients, slots).
-      during_backward: per micro-batch i, the bytes it holds while running i's backward, less
-        the working set.
-      working_by_micro_batch: per micro-batch i, the working set of i's backward.
+      before_backward: bytes it holds once the forwards before its first backward are done.
+      after_backward: bytes it holds once all its actions are done (weights, gradients, slots).
+      during_backward: per backward (B or I) of the cell, in its device's order, the bytes it
+        holds while that backward runs, less the working set.
+      working_by_micro_batch: per backward, likewise, the working set.
+      profile: per action of the cell, in its device's order: the action, the bytes the cell
+        holds while it runs (working set included) and once it is done; `MemoryPlan` walks it
+        in time for `shared_peak_bytes`.
     """
     cell: int
     params: int
@@ -87,6 +101,7 @@ class CellMemory:
     after_backward: int
     during_backward: tuple[int, ...]
     working_by_micro_batch: tuple[int, ...]
+    profile: tuple[tuple[schedule_lib.Action, int, int], ...] = ()
 
     @property
     def total(self) -> int:
@@ -99,43 +114,68 @@ class CellMemory:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """Per-cell memory of a pipeline for one mini-batch of `batch_size` in M micro-batches."""
+    """Per-cell memory of a pipeline for one mini-batch of `batch_size` in M micro-batches,
+    under `schedule` (None: GPipe's, one cell per device)."""
     cells: list[CellMemory]
     num_micro_batches: int
     batch_size: int
     slots_per_param: int
     input_bytes: int  # The pipeline's input, one mini-batch (part of cell 0's stored activations).
+    schedule: schedule_lib.Schedule | None = None
 
     @property
     def num_cells(self) -> int:
         return len(self.cells)
 
     @property
+    def num_devices(self) -> int:
+        """K: the schedule's devices, each running cells k, k + K, ...."""
+        return self.schedule.num_devices if self.schedule else self.num_cells
+
+    @property
+    def device_totals(self) -> list[int]:
+        """Per device, the sum of its cells' peaks (a bound: they need not peak together)."""
+        totals = [0] * self.num_devices
+        for c in self.cells:
+            totals[c.cell % self.num_devices] += c.total
+        return totals
+
+    @property
     def peak_device_bytes(self) -> int:
         """The most any one device needs: what must fit on each accelerator."""
-        return max(c.total for c in self.cells)
+        return max(self.device_totals)
 
     @property
     def shared_peak_bytes(self) -> int:
-        """Peak when every cell shares one memory (virtual devices on one host), walking the
-        backward schedule: at tick t cell k runs micro-batch t - (K - 1 - k); cells whose
-        backward has not started hold `before_backward`, finished ones `after_backward`, and
-        the running ones their `during_backward` plus their working sets: every device
-        computes at once."""
+        """Peak when every cell shares one memory (virtual devices on one host): the cells'
+        profiles walked in time, at the times of a step of the schedule with balanced cells
+        (forward 1, backward 2, split halves 1 each; `simulator.Simulate`), every device
+        computing at once.
+
+        Raises:
+          ValueError: for cells without a profile (made by hand, not by `FromPlan`).
+        """
+        if any(not c.profile for c in self.cells):
+            raise ValueError('shared_peak_bytes walks the cells\' profiles, which this plan '
+                             'lacks (FromPlan makes them).')
         num, m = self.num_cells, self.num_micro_batches
-        peak = 0
-        for tick in range(m + num - 1):
-            held, working = 0, 0
-            for c in self.cells:
-                i = tick - (num - 1 - c.cell)
-                if i < 0:
-                    held += c.before_backward
-                elif i >= m:
-                    held += c.after_backward
-                else:
-                    held += c.during_backward[i]
-                    working += c.working_by_micro_batch[i]
-            peak = max(peak, held + working)
+        sched = self.schedule or schedule_lib.Make('gpipe', num, m)
+        timeline = simulator.Simulate(simulator.CellCosts(forward=[1.0] * num,
+                                                          backward=[2.0] * num),
+                                      m, recompute=False, schedule=sched)
+        kinds = {name: kind for kind, name in simulator.ACTION_INTERVALS.items()}
+        times = {(kinds[i.kind], i.cell, i.micro_batch): (i.start, i.end)
+                 for i in timeline.intervals}
+        # (time, ends before starts, cell, bytes from then on).
+        events = sorted((times[action][at_end], 1 - at_end, c.cell, held)
+                        for c in self.cells for action, *helds in c.profile
+                        for at_end, held in enumerate(helds))
+        current = [c.params + c.slots for c in self.cells]
+        peak = sum(current)
+        for i, (time, _, cell, held) in enumerate(events):
+            current[cell] = held
+            if i + 1 == len(events) or events[i + 1][0] != time:
+                peak = max(peak, sum(current))
         return peak
 
     @property
@@ -152,11 +192,12 @@ class MemoryPlan:
         return sum(c.params + c.gradients + c.slots for c in self.cells)
 
     def Fits(self, device_bytes: float) -> bool:
-        """Whether every cell fits on a device of `device_bytes`."""
+        """Whether every device fits in `device_bytes`."""
         return self.peak_device_bytes <= device_bytes
 
     def Format(self, device_bytes: float | None = None) -> str:
-        """A table, one row per cell, in MiB; with `device_bytes`, whether each one fits."""
+        """A table, one row per cell, in MiB; with `device_bytes`, whether each one fits (and,
+        with several cells per device, one line per device)."""
         header = ('cell', 'remat') + COMPONENTS + ('total',) + (
             ('fits',) if device_bytes else ())
         rows = [header]
@@ -168,7 +209,17 @@ class MemoryPlan:
             rows.append(row)
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = ['  '.join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
-        lines.append(f'K={self.num_cells} M={self.num_micro_batches} batch={self.batch_size}: '
+        k = self.num_devices
+        if k < self.num_cells:
+            for d, total in enumerate(self.device_totals):
+                fits = ('' if not device_bytes else
+                        ': fits' if total <= device_bytes else ': DOES NOT FIT')
+                lines.append(f'device {d} (cells {",".join(map(str, range(d, self.num_cells, k)))}'
+                             f'): {units.MiB(total)} MiB{fits}')
+        counts = f'K={k}' + (f' v={self.num_cells // k}' if k < self.num_cells else '')
+        if self.schedule is not None and self.schedule.kind != 'gpipe':
+            counts += f' schedule={self.schedule.kind}'
+        lines.append(f'{counts} M={self.num_micro_batches} batch={self.batch_size}: '
                      f'peak per device {units.MiB(self.peak_device_bytes)} MiB, all devices in one '
                      f'memory {units.MiB(self.shared_peak_bytes)} MiB')
         return '\n'.join(lines)
@@ -226,9 +277,9 @@ def PlanMemory(p, slots_per_param: int = 1, num_cells: int | None = None,
 
 
 def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1) -> MemoryPlan:
-    """The memory plan of a pipeline's plan (`pipeline.plan.MakePlan`): its cells, M and
-    re-materialization as partitioned there, so a caller holding the plan does not partition
-    again.
+    """The memory plan of a pipeline's plan (`pipeline.plan.MakePlan`): its cells, M,
+    re-materialization and schedule as made there, so a caller holding the plan does not
+    partition again.
 
     Raises:
       ValueError: for a plan of Params without input_shapes.
@@ -239,6 +290,7 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1) -> MemoryPl
                          'mini-batch of inputs).')
     cells, m, batch = (pipeline_plan.cells, pipeline_plan.num_micro_batches,
                        pipeline_plan.batch_size)
+    sched = pipeline_plan.schedule or pipeline_plan.Schedule(m)
     shapes = plan_lib.InputShapes(p)
     bytes_per = tf.as_dtype(p.dtype).size
     before_params = 0
@@ -252,44 +304,117 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1) -> MemoryPl
         meta, layer_metas = sequential.ChainMeta(layers, *shapes)
         input_bytes = base_layer.OutputBytes(shapes, p.dtype)
         output_bytes = base_layer.OutputBytes(meta.out_shapes, p.dtype)
+        layer_outputs = [base_layer.OutputBytes(layer.out_shapes, p.dtype)
+                         for layer in layer_metas]
         if k == 0:
             pipeline_input_bytes = input_bytes
         shapes = base_layer.AsArgs(meta.out_shapes)
-        # The backward of one micro-batch holds an activation's gradient and the gradient it
-        # computes from it: two of the largest boundary between the cell's layers.
-        largest = max([input_bytes] + [base_layer.OutputBytes(layer.out_shapes, p.dtype)
-                                       for layer in layer_metas])
         remat = pipeline_plan.recompute[k]
         params = (meta.num_params + (before_params if k == 0 else 0)) * bytes_per
-        slots = slots_per_param * params
-        # What the forward keeps for the backward, per micro-batch: the cell's input, and every
-        # layer's output unless re-materializing (less the cell's own output, which is the next
-        # cell's input, or the pipeline's output: counted there).
-        kept = (input_bytes + (0 if remat else max(meta.activation_bytes - output_bytes, 0))) // m
-        output = output_bytes if k == num - 1 else 0
-        activations = meta.activation_bytes // m  # One micro-batch's, recomputed or kept.
-        transient = 2 * largest // m  # Two activation gradients of one micro-batch.
-        # The peak is at the backward of the first micro-batch, whose weight gradients are
-        # allocated as its activations are freed layer by layer (so it holds the larger of the
-        # two), or of the second, when the gradient sum exists and each new weight gradient is
-        # added to it as soon as it is computed. The running micro-batch's activations count as
-        # working, its input as stored.
-        stored_first = (m - 1) * kept + input_bytes // m + output
-        candidates = [(0, stored_first, max(activations, params) + transient)]
-        if m > 1:
-            candidates.append((params, stored_first - kept, activations + transient))
-        gradients, stored, working = max(candidates, key=sum)
-        plan.append(CellMemory(
-            cell=k, params=params, gradients=gradients, slots=slots, stored_activations=stored,
-            working_activations=working, recompute=remat,
-            before_backward=params + slots + m * kept + output, after_backward=2 * params + slots,
-            during_backward=tuple(params + slots + (params if i else 0) + stored_first - i * kept
-                                  for i in range(m)),
-            working_by_micro_batch=tuple(
-                (max(activations, params) if i == 0 else activations) + transient
-                for i in range(m))))
+        sizes = _MicroBatchBytes(
+            params=params, slots=slots_per_param * params, num_micro_batches=m,
+            # What the forward keeps for the backward: the cell's input, and every layer's
+            # output unless re-materializing (less the cell's own output, which is the next
+            # cell's input, or the pipeline's output: counted there).
+            kept=(input_bytes + (0 if remat else max(meta.activation_bytes - output_bytes, 0)))
+            // m,
+            input=input_bytes // m,
+            activations=meta.activation_bytes // m,  # Recomputed or kept.
+            # The backward holds an activation's gradient and the gradient it computes from
+            # it: two of the largest boundary between the cell's layers.
+            transient=2 * max([input_bytes] + layer_outputs) // m,
+            # A split backward's I keeps each layer's input and its output's gradient for W.
+            window=(input_bytes + sum(layer_outputs[:-1]) + sum(layer_outputs)) // m,
+            output=output_bytes if k == num - 1 else 0,
+            whole_batch_loss=sched.forward_first)
+        plan.append(_CellMemory(k, remat, sizes, [
+            a for a in sched.actions[sched.DeviceOf(k)] if a.stage == k]))
     return MemoryPlan(cells=plan, num_micro_batches=m, batch_size=batch,
-                      slots_per_param=slots_per_param, input_bytes=pipeline_input_bytes)
+                      slots_per_param=slots_per_param, input_bytes=pipeline_input_bytes,
+                      schedule=sched)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MicroBatchBytes:
+    """A cell's weights, and what one micro-batch holds on it at each point of its life."""
+    params: int
+    slots: int
+    num_micro_batches: int
+    kept: int  # From its forward until its backward (B or I) starts.
+    input: int  # Its input, while its backward runs.
+    activations: int  # Its activations, recomputed or kept, while its backward runs.
+    transient: int  # Two activation gradients, while its backward runs.
+    window: int  # From a split backward's I to its W.
+    output: int  # The pipeline's output for the mini-batch: the last cell's, else 0.
+    whole_batch_loss: bool  # Whether the loss reads the whole batch's output at once.
+
+
+def _CellMemory(cell: int, remat: bool, sizes: _MicroBatchBytes, actions: list) -> CellMemory:
+    """Walks the cell's actions in its device's order: what it holds at the start and at the
+    end of each, as (gradients, stored, working); the cell's peak is the largest (the first
+    of equals)."""
+    waiting = window = forwarded = consumed = 0  # consumed: backwards (B or I) done.
+    has_gradients = False
+
+    def Output():
+        if sizes.whole_batch_loss:
+            alive = forwarded if consumed < sizes.num_micro_batches else 0
+        else:
+            alive = forwarded - consumed
+        return sizes.output * alive // sizes.num_micro_batches
+
+    def Point(working=0, running=False, gradients=None):
+        if gradients is None:
+            gradients = has_gradients
+        # A running backward's micro-batch holds its input; its activations are working.
+        waiting_kept = waiting - 1 if running else waiting
+        stored = (waiting_kept * sizes.kept + (sizes.input if running else 0)
+                  + window * sizes.window + Output())
+        return (sizes.params if gradients else 0), stored, working
+
+    base = sizes.params + sizes.slots
+    profile, points, backwards = [], [], []
+    before_backward = None
+    for action in actions:
+        backward = action.kind in (schedule_lib.BACKWARD, schedule_lib.INPUT_GRAD)
+        if backward:
+            if before_backward is None:
+                before_backward = sum(points[-1])
+            # A fused backward's first weight gradients are allocated as its activations are
+            # freed: it holds the larger of the two. A split I computes no weight gradient.
+            fused_first = action.kind == schedule_lib.BACKWARD and not has_gradients
+            working = (max(sizes.activations, sizes.params) if fused_first
+                       else sizes.activations) + sizes.transient
+            start = Point(working, running=True)
+            backwards.append(start)
+        elif action.kind == schedule_lib.WEIGHT_GRAD:
+            start = Point(gradients=True)  # The first W allocates the sum as it goes.
+        else:
+            start = Point()
+        if action.kind == schedule_lib.FORWARD:
+            waiting += 1
+            forwarded += 1
+        if backward:
+            waiting -= 1
+            consumed += 1
+        if action.kind == schedule_lib.INPUT_GRAD:
+            window += 1
+        if action.kind == schedule_lib.WEIGHT_GRAD:
+            window -= 1
+        if action.kind in (schedule_lib.BACKWARD, schedule_lib.WEIGHT_GRAD):
+            has_gradients = True
+        end = Point()
+        points += [start, end]
+        profile.append((action, base + sum(start), base + sum(end)))
+    gradients, stored, working = max(points, key=sum)
+    if before_backward is None:  # A forward-only schedule.
+        before_backward = sum(points[-1])
+    return CellMemory(
+        cell=cell, params=sizes.params, gradients=gradients, slots=sizes.slots,
+        stored_activations=stored, working_activations=working, recompute=remat,
+        before_backward=base + before_backward, after_backward=base + sum(points[-1]),
+        during_backward=tuple(base + g + s for g, s, _ in backwards),
+        working_by_micro_batch=tuple(w for _, _, w in backwards), profile=tuple(profile))
 
 
 def _Divisors(n: int) -> list[int]:

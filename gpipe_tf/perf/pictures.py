@@ -5,9 +5,10 @@ the machine drawing them:
 
 * 'cell_costs': each cell's forward FLOPs on one mini-batch; the pipeline runs at the pace of
   its costliest cell.
-* 'timeline_predicted': the step `simulator.Simulate` predicts from those FLOPs. Params give no
-  device speed, so the time axis is at a nominal FLOP rate (the title says which); the shape of
-  the schedule, its bubble and its utilisation do not depend on it.
+* 'timeline_predicted': the step `simulator.Simulate` predicts from those FLOPs under the plan's
+  schedule (`plan.schedule`, the one the executor runs). Params give no device speed, so the
+  time axis is at a nominal FLOP rate (the title says which); the shape of the schedule, its
+  bubble and its utilisation do not depend on it.
 * 'memory': each device's peak memory (`memory.PlanMemory`) with the optimizer's slots.
 
 'timeline_measured' is drawn from the op events of one traced training step (`trace.py`).
@@ -26,6 +27,7 @@ from gpipe_tf.perf import plot
 from gpipe_tf.perf import simulator
 from gpipe_tf.perf import trace
 from gpipe_tf.pipeline import plan as plan_lib
+from gpipe_tf.pipeline import schedule as schedule_lib
 
 # The FLOP rate the predicted timeline is drawn at: a round number, not any device's.
 NOMINAL_FLOPS_PER_SEC = 1e12
@@ -41,7 +43,8 @@ class PipelinePlan:
     Attributes:
       forward_flops: per cell, its forward FLOPs on one mini-batch (layers in before_tpl, which
         run ahead of the pipeline, are not counted).
-      memory: the per-device memory plan; it also fixes M and each cell's re-materialization.
+      memory: the per-device memory plan; it also fixes M, each cell's re-materialization and
+        the schedule.
     """
     forward_flops: list[float]
     memory: memory_lib.MemoryPlan
@@ -53,6 +56,12 @@ class PipelinePlan:
     @property
     def num_micro_batches(self) -> int:
         return self.memory.num_micro_batches
+
+    @property
+    def schedule(self) -> schedule_lib.Schedule:
+        """The training schedule (the memory plan's; GPipe's for a memory plan without one)."""
+        return self.memory.schedule or schedule_lib.Make('gpipe', self.num_cells,
+                                                         self.num_micro_batches)
 
     @property
     def recompute(self) -> list[bool]:
@@ -106,11 +115,12 @@ def Plan(params, slots_per_param: int | None = None,
 
 def PredictedTimeline(plan: PipelinePlan,
                       device_flops_per_sec: float = NOMINAL_FLOPS_PER_SEC) -> simulator.Timeline:
-    """The simulated step of `plan` on devices of `device_flops_per_sec`, transfers free."""
+    """The simulated step of `plan` under its schedule on devices of `device_flops_per_sec`,
+    transfers free."""
     m = plan.num_micro_batches
     costs = simulator.CostsFromFlops([flops / m for flops in plan.forward_flops],
                                      device_flops_per_sec)
-    return simulator.Simulate(costs, m, plan.recompute)
+    return simulator.Simulate(costs, m, plan.recompute, plan.schedule)
 
 
 def _Rate(flops_per_sec: float) -> str:
@@ -138,7 +148,7 @@ def Figures(plan: PipelinePlan, name: str, device_bytes: float | None = None,
       device_bytes: an accelerator's memory, drawn as a line on the memory picture.
       device_flops_per_sec: the rate the predicted timeline runs at.
     """
-    k, m = plan.num_cells, plan.num_micro_batches
+    k, m, sched = plan.num_cells, plan.num_micro_batches, plan.schedule
     # Titles put the model's name on a line of its own: the figures append their summaries.
     return {
         'cell_costs': plot.CellCostFigure(
@@ -148,7 +158,8 @@ def Figures(plan: PipelinePlan, name: str, device_bytes: float | None = None,
             PredictedTimeline(plan, device_flops_per_sec),
             title=f'{name}\npredicted step, time at a nominal {_Rate(device_flops_per_sec)} '
                   'per device',
-            ideal_utilisation=simulator.IdealUtilisation(m, k)),
+            ideal_utilisation=simulator.IdealUtilisation(m, sched.num_devices, sched.kind,
+                                                         sched.virtual_stages)),
         'memory': plot.MemoryFigure(plan.memory, device_bytes, title=f'{name}\nplanned memory'),
     }
 

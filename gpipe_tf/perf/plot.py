@@ -22,7 +22,8 @@ from gpipe_tf.perf import memory
 from gpipe_tf.perf import simulator
 
 # One colour per kind of op, and per memory component; tests match boxes to kinds by these.
-KIND_COLOURS = {'forward': '#4C72B0', 'recompute': '#DD8452', 'backward': '#55A868'}
+KIND_COLOURS = {'forward': '#4C72B0', 'recompute': '#DD8452', 'backward': '#55A868',
+                'input_grad': '#8172B3', 'weight_grad': '#937860'}
 COMPONENT_COLOURS = {
     'params': '#4C72B0',
     'gradients': '#8172B3',
@@ -59,9 +60,9 @@ def _CheckIntervals(intervals) -> None:
     if not intervals:
         raise ValueError('The timeline has no intervals to draw.')
     for i, interval in enumerate(intervals):
-        if interval.kind not in simulator.KINDS:
+        if interval.kind not in simulator.KINDS + simulator.SPLIT_KINDS:
             raise ValueError(f'intervals[{i}] has kind {interval.kind!r}; expected one of '
-                             f'{simulator.KINDS}.')
+                             f'{simulator.KINDS + simulator.SPLIT_KINDS}.')
         if interval.device < 0:
             raise ValueError(f'intervals[{i}] has device {interval.device} < 0.')
         if not (math.isfinite(interval.start) and math.isfinite(interval.end)
@@ -152,7 +153,9 @@ def TimelineFigure(timeline: simulator.Timeline, title: str = '',
     ax.set_axisbelow(True)
     # Legend handles are free-standing patches, so ax.patches keeps only the boxes.
     ax.legend(handles=[mpatches.Patch(color=KIND_COLOURS[kind], alpha=_BOX_ALPHA, label=kind)
-                       for kind in simulator.KINDS],
+                       for kind in simulator.KINDS + simulator.SPLIT_KINDS
+                       if kind in simulator.KINDS or
+                       any(i.kind == kind for i in timeline.intervals)],
               loc='upper left', bbox_to_anchor=(1.01, 1), frameon=False)
     summary = f'utilisation {_Percent(timeline.utilisation)}'
     if ideal_utilisation is not None:

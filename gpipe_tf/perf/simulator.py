@@ -1,17 +1,27 @@
-"""Predicts a GPipe step's timeline from per-cell costs, walking the graph builder's schedule.
+"""Predicts a pipeline step's timeline from per-stage costs, walking the executor's schedule.
 
-The model follows `pipeline/executor.py`: cell k runs on device k; its forward of micro-batch m
-waits for cell k-1's forward of m plus one boundary transfer; the backward starts once the last
-forward is done (the loss needs every output); cell k's backward of m (a recompute of its forward,
-then its gradients, when re-materializing) waits for cell k+1's backward of m plus one transfer.
-Each device runs one op at a time, in the order `schedule.ForwardTicks` then
-`schedule.BackwardTicks` list them. The backward's order is the graph's (control dependencies
-serialize a cell's micro-batches); forwards are not so ordered, but a cell's micro-batches cost
-the same, so running them in another order only renames them. Transfers occupy the link, not a
-device.
+A schedule (`pipeline/schedule.py`) lists, per device, the actions it runs in order: forwards
+F, fused backwards B, and split backwards I (input gradient) and W (weight gradient); stage s
+runs on device s % K. The model follows the executor:
 
-Because ticks are in dependency order, one walk of them settles every start time exactly; no
-event queue is needed.
+* F(s, m) waits for F(s-1, m) plus one boundary transfer.
+* The last stage's backward of m waits for the loss: with a schedule that runs every forward
+  first (gpipe) the loss reads the whole batch, so it waits for the last stage's every
+  forward; with any other, the loss is computed per micro-batch, right after F(S-1, m).
+* B(s, m) or I(s, m) waits for F(s, m) and for the backward of (s+1, m) plus one transfer. A
+  re-materializing stage first re-runs its forward (a 'recompute' interval) and then computes
+  its gradients: B all of them, I those of its input (the backward less `weight_fraction`).
+* W(s, m) waits for I(s, m); it re-runs each layer's forward from the layer's input (kept
+  since I) when the stage re-materializes, then computes the weight gradients (the
+  backward's `weight_fraction`).
+
+Every boundary between consecutive stages costs one hop, even between two stages of one device
+(virtual stages). Each device runs one action at a time, in its list's order; an action starts
+when its device is free and its inputs have arrived. Transfers occupy the link, not a device.
+The loss itself is free.
+
+Because `Schedule.order` lists every action after its dependencies and keeps each device's
+order, one walk of it settles every start time exactly; no event queue is needed.
 """
 
 from __future__ import annotations
@@ -20,25 +30,36 @@ import dataclasses
 import math
 from typing import NamedTuple, Sequence
 
-from gpipe_tf.pipeline import schedule
+from gpipe_tf.pipeline import schedule as schedule_lib
 
+# The kinds of intervals of a fused backward (as the GPipe executor and measured traces have
+# them), and those of a split one. A split backward's I is preceded by a 'recompute' interval
+# too when its stage re-materializes; its W's own re-run is part of the 'weight_grad' interval.
 KINDS = ('forward', 'recompute', 'backward')
+SPLIT_KINDS = ('input_grad', 'weight_grad')
+# The interval kind of each action kind (a recompute before a B or I is an interval of its own).
+ACTION_INTERVALS = {schedule_lib.FORWARD: 'forward', schedule_lib.BACKWARD: 'backward',
+                  schedule_lib.INPUT_GRAD: 'input_grad', schedule_lib.WEIGHT_GRAD: 'weight_grad'}
 
 
 @dataclasses.dataclass(frozen=True)
 class CellCosts:
-    """Seconds per micro-batch of each cell's work, and of one boundary hop.
+    """Seconds per micro-batch of each stage's (cell's) work, and of one boundary hop.
 
     Attributes:
-      forward: per cell, its forward pass on one micro-batch.
-      backward: per cell, its gradient computation on one micro-batch (recompute excluded).
-      recompute: per cell, its re-materialized forward; None means equal to `forward`.
-      transfer: one hop across a cell boundary (an activation forward, a gradient backward).
+      forward: per stage, its forward pass on one micro-batch.
+      backward: per stage, its gradient computation on one micro-batch (recompute excluded):
+        input and weight gradients together.
+      recompute: per stage, its re-materialized forward; None means equal to `forward`.
+      transfer: one hop across a stage boundary (an activation forward, a gradient backward).
+      weight_fraction: the share of `backward` that is weight gradients (a split backward's
+        W; its I computes the rest).
     """
     forward: Sequence[float]
     backward: Sequence[float]
     recompute: Sequence[float] | None = None
     transfer: float = 0.0
+    weight_fraction: float = 0.5
 
     def __post_init__(self):
         lists = {'forward': self.forward, 'backward': self.backward}
@@ -52,18 +73,21 @@ class CellCosts:
                 (f'{name}[{k}]', c) for name, costs in lists.items() for k, c in enumerate(costs)]:
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f'Costs must be finite and >= 0, got {name} = {value}.')
+        if not 0 <= self.weight_fraction <= 1:
+            raise ValueError(f'weight_fraction must be in [0, 1], got {self.weight_fraction}.')
 
     @property
     def num_cells(self) -> int:
+        """S, the stages (K, or v K with v virtual stages per device)."""
         return len(self.forward)
 
 
 class Interval(NamedTuple):
-    """One op on one device: cell `cell` working on `micro_batch`, from `start` to `end`."""
+    """One op on one device: stage `cell` working on `micro_batch`, from `start` to `end`."""
     device: int
     cell: int
     micro_batch: int
-    kind: str  # One of KINDS.
+    kind: str  # One of KINDS or SPLIT_KINDS.
     start: float
     end: float
 
@@ -73,9 +97,9 @@ class Timeline:
     """A simulated step.
 
     Attributes:
-      intervals: every op, in the order the schedule issues them.
+      intervals: every op, in the order the schedule issues them (`Schedule.order`).
       makespan: the end of the last op (the step starts at 0).
-      busy: per device, the seconds it computes.
+      busy: per device (K of them), the seconds it computes.
     """
     intervals: list[Interval]
     makespan: float
@@ -92,19 +116,43 @@ class Timeline:
     def bubble(self) -> float:
         return 1.0 - self.utilisation
 
+    @property
+    def idle(self) -> float:
+        """Device seconds spent waiting: K * makespan - sum(busy)."""
+        return len(self.busy) * self.makespan - sum(self.busy)
 
-def IdealUtilisation(num_micro_batches: int, num_cells: int) -> float:
-    """M / (M + K - 1): the utilisation of balanced cells with free transfers."""
-    schedule.BubbleFraction(num_micro_batches, num_cells)  # Validates M and K.
-    return num_micro_batches / (num_micro_batches + num_cells - 1)
+
+def _CheckCounts(num_micro_batches: int, num_devices: int) -> None:
+    if num_micro_batches < 1 or num_devices < 1:
+        raise ValueError(f'M (micro-batches) and K (devices) must be >= 1, got '
+                         f'{num_micro_batches} and {num_devices}.')
+
+
+def IdealUtilisation(num_micro_batches: int, num_devices: int, kind: str = 'gpipe',
+                     virtual_stages: int = 1) -> float:
+    """The utilisation of balanced stages with free transfers and a backward twice the forward:
+    M / (M + K - 1) for gpipe and 1f1b, v M / (v M + K - 1) for interleaved_1f1b, and for
+    zero_bubble (no closed form) its simulated step with F, I and W of equal cost and no
+    re-materialization.
+
+    Raises:
+      ValueError: for M, K or v below 1, or a kind that is not one of `schedule.KINDS`.
+    """
+    _CheckCounts(num_micro_batches, num_devices)
+    if kind != 'zero_bubble':
+        return 1.0 - schedule_lib.IdealBubble(kind, num_devices, num_micro_batches,
+                                              virtual_stages)
+    sched = schedule_lib.Make(kind, num_devices, num_micro_batches, virtual_stages)
+    costs = CellCosts(forward=[1.0] * num_devices, backward=[2.0] * num_devices)
+    return Simulate(costs, num_micro_batches, recompute=False, schedule=sched).utilisation
 
 
 def CostsFromFlops(flops_per_cell: Sequence[float], device_flops_per_sec: float,
                    backward_factor: float = 2.0, transfer: float = 0.0) -> CellCosts:
-    """CellCosts from each cell's forward FLOPs on one micro-batch.
+    """CellCosts from each stage's forward FLOPs on one micro-batch.
 
     Args:
-      flops_per_cell: per cell, forward FLOPs per micro-batch (e.g. FPropMeta's flops on the
+      flops_per_cell: per stage, forward FLOPs per micro-batch (e.g. FPropMeta's flops on the
         mini-batch divided by M).
       device_flops_per_sec: the FLOP rate every device sustains.
       backward_factor: the backward's cost as a multiple of the forward's.
@@ -121,55 +169,81 @@ def CostsFromFlops(flops_per_cell: Sequence[float], device_flops_per_sec: float,
                      recompute=list(forward), transfer=transfer)
 
 
-def Simulate(costs: CellCosts, num_micro_batches: int,
-             recompute: bool | Sequence[bool]) -> Timeline:
-    """Simulates one training step of the GPipe schedule.
+def Simulate(costs: CellCosts, num_micro_batches: int, recompute: bool | Sequence[bool],
+             schedule: schedule_lib.Schedule | None = None) -> Timeline:
+    """Simulates one training step of a schedule.
 
     Args:
-      costs: per-cell costs; K = costs.num_cells.
+      costs: per-stage costs; S = costs.num_cells stages.
       num_micro_batches: M.
-      recompute: whether cells re-materialize their forward in the backward; a bool for all
-        cells or one per cell (the pipeline's 'except_last' is [True] * (K - 1) + [False]).
+      recompute: whether stages re-materialize their forward in the backward; a bool for all
+        stages or one per stage (the pipeline's 'except_last' is [True] * (S - 1) + [False]).
+        The executor's split backward (zero_bubble) re-materializes every stage; False models
+        the ideal split, whose I and W re-run nothing.
+      schedule: the schedule to walk, of S stages and M micro-batches; None: GPipe's
+        (`schedule.Make('gpipe', S, M)`), one stage per device.
 
     Returns:
-      The Timeline, device k running cell k.
+      The Timeline over the schedule's K devices, stage s on device s % K.
 
     Raises:
-      ValueError: for M < 1 or a recompute list whose length is not K.
+      ValueError: for M < 1, a recompute list whose length is not S, or a schedule of another
+        S or M.
     """
-    num_cells = costs.num_cells
+    num_stages = costs.num_cells
     if isinstance(recompute, bool):
-        recompute = [recompute] * num_cells
-    elif len(recompute) != num_cells:
+        recompute = [recompute] * num_stages
+    elif len(recompute) != num_stages:
         raise ValueError(f'recompute needs one flag per cell, got {len(recompute)} flags for '
-                         f'{num_cells} cells.')
-    # Raises on M < 1.
-    forward_ticks = schedule.ForwardTicks(num_micro_batches, num_cells)
-    backward_ticks = schedule.BackwardTicks(num_micro_batches, num_cells)
+                         f'{num_stages} cells.')
+    _CheckCounts(num_micro_batches, num_stages)
+    if schedule is None:
+        schedule = schedule_lib.Make('gpipe', num_stages, num_micro_batches)
+    elif (schedule.num_stages, schedule.num_micro_batches) != (num_stages, num_micro_batches):
+        raise ValueError(f'The schedule has {schedule.num_stages} stages and '
+                         f'{schedule.num_micro_batches} micro-batches; the costs have '
+                         f'{num_stages} stages and M is {num_micro_batches}.')
     recompute_costs = costs.forward if costs.recompute is None else costs.recompute
-    free = [0.0] * num_cells  # Per device, when it finishes its last issued op.
-    busy = [0.0] * num_cells
+    fraction = costs.weight_fraction
+    free = [0.0] * schedule.num_devices  # Per device, when it finishes its last issued op.
+    busy = [0.0] * schedule.num_devices
     intervals = []
 
-    def Run(cell, micro_batch, kind, ready, seconds):
-        start = max(free[cell], ready)
-        free[cell] = start + seconds
-        busy[cell] += seconds
-        intervals.append(Interval(cell, cell, micro_batch, kind, start, free[cell]))
-        return free[cell]
+    def Run(stage, micro_batch, kind, ready, seconds):
+        device = schedule.DeviceOf(stage)
+        start = max(free[device], ready)
+        free[device] = start + seconds
+        busy[device] += seconds
+        intervals.append(Interval(device, stage, micro_batch, kind, start, free[device]))
+        return free[device]
 
-    forward_end = {}
-    for tick in forward_ticks:
-        for k, m in tick:
-            ready = 0.0 if k == 0 else forward_end[(k - 1, m)] + costs.transfer
-            forward_end[(k, m)] = Run(k, m, 'forward', ready, costs.forward[k])
-    loss_ready = forward_end[(num_cells - 1, num_micro_batches - 1)]
-    backward_end = {}
-    for tick in backward_ticks:
-        for k, m in tick:
-            ready = (loss_ready if k == num_cells - 1
-                     else backward_end[(k + 1, m)] + costs.transfer)
-            if recompute[k]:
-                ready = Run(k, m, 'recompute', ready, recompute_costs[k])
-            backward_end[(k, m)] = Run(k, m, 'backward', ready, costs.backward[k])
+    last = num_stages - 1
+    # The last stage's forwards, for a loss on the whole batch.
+    last_forwards = [a for a in schedule.order
+                     if a.kind == schedule_lib.FORWARD and a.stage == last]
+    end = {}  # Action -> when it finishes.
+    for action in schedule.order:
+        kind, s, m = action
+        if kind == schedule_lib.FORWARD:
+            ready = 0.0 if s == 0 else end[(kind, s - 1, m)] + costs.transfer
+            end[action] = Run(s, m, 'forward', ready, costs.forward[s])
+            continue
+        if kind == schedule_lib.WEIGHT_GRAD:
+            seconds = (costs.forward[s] if recompute[s] else 0.0) + fraction * costs.backward[s]
+            end[action] = Run(s, m, 'weight_grad', end[(schedule_lib.INPUT_GRAD, s, m)],
+                              seconds)
+            continue
+        ready = end[(schedule_lib.FORWARD, s, m)]
+        if s == last:
+            if schedule.forward_first:
+                ready = max(end[f] for f in last_forwards)
+        else:
+            following = next(end[(k, s + 1, m)] for k in (schedule_lib.BACKWARD,
+                                                          schedule_lib.INPUT_GRAD)
+                             if (k, s + 1, m) in end)
+            ready = max(ready, following + costs.transfer)
+        if recompute[s]:
+            ready = Run(s, m, 'recompute', ready, recompute_costs[s])
+        seconds = costs.backward[s] * (1.0 if kind == schedule_lib.BACKWARD else 1.0 - fraction)
+        end[action] = Run(s, m, ACTION_INTERVALS[kind], ready, seconds)
     return Timeline(intervals=intervals, makespan=max(free), busy=busy)

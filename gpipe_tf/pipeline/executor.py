@@ -1,10 +1,21 @@
-"""The GPipe schedule unrolled into the graph: one step's forward and backward walks.
+"""A pipeline schedule compiled into the graph: any valid action list, one executor.
 
-`UnrolledSchedule.Forward` walks `schedule.ForwardTicks`, calling cell k's traced forward on
-micro-batch t - k at tick t under cell k's device, and keeps only what each cell's backward needs:
-its input (re-materializing cells) or a tape of its forward (cells that keep activations).
-`Backward` walks `schedule.BackwardTicks`, running every cell's backward under its device and
-summing its weight gradients over the micro-batches there.
+`UnrolledSchedule` walks a `schedule.Schedule`'s actions in their build order (`Schedule.order`)
+and builds each under its stage's device: F calls the stage's traced forward on a micro-batch
+and keeps what its backward needs (its input when re-materializing, else a tape of its
+forward); B runs the stage's backward (recompute, then gradients); I and W, the split backward
+of zero-bubble schedules, run the input gradient and, later, the weight gradient. Each device
+runs its actions in its list's order: every action waits (a control dependency) for what the
+device's previous action produced. Weight gradients are summed over micro-batches on the
+stage's device as they come.
+
+Two ways to run a step:
+  * `Forward` then `Backward(d_outputs)`: the loss is computed after the pipeline on the whole
+    batch, so every forward precedes every backward; for `forward_first` schedules (gpipe) and
+    inference.
+  * `ForwardBackward(thetas, inputs, loss_fn, loss_inputs)`: the loss is computed per
+    micro-batch on the last stage as soon as its forward is done, so backwards can start
+    before the last forward (1f1b, interleaved, zero-bubble; any schedule).
 """
 
 from __future__ import annotations
@@ -13,14 +24,19 @@ import tensorflow as tf
 
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import recompute
-from gpipe_tf.pipeline import schedule
+from gpipe_tf.pipeline import schedule as schedule_lib
+
+F, B, I, W = (schedule_lib.FORWARD, schedule_lib.BACKWARD, schedule_lib.INPUT_GRAD,
+              schedule_lib.WEIGHT_GRAD)
+# The name-scope part of each action kind (`OpScope`).
+PARTS = {F: 'fwd', B: 'bwd', I: 'bwd_input', W: 'bwd_weight'}
 
 
 def OpScope(cell: int, micro_batch: int, part: str) -> str:
-    """The name scope of one (cell, micro-batch) piece of the schedule: `part` is 'fwd', 'bwd'
-    or 'grad_sum'. Traces read (cell, micro-batch, kind) back from op names through it
-    (`perf/trace.py`); a re-materializing backward's recompute is under a further 'recompute'
-    scope (`recompute.RECOMPUTE_SCOPE`)."""
+    """The name scope of one (cell, micro-batch) piece of the schedule: `part` is 'fwd', 'bwd',
+    'bwd_input', 'bwd_weight', 'loss' or 'grad_sum'. Traces read (cell, micro-batch, kind)
+    back from op names through it (`perf/trace.py`); a re-materializing backward's recompute is
+    under a further 'recompute' scope (`recompute.RECOMPUTE_SCOPE`)."""
     return f'cell_{cell}_mb_{micro_batch}_{part}'
 
 
@@ -60,12 +76,12 @@ def _SumStats(per_micro_batch: list) -> list:
 
 
 class UnrolledSchedule:
-    """One step of a pipeline of K cells over M micro-batches.
+    """One step of a pipeline of S stages (cells) over M micro-batches, run by a schedule.
 
     Args:
-      functions: each cell's `recompute.CellFunctions` (which carry its device).
-      recomputes: per cell, whether its backward re-materializes its forward.
-      num_micro_batches: M.
+      functions: each stage's `recompute.CellFunctions` (which carry its device).
+      recomputes: per stage, whether its backward re-materializes its forward.
+      sched: the `schedule.Schedule` (its num_stages must be S), or M for gpipe's.
       batch_dim: the dimension micro-batches are split along.
       step: the training step (scalar int64 tensor), for the layers' randomness.
       assign: None, or a function (tensor, k) -> tensor assigning a tensor to logical device k
@@ -74,20 +90,38 @@ class UnrolledSchedule:
       first_example: the index in the mini-batch of the first example of the batch this
         schedule runs (a replica's shard starts further on); micro-batch m of n examples starts
         at first_example + m n. The layers draw their randomness per example from it.
+
+    Raises:
+      ValueError: for a schedule of another number of stages, or a split backward (I, W) on a
+        stage that does not re-materialize.
     """
 
-    def __init__(self, functions, recomputes, num_micro_batches, batch_dim, step, assign=None,
+    def __init__(self, functions, recomputes, sched, batch_dim, step, assign=None,
                  first_example=0):
+        if isinstance(sched, int):
+            sched = schedule_lib.Make('gpipe', len(functions), sched)
+        if sched.num_stages != len(functions):
+            raise ValueError(f'The schedule has {sched.num_stages} stages; the pipeline has '
+                             f'{len(functions)} cells.')
         self._functions = functions
         self._devices = [f.device for f in functions]
         self._recomputes = list(recomputes)
+        if sched.splits_backward and not all(self._recomputes):
+            raise ValueError(f'Schedule {sched.kind!r} splits the backward into I and W, which '
+                             're-run each layer\'s forward: every cell must re-materialize '
+                             '(recompute="always").')
+        self._schedule = sched
         self._num_cells = len(functions)
-        self._num_micro_batches = num_micro_batches
+        self._num_micro_batches = sched.num_micro_batches
         self._batch_dim = batch_dim
         self._step = step
         self._assign = assign
         self._first_example = first_example
-        self._first_examples = None  # Per micro-batch, set by Forward.
+        self._first_examples = None  # Per micro-batch, set by _Start.
+
+    @property
+    def schedule(self) -> schedule_lib.Schedule:
+        return self._schedule
 
     def _Assign(self, k: int, nest):
         if self._assign is None:
@@ -98,8 +132,9 @@ class UnrolledSchedule:
     def _Grid(self):
         return [[None] * self._num_micro_batches for _ in range(self._num_cells)]
 
+    # ---- running a step ---------------------------------------------------------------------
     def Forward(self, thetas: list, inputs, training: bool = True):
-        """Runs the forward schedule.
+        """Runs the schedule's forwards (all of them first: the loss comes after).
 
         Args:
           thetas: per cell, its theta.
@@ -108,56 +143,20 @@ class UnrolledSchedule:
 
         Returns:
           (outputs on the last device, per cell the list of its layers' summed statistics).
+
+        Raises:
+          ValueError: for training under a schedule that is not forward-first.
         """
-        m_count, batch_dim = self._num_micro_batches, self._batch_dim
-        with tf.device(self._devices[0]):
-            acts = [microbatch.Split(inputs, m_count, batch_dim)] + self._Grid()
-            size = microbatch.BatchSize(acts[0][0], batch_dim)
-            if size is None:  # Not known statically.
-                size = tf.shape(tf.nest.flatten(acts[0][0])[0], out_type=tf.int64)[batch_dim]
-            self._first_examples = [tf.cast(self._first_example, tf.int64) + m * size
-                                    for m in range(m_count)]
-        stats = self._Grid()
-        self._thetas = list(thetas)
-        self._inputs = self._Grid()  # Differentiation sources of each (cell, micro-batch).
-        self._outputs = self._Grid()
-        # Cells that keep their activations are recorded on a tape for their backward (eager
-        # mode needs it; graph mode differentiates the recorded ops with tf.gradients).
-        self._tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
-        for tick in schedule.ForwardTicks(m_count, self._num_cells):
-            for k, m in tick:
-                fn, first = self._functions[k], self._first_examples[m]
-                # A device works on one micro-batch at a time, in the schedule's order: the
-                # forward of micro-batch m waits for the cell's forward of m - 1.
-                previous = _Done(acts[k + 1][m - 1], self._devices[k]) if m else []
-                with tf.control_dependencies(previous), tf.name_scope(OpScope(k, m, 'fwd')):
-                    if not training or self._recomputes[k]:
-                        self._inputs[k][m] = self._Assign(k, acts[k][m])
-                        outputs, stats[k][m] = fn.Forward(
-                            thetas[k], self._inputs[k][m], self._step, first, training=training)
-                        acts[k + 1][m] = self._Assign(k, outputs)
-                        continue
-                    # Fresh identities as differentiation sources: tf.gradients would otherwise
-                    # also differentiate the op that produced them (the previous cell's call).
-                    with self._tape, tf.device(self._devices[k]):
-                        if m == 0:
-                            self._thetas[k] = recompute.Identity(thetas[k])
-                        self._inputs[k][m] = recompute.Identity(self._Assign(k, acts[k][m]))
-                        self._tape.watch(tf.nest.flatten(self._thetas[k]) +
-                                         recompute.FloatLeaves(self._inputs[k][m]))
-                        outputs, stats[k][m] = fn.Forward(
-                            self._thetas[k], self._inputs[k][m], self._step, first)
-                        acts[k + 1][m] = self._Assign(k, outputs)
-                self._outputs[k][m] = acts[k + 1][m]
-        updates = []
-        for k in range(self._num_cells):
-            with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_stats'):
-                updates.append(self._Assign(k, _SumStats(stats[k])) if training else [])
-        with tf.device(self._devices[-1]):
-            return microbatch.Concat(acts[-1], batch_dim), updates
+        if training and not self._schedule.forward_first:
+            raise ValueError(f'Schedule {self._schedule.kind!r} runs backwards before the last '
+                             'forward: the loss must be computed per micro-batch inside the '
+                             'pipeline (ForwardBackward).')
+        self._Start(thetas, inputs, training)
+        self._Run([a for a in self._schedule.order if a.kind == F])
+        return self._Outputs(), self._Updates()
 
     def Backward(self, d_outputs):
-        """Runs the backward schedule for gradients `d_outputs` of `Forward`'s outputs.
+        """Runs the schedule's backwards for gradients `d_outputs` of `Forward`'s outputs.
 
         Args:
           d_outputs: like the outputs; None for leaves that are not floating point.
@@ -166,40 +165,193 @@ class UnrolledSchedule:
           (per cell the flat list of its theta's gradients, None for non-trainable leaves;
           d_inputs like the inputs).
         """
-        m_count, batch_dim = self._num_micro_batches, self._batch_dim
         with tf.device(self._devices[-1]):
-            d_acts = microbatch.Split(d_outputs, m_count, batch_dim)
-        d_thetas = [None] * self._num_cells  # Per cell, the running gradient sum.
-        d_inputs = [None] * self._num_cells  # Per cell, its last micro-batch's input gradient.
-        for tick in schedule.BackwardTicks(m_count, self._num_cells):
-            for k, m in tick:
-                # A device works on one micro-batch at a time: the backward of the next
-                # micro-batch waits for the last one's weight gradient to be summed, so at most
-                # one micro-batch's weight gradient per cell is alive, and for its input
-                # gradient (cell 0's is left out: nothing may need it, and waiting would force
-                # it to be computed).
-                previous = _Done([d_thetas[k], d_inputs[k] if k else None], self._devices[k])
-                with tf.control_dependencies(previous), tf.name_scope(OpScope(k, m, 'bwd')):
-                    d_y = self._Assign(k, recompute.FloatLeaves(d_acts[m]))
-                    if self._recomputes[k]:
-                        d_theta, d_x = self._functions[k].Backward(
-                            self._thetas[k], self._inputs[k][m], self._step,
-                            self._first_examples[m], d_y)
-                    else:
-                        with tf.device(self._devices[k]):
-                            d_theta, d_x = recompute.Differentiate(
-                                self._outputs[k][m], self._thetas[k], self._inputs[k][m], d_y,
-                                self._functions[k].trainable,
-                                tape=self._tape if tf.executing_eagerly() else None)
-                    d_theta, d_x = self._Assign(k, (d_theta, d_x))
-                # A running sum in schedule order, freed as it goes, instead of one add_n
-                # that keeps all M gradients alive. Sparse gradients (an embedding's gather)
-                # are made dense: summed over micro-batches they mostly are.
-                with tf.device(self._devices[k]), tf.name_scope(OpScope(k, m, 'grad_sum')):
-                    d_theta = [None if g is None else tf.convert_to_tensor(g) for g in d_theta]
-                    d_thetas[k] = d_theta if d_thetas[k] is None else [
-                        None if a is None else a + b for a, b in zip(d_thetas[k], d_theta)]
-                d_inputs[k] = d_x
-                d_acts[m] = tf.nest.pack_sequence_as(self._inputs[k][m], d_x)
+            d_acts = microbatch.Split(d_outputs, self._num_micro_batches, self._batch_dim)
+        for m, d in enumerate(d_acts):
+            self._d_acts[-1][m] = d
+        self._last = [[] for _ in range(self._schedule.num_devices)]
+        self._Run([a for a in self._schedule.order if a.kind != F])
+        return self._Gradients()
+
+    def ForwardBackward(self, thetas: list, inputs, loss_fn, loss_inputs=None):
+        """Runs every action of the schedule, the loss per micro-batch on the last stage.
+
+        Args:
+          thetas: per cell, its theta.
+          inputs: the mini-batch (tensor or nest of tensors).
+          loss_fn: (outputs, loss_inputs) of one micro-batch -> (value, weight): a mean over
+            `weight` items (a task's `loss` metric); the step's loss is the weighted mean over
+            micro-batches, sum(value * weight) / sum(weight).
+          loss_inputs: a nest split into micro-batches along batch_dim like the inputs and
+            given to loss_fn with each micro-batch's outputs (labels, weights); or None.
+
+        Returns:
+          (outputs on the last device, per cell its layers' summed statistics,
+          (sum over micro-batches of value * weight, sum of weight),
+          per cell the flat gradients of sum(value * weight) w.r.t. its theta,
+          the gradient of the same w.r.t. the inputs).
+        """
+        self._Start(thetas, inputs, training=True)
+        m_count = self._num_micro_batches
+        with tf.device(self._devices[-1]):
+            self._loss_inputs = (microbatch.Split(loss_inputs, m_count, self._batch_dim)
+                                 if loss_inputs is not None else [None] * m_count)
+        self._loss_fn = loss_fn
+        self._Run(self._schedule.order)
+        with tf.device(self._devices[-1]), tf.name_scope('loss_sum'):
+            total = tf.add_n([v for v, _ in self._losses])
+            weight = tf.add_n([w for _, w in self._losses])
+        d_thetas, d_inputs = self._Gradients()
+        return self._Outputs(), self._Updates(), (total, weight), d_thetas, d_inputs
+
+    # ---- the actions ------------------------------------------------------------------------
+    def _Start(self, thetas, inputs, training):
+        m_count, batch_dim = self._num_micro_batches, self._batch_dim
+        self._training = training
         with tf.device(self._devices[0]):
-            return d_thetas, microbatch.Concat(d_acts, batch_dim)
+            first = microbatch.Split(inputs, m_count, batch_dim)
+            size = microbatch.BatchSize(first[0], batch_dim)
+            if size is None:  # Not known statically.
+                size = tf.shape(tf.nest.flatten(first[0])[0], out_type=tf.int64)[batch_dim]
+            self._first_examples = [tf.cast(self._first_example, tf.int64) + m * size
+                                    for m in range(m_count)]
+        self._acts = [first] + self._Grid()  # Stage s's input of micro-batch m: acts[s][m].
+        self._stats = self._Grid()
+        self._thetas = list(thetas)
+        self._inputs = self._Grid()  # Differentiation sources of each (cell, micro-batch).
+        self._outputs = self._Grid()
+        self._d_acts = self._Grid()  # Gradient of stage s's output of micro-batch m.
+        self._d_inputs = [None] * m_count  # Gradient of the pipeline's input, per micro-batch.
+        self._d_thetas = [None] * self._num_cells  # Per cell, the running gradient sum.
+        self._saved = self._Grid()  # Per (cell, micro-batch), what I keeps for W.
+        self._last = [[] for _ in range(self._schedule.num_devices)]
+        self._loss_fn = None  # Set by ForwardBackward: the loss per micro-batch.
+        self._loss_inputs = [None] * m_count
+        self._losses = [None] * m_count  # Per micro-batch (value * weight, weight).
+        # Cells that keep their activations are recorded on a tape for their backward (eager
+        # mode needs it; graph mode differentiates the recorded ops with tf.gradients).
+        self._tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
+
+    def _Run(self, actions):
+        for action in actions:
+            k, m = action.stage, action.micro_batch
+            device = self._schedule.DeviceOf(k)
+            # A device works on one action at a time, in its list's order: each waits for
+            # what the device's previous action produced.
+            previous = _Done(self._last[device], self._devices[k])
+            with tf.control_dependencies(previous), tf.name_scope(
+                    OpScope(k, m, PARTS[action.kind])):
+                produced, d_theta = {F: self._F, B: self._B, I: self._I, W: self._W}[
+                    action.kind](k, m)
+            if d_theta is not None:
+                self._Sum(k, m, d_theta)
+                # The next action also waits for this weight gradient to be summed, so at
+                # most one micro-batch's weight gradient per cell is alive.
+                produced = [produced, self._d_thetas[k]]
+            self._last[device] = produced
+
+    def _F(self, k, m):
+        fn, first = self._functions[k], self._first_examples[m]
+        if not self._training or self._recomputes[k]:
+            self._inputs[k][m] = self._Assign(k, self._acts[k][m])
+            outputs, self._stats[k][m] = fn.Forward(
+                self._thetas[k], self._inputs[k][m], self._step, first, training=self._training)
+        else:
+            # Fresh identities as differentiation sources: tf.gradients would otherwise also
+            # differentiate the op that produced them (the previous cell's call).
+            with self._tape, tf.device(self._devices[k]):
+                if m == 0:
+                    self._thetas[k] = recompute.Identity(self._thetas[k])
+                self._inputs[k][m] = recompute.Identity(self._Assign(k, self._acts[k][m]))
+                self._tape.watch(tf.nest.flatten(self._thetas[k]) +
+                                 recompute.FloatLeaves(self._inputs[k][m]))
+                outputs, self._stats[k][m] = fn.Forward(
+                    self._thetas[k], self._inputs[k][m], self._step, first)
+        outputs = self._Assign(k, outputs)
+        self._acts[k + 1][m] = self._outputs[k][m] = outputs
+        if k == self._num_cells - 1 and self._loss_fn is not None:
+            with tf.device(self._devices[k]), tf.name_scope('loss'):
+                self._d_acts[k][m] = self._Loss(m, outputs)
+            return [outputs, self._d_acts[k][m]], None
+        return outputs, None
+
+    def _Loss(self, m, outputs):
+        """The loss of micro-batch m: records (value * weight, weight) and returns the
+        gradient of value * weight w.r.t. the float leaves of `outputs`."""
+        ys = recompute.FloatLeaves(outputs)
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(ys)
+            sources = recompute.Identity(outputs)
+            value, weight = self._loss_fn(sources, self._loss_inputs[m])
+            weight = tf.stop_gradient(tf.cast(weight, value.dtype))
+            total = value * weight
+        self._losses[m] = (total, weight)
+        return tape.gradient(total, ys, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    def _IncomingGradient(self, k, m):
+        return self._Assign(k, recompute.FloatLeaves(self._d_acts[k][m]))
+
+    def _PassOn(self, k, m, d_x):
+        """Hands the input gradient of (k, m) to the previous stage (or the pipeline's input)."""
+        d_x = tf.nest.pack_sequence_as(self._inputs[k][m], d_x)
+        if k:
+            self._d_acts[k - 1][m] = d_x
+        else:
+            self._d_inputs[m] = d_x
+
+    def _Sum(self, k, m, d_theta):
+        # A running sum in schedule order, freed as it goes, instead of one add_n that keeps
+        # all M gradients alive. Sparse gradients (an embedding's gather) are made dense:
+        # summed over micro-batches they mostly are.
+        with tf.device(self._devices[k]), tf.name_scope(OpScope(k, m, 'grad_sum')):
+            d_theta = [None if g is None else tf.convert_to_tensor(g) for g in d_theta]
+            self._d_thetas[k] = d_theta if self._d_thetas[k] is None else [
+                None if a is None else a + b for a, b in zip(self._d_thetas[k], d_theta)]
+
+    def _B(self, k, m):
+        d_y = self._IncomingGradient(k, m)
+        if self._recomputes[k]:
+            d_theta, d_x = self._functions[k].Backward(
+                self._thetas[k], self._inputs[k][m], self._step, self._first_examples[m], d_y)
+        else:
+            with tf.device(self._devices[k]):
+                d_theta, d_x = recompute.Differentiate(
+                    self._outputs[k][m], self._thetas[k], self._inputs[k][m], d_y,
+                    self._functions[k].trainable,
+                    tape=self._tape if tf.executing_eagerly() else None)
+        d_theta, d_x = self._Assign(k, (d_theta, d_x))
+        self._PassOn(k, m, d_x)
+        # The next action waits for this one's input gradient (the first cell's is left out:
+        # nothing may need it, and waiting would force it to be computed).
+        return (d_x if k else None), d_theta
+
+    def _I(self, k, m):
+        d_y = self._IncomingGradient(k, m)
+        d_x, self._saved[k][m] = self._functions[k].BackwardInput(
+            self._thetas[k], self._inputs[k][m], self._step, self._first_examples[m], d_y)
+        d_x = self._Assign(k, d_x)
+        self._PassOn(k, m, d_x)
+        return [d_x if k else None, self._saved[k][m]], None
+
+    def _W(self, k, m):
+        d_theta = self._functions[k].BackwardWeight(
+            self._thetas[k], self._saved[k][m], self._step, self._first_examples[m])
+        self._saved[k][m] = None
+        return None, self._Assign(k, d_theta)
+
+    # ---- results ----------------------------------------------------------------------------
+    def _Outputs(self):
+        with tf.device(self._devices[-1]):
+            return microbatch.Concat(self._acts[-1], self._batch_dim)
+
+    def _Updates(self) -> list:
+        updates = []
+        for k in range(self._num_cells):
+            with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_stats'):
+                updates.append(self._Assign(k, _SumStats(self._stats[k]))
+                               if self._training else [])
+        return updates
+
+    def _Gradients(self):
+        with tf.device(self._devices[0]):
+            return self._d_thetas, microbatch.Concat(self._d_inputs, self._batch_dim)

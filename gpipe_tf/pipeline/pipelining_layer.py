@@ -1,11 +1,16 @@
 """PipeliningLayer: GPipe's partitioned, micro-batched, re-materialized layer stack.
 
-The layers are partitioned into K cells, each built and run under a device of its own. A mini-batch
-is split into M micro-batches; the forward schedule (`schedule.ForwardTicks`) is unrolled into the
-graph, so cell k works on micro-batch t - k at tick t and K devices work at once. The backward is
-built explicitly by walking `schedule.BackwardTicks`: every cell's backward (and its recompute) runs
-under that cell's device, and each cell's weight gradients are summed over the M micro-batches on
-that device. The result, outputs and gradients, equals the same layers run un-partitioned.
+The layers are partitioned into K cells (v K with v virtual stages per device), each built and run
+under a device of its own. A mini-batch is split into M micro-batches, and the schedule
+(`schedule.Make(p.schedule, K, M, v)`: per device, its ordered forwards and backwards) is compiled
+into the graph by `executor.UnrolledSchedule`: every cell's forward and backward (and its
+recompute) runs under that cell's device, and each cell's weight gradients are summed over the M
+micro-batches on that device. The result, outputs and gradients, equals the same layers run
+un-partitioned, whatever the schedule.
+
+With gpipe (fill-drain) the loss may be computed after the pipeline (`FProp`); the other schedules
+start backwards before the last forward, so the loss is computed per micro-batch on the last stage
+(`FPropLoss`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import recompute
+from gpipe_tf.pipeline import schedule as schedule_lib
 
 RECOMPUTE_MODES = plan_lib.RECOMPUTE_MODES
 PARTITION_METHODS = plan_lib.PARTITION_METHODS
@@ -82,6 +88,17 @@ class PipeliningLayer(BaseLayer):
         p.Define('recompute', 'always',
                  f'Re-materialization: {RECOMPUTE_MODES} ("except_last" keeps the last cell\'s '
                  'activations, which backprop needs first).')
+        p.Define('schedule', 'gpipe',
+                 f'The pipeline schedule, one of {schedule_lib.KINDS}: gpipe (fill-drain, all M '
+                 'micro-batches\' activations stored), 1f1b (the same bubble, at most K stored), '
+                 'interleaved_1f1b (virtual_stages cells per device, a smaller bubble), '
+                 'zero_bubble (ZB-H1: backward split into input and weight gradients, a third '
+                 'of 1f1b\'s bubble). All but gpipe need the loss per micro-batch inside the '
+                 'pipeline (FPropLoss; tasks do this).')
+        p.Define('virtual_stages', 1,
+                 'v, cells per device for interleaved_1f1b: the layers are partitioned into '
+                 'v x num_cells cells, cell s on device s % num_cells.',
+                 check=hyperparams.Integer(at_least=1))
         p.Define('partition_method', 'flops',
                  f'How layer_tpl is split: one of {PARTITION_METHODS}, or explicit boundaries '
                  '[0, b_1, ..., L] (cell k holds layers b_k .. b_{k+1} - 1).')
@@ -195,6 +212,57 @@ class PipeliningLayer(BaseLayer):
 
     # ---- computation ----------------------------------------------------------------------
     def FProp(self, theta, *inputs):
+        """The pipeline's outputs; in training, its backward is built by the schedule. A
+        schedule that starts backwards before the last forward (all but gpipe) needs the loss
+        inside the pipeline: train it with `FPropLoss`."""
+        ctx = fprop_context.Current()
+        inputs, runs, thetas = self._Prepare(theta, inputs, ctx.training)
+        if not ctx.training:  # Forward only, micro-batched, no re-materialization.
+            return self._Replicated(
+                lambda r, shard: runs[r].Forward(thetas, shard, training=False)[0], inputs)
+        if not runs[0].schedule.forward_first:
+            raise errors.ConfigError(
+                f'{self.path}: schedule {self.p.schedule!r} runs backwards before the last '
+                'forward, so the loss must be computed per micro-batch inside the pipeline: '
+                'train with FPropLoss(theta, inputs, loss_fn) (tasks do), or use '
+                'schedule="gpipe".')
+        outputs, updates = self._Train(runs, thetas, inputs)
+        self._ApplyUpdates(updates)
+        return outputs
+
+    def FPropLoss(self, theta, inputs, loss_fn, loss_inputs=None):
+        """The pipeline with its loss computed per micro-batch on the last stage, as soon as
+        each micro-batch's forward is done: what every schedule can run (1f1b, interleaved and
+        zero-bubble need it).
+
+        Args:
+          theta: the layer's theta.
+          inputs: the pipeline's input (one tensor or nest).
+          loss_fn: (outputs, loss_inputs) of a micro-batch (or, in inference, of the whole
+            batch) -> (value, weight), a mean over `weight` items: a task's `loss` metric.
+          loss_inputs: a nest split along batch_dim with the inputs, for loss_fn (labels,
+            example weights); or None.
+
+        Returns:
+          (outputs, loss, weight): the outputs, through which no gradient flows back (use the
+          loss); loss = sum over micro-batches of value * weight / sum of weight, whose
+          gradients equal those of loss_fn applied to the whole batch's outputs; the weight.
+        """
+        ctx = fprop_context.Current()
+        inputs, runs, thetas = self._Prepare(theta, (inputs,), ctx.training)
+        if not ctx.training:
+            outputs = self._Replicated(
+                lambda r, shard: runs[r].Forward(thetas, shard, training=False)[0], inputs)
+            value, weight = loss_fn(outputs, loss_inputs)
+            return outputs, value, tf.cast(weight, value.dtype)
+        outputs, updates, loss, weight = self._TrainWithLoss(runs, thetas, inputs, loss_fn,
+                                                             loss_inputs)
+        self._ApplyUpdates(updates)
+        return tf.nest.map_structure(tf.stop_gradient, outputs), loss, weight
+
+    def _Prepare(self, theta, inputs, training: bool):
+        """Runs the before_tpl layers; returns (the pipeline's input, per replica its
+        `executor.UnrolledSchedule` for this batch, per cell its theta)."""
         p = self.p
         with tf.device(self._devices[0]), fprop_context.Scope(batch_dim=p.batch_dim):
             inputs = sequential.Apply(self._before, theta, *inputs)
@@ -204,15 +272,15 @@ class PipeliningLayer(BaseLayer):
                                      'inputs must be statically known to split micro-batches.')
         try:
             num_micro_batches = plan_lib.NumMicroBatches(p, batch_size)
+            sched = self.plan.Schedule(num_micro_batches, training=training)
         except errors.ConfigError as error:
             raise errors.ConfigError(f'{self.path}: {error}') from None
         ctx = fprop_context.Current()
-        recomputes = self.plan.recompute
         assign = self._LogicalDeviceFn()
         # Replica r's shard starts at example r N / R of the mini-batch (after the examples
         # that come before this whole batch, under a strategy's replicas).
         shard = batch_size // p.num_replicas
-        runs = [executor.UnrolledSchedule(functions, recomputes, num_micro_batches, p.batch_dim,
+        runs = [executor.UnrolledSchedule(functions, self.plan.recompute, sched, p.batch_dim,
                                           tf.cast(ctx.step, tf.int64), assign,
                                           first_example=tf.cast(ctx.first_example, tf.int64) +
                                           r * shard)
@@ -221,10 +289,11 @@ class PipeliningLayer(BaseLayer):
         for k in range(self.plan.num_cells):
             with tf.name_scope(f'cell_{k}_theta'):
                 thetas.append(executor.AssignNest(assign, k, self._cells[k].Theta(theta)))
-        if not ctx.training:  # Forward only, micro-batched, no re-materialization.
-            return self._Replicated(
-                lambda r, shard: runs[r].Forward(thetas, shard, training=False)[0], inputs)
-        outputs, updates = self._Train(runs, thetas, inputs)
+        return inputs, runs, thetas
+
+    def _ApplyUpdates(self, updates: list) -> None:
+        """Hands each cell's layers their training statistics, summed over micro-batches (and
+        over a strategy's replicas)."""
         replica_context = tf.distribute.get_replica_context()
         if (replica_context is not None and replica_context.num_replicas_in_sync > 1 and
                 tf.nest.flatten(updates)):
@@ -235,7 +304,6 @@ class PipeliningLayer(BaseLayer):
             with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_update'):
                 for layer, stats in zip(self._functions[k].update_layers or [], cell_updates):
                     layer.AddUpdate(stats)
-        return outputs
 
     def _LogicalDeviceScope(self, k: int):
         """Where cell k's variables are created: with logical_device_fn, under a strategy that
@@ -333,6 +401,69 @@ class PipeliningLayer(BaseLayer):
                                 *tf.nest.flatten(inputs))
         outputs, updates = results[0]
         return tf.nest.pack_sequence_as(outputs, list(flat_outputs)), updates
+
+    def _TrainWithLoss(self, runs: list, thetas: list, inputs, loss_fn, loss_inputs):
+        """Every replica's whole step (forwards, per micro-batch losses, backwards, in its
+        schedule's order) run as the forward of one custom-gradient op whose output is the
+        loss: the gradients, computed with the loss, are scaled by the incoming gradient and
+        divided by the weight.
+
+        Returns:
+          (outputs, per cell its training statistics, loss, weight).
+        """
+        theta_sizes = [len(tf.nest.flatten(t)) for t in thetas]
+        num_replicas, batch_dim = self.p.num_replicas, self.p.batch_dim
+        results = []
+
+        @tf.custom_gradient
+        def Pipeline(*flat):
+            thetas_in, offset = [], 0
+            for theta, size in zip(thetas, theta_sizes):
+                thetas_in.append(tf.nest.pack_sequence_as(theta, flat[offset:offset + size]))
+                offset += size
+            pipeline_inputs = tf.nest.pack_sequence_as(inputs, flat[offset:])
+            if num_replicas == 1:
+                shards, loss_shards = [pipeline_inputs], [loss_inputs]
+            else:
+                with tf.device(self._devices[0]):
+                    shards = microbatch.Split(pipeline_inputs, num_replicas, batch_dim)
+                    loss_shards = (microbatch.Split(loss_inputs, num_replicas, batch_dim)
+                                   if loss_inputs is not None else [None] * num_replicas)
+            steps = []
+            for r, (shard, loss_shard) in enumerate(zip(shards, loss_shards)):
+                with self._ReplicaScope(r):
+                    steps.append(runs[r].ForwardBackward(thetas_in, shard, loss_fn, loss_shard))
+            with tf.device(self._devices[-1]):
+                outputs = (steps[0][0] if num_replicas == 1 else
+                           microbatch.Concat([s[0] for s in steps], batch_dim))
+                total = tf.add_n([s[2][0] for s in steps])
+                weight = tf.add_n([s[2][1] for s in steps])
+                loss = tf.math.divide_no_nan(total, weight)
+            with tf.device(self._devices[0]):
+                d_inputs = (steps[0][4] if num_replicas == 1 else
+                            microbatch.Concat([s[4] for s in steps], batch_dim))
+            d_thetas = self._SumOverReplicas([s[3] for s in steps])
+            results.append((outputs, self._SumOverReplicas([s[1] for s in steps]), weight))
+
+            def Grad(d_loss):
+                grads = []
+                for k, cell in enumerate(d_thetas):
+                    with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_grad_scale'):
+                        scale = tf.math.divide_no_nan(d_loss, weight)
+                        grads += [None if g is None else g * tf.cast(scale, g.dtype)
+                                  for g in cell]
+                with tf.device(self._devices[0]):
+                    scale = tf.math.divide_no_nan(d_loss, weight)
+                    grads += [None if g is None else g * tf.cast(scale, g.dtype)
+                              for g in tf.nest.flatten(d_inputs)]
+                return grads
+
+            return loss, Grad
+
+        loss = Pipeline(*[t for theta in thetas for t in tf.nest.flatten(theta)],
+                        *tf.nest.flatten(inputs))
+        outputs, updates, weight = results[0]
+        return outputs, updates, loss, weight
 
     def _SumOverReplicas(self, per_replica: list) -> list:
         """Per cell, the sum over replicas (on the cell's variables' device) of a per-replica

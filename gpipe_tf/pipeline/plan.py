@@ -25,6 +25,7 @@ from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import partition
+from gpipe_tf.pipeline import schedule as schedule_lib
 
 RECOMPUTE_MODES = ('always', 'except_last', 'never')
 PARTITION_METHODS = ('flops', 'params', 'uniform')
@@ -36,14 +37,18 @@ class Plan:
 
     Attributes:
       params: the PipeliningLayer Params the plan is of.
-      cells: per cell, its layers' Params (named: by their own name, else `layer_<index>`).
+      cells: per cell (stage), its layers' Params (named: by their own name, else
+        `layer_<index>`); v K of them with v virtual stages per device.
       metas: per cell, its FPropMeta on one mini-batch; None without input_shapes.
       recompute: per cell, whether its forward is re-materialized in the backward.
       batch_size: N, the examples of one mini-batch (from input_shapes; None without them).
       num_micro_batches: M for that mini-batch (None without input_shapes).
-      mesh: the device of each (replica, stage), R lists of K; None until placed (a trainer
-        needs K to know how many devices to set up, before the devices exist).
+      mesh: the device of each (replica, cell), R lists of v K (cell s on the replica's
+        device s % K); None until placed (a trainer needs K to know how many devices to set
+        up, before the devices exist).
       before: the before_tpl layers' Params (named), run ahead of cell 0 on its device.
+      schedule: the training schedule (`schedule.Schedule`) for num_micro_batches; None
+        without input_shapes (`Schedule(m)` makes one for any M).
     """
     params: Any
     cells: list[list]
@@ -53,11 +58,31 @@ class Plan:
     num_micro_batches: int | None
     mesh: list[list[str]] | None = None
     before: list = dataclasses.field(default_factory=list)
+    schedule: schedule_lib.Schedule | None = None
 
     @property
     def num_cells(self) -> int:
-        """K."""
+        """The cells (stages) of a replica: K, or v K with v virtual stages per device."""
         return len(self.cells)
+
+    @property
+    def virtual_stages(self) -> int:
+        """v, cells per device."""
+        return self.params.virtual_stages
+
+    @property
+    def num_devices(self) -> int:
+        """K, the devices of one replica."""
+        return self.num_cells // self.virtual_stages
+
+    def Schedule(self, num_micro_batches: int, training: bool = True) -> schedule_lib.Schedule:
+        """The Params' schedule kind for M = `num_micro_batches` (forward-only unless
+        `training`).
+
+        Raises:
+          errors.ConfigError: if the kind cannot schedule these counts.
+        """
+        return MakeSchedule(self.params, self.num_devices, num_micro_batches, training)
 
     @property
     def num_replicas(self) -> int:
@@ -90,10 +115,12 @@ class Plan:
         p = self.params
         devices = p.devices
         if devices is None and p.logical_device_fn is not None:
-            devices = [''] * self.num_cells  # The strategy's replica device; XLA places cells.
-        mesh = devices_lib.MeshDevices(devices, p.num_replicas, self.num_cells, p.round_robin)
+            devices = [''] * self.num_devices  # The strategy's replica device; XLA places cells.
+        mesh = devices_lib.MeshDevices(devices, p.num_replicas, self.num_devices, p.round_robin)
         if check_devices and p.logical_device_fn is None:  # With it, a strategy places cells.
             devices_lib.CheckDevices(mesh, available)
+        # With v virtual stages, cell s runs on the replica's device s % K.
+        mesh = [[row[s % self.num_devices] for s in range(self.num_cells)] for row in mesh]
         return dataclasses.replace(self, mesh=mesh)
 
 
@@ -114,6 +141,10 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
     if p.recompute not in RECOMPUTE_MODES:
         raise errors.ConfigError(f'recompute must be one of {RECOMPUTE_MODES}, got '
                                  f'{p.recompute!r}.')
+    if p.schedule == 'zero_bubble' and p.recompute != 'always':
+        raise errors.ConfigError(f'schedule zero_bubble splits each backward into an input and a '
+                                 f'weight gradient that re-run the cell\'s forward: it needs '
+                                 f'recompute="always", got {p.recompute!r}.')
     if p.logical_device_fn is not None and p.num_replicas != 1:
         raise errors.ConfigError(f'With logical_device_fn the replicas are the strategy\'s: '
                                  f'num_replicas must be 1, got {p.num_replicas}.')
@@ -121,11 +152,27 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
     before = BeforeLayers(p)
     _CheckUniqueNames(p, before + [lp for layers in cells for lp in layers])
     batch_size = BatchSize(p)
+    num_micro_batches = None if batch_size is None else NumMicroBatches(p, batch_size)
     plan = Plan(params=p, cells=cells, metas=metas, before=before,
                 recompute=RecomputeFlags(p.recompute, len(cells)), batch_size=batch_size,
-                num_micro_batches=(None if batch_size is None else
-                                   NumMicroBatches(p, batch_size)))
+                num_micro_batches=num_micro_batches,
+                schedule=(None if num_micro_batches is None else MakeSchedule(
+                    p, len(cells) // p.virtual_stages, num_micro_batches)))
     return plan.Placed(check_devices, available) if place else plan
+
+
+def MakeSchedule(p, num_devices: int, num_micro_batches: int,
+                 training: bool = True) -> schedule_lib.Schedule:
+    """`p.schedule` for K = `num_devices` and M = `num_micro_batches`, v = p.virtual_stages.
+
+    Raises:
+      errors.ConfigError: if the kind cannot schedule these counts.
+    """
+    try:
+        return schedule_lib.Make(p.schedule, num_devices, num_micro_batches, p.virtual_stages,
+                                 training=training)
+    except schedule_lib.ScheduleError as error:
+        raise errors.ConfigError(f'{p.name}: {error}') from None
 
 
 def NumMicroBatches(p, batch_size: int) -> int:
@@ -225,6 +272,10 @@ def _CellLayerParams(p) -> list[list]:
     if p.cell_tpl is not None:
         if not p.cell_tpl:
             raise errors.ConfigError('cell_tpl is empty: expected at least one cell.')
+        if len(p.cell_tpl) % p.virtual_stages:
+            raise errors.ConfigError(f'cell_tpl has {len(p.cell_tpl)} cells, which '
+                                     f'virtual_stages={p.virtual_stages} devices cannot share '
+                                     'evenly: expected a multiple of it.')
         cells = [list(c) if isinstance(c, (list, tuple)) else [c] for c in p.cell_tpl]
         index, named = 0, []
         for cell in cells:
@@ -238,10 +289,11 @@ def _CellLayerParams(p) -> list[list]:
 
 
 def _Boundaries(p, layers: list) -> list[int]:
-    num_layers, num_cells = len(layers), p.num_cells
+    num_layers, num_cells = len(layers), p.num_cells * p.virtual_stages
     if num_cells > num_layers:
-        raise errors.ConfigError(f'num_cells ({num_cells}) is larger than the number of layers '
-                                 f'({num_layers}).')
+        cells = (f'num_cells ({num_cells})' if p.virtual_stages == 1 else
+                 f'num_cells x virtual_stages ({p.num_cells} x {p.virtual_stages})')
+        raise errors.ConfigError(f'{cells} is larger than the number of layers ({num_layers}).')
     method = p.partition_method
     if isinstance(method, (list, tuple)):
         return partition.CheckBoundaries(method, num_layers, num_cells)

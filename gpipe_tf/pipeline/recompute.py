@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
+from gpipe_tf.nested_map import NestedMap
 
 # The name scope of a backward's re-materialized forward, so a trace tells it from the gradients.
 RECOMPUTE_SCOPE = 'recompute'
@@ -64,12 +65,19 @@ class CellFunctions:
             training: tf.function(self._MakeForward(training), autograph=False)
             for training in (True, False)}
         self._backward = tf.function(self._Backward, autograph=False)
+        self._backward_input = tf.function(self._BackwardInput, autograph=False)
+        self._backward_weight = tf.function(self._BackwardWeight, autograph=False)
+
+    def _Scope(self, step, first_example, training, collector=None):
+        """The layers' context for one micro-batch; updates go to `collector` (by default one
+        that is dropped: a recompute's statistics were already reported by the forward)."""
+        return fprop_context.Scope(
+            training=training, step=step, first_example=first_example, batch_dim=self.batch_dim,
+            update_collector=(fprop_context.UpdateCollector() if collector is None else collector))
 
     def _Run(self, theta, inputs, step, first_example, training):
         collector = fprop_context.UpdateCollector()
-        with tf.device(self.device), fprop_context.Scope(
-                training=training, step=step, first_example=first_example,
-                batch_dim=self.batch_dim, update_collector=collector):
+        with tf.device(self.device), self._Scope(step, first_example, training, collector):
             outputs = self.cell.FProp(theta, *base_layer.AsArgs(inputs))
         layers = [layer for layer, _ in collector.Items()]
         if training and self.update_layers is None:
@@ -98,6 +106,74 @@ class CellFunctions:
                     inputs = Identity(inputs)
                 outputs, _ = self._Run(theta, inputs, step, first_example, training=True)
             return Differentiate(outputs, theta, inputs, d_outputs, self.trainable)
+
+    def _BackwardInput(self, theta, inputs, step, first_example, d_outputs):
+        """The input gradient alone (a zero-bubble schedule's I): recomputes the forward layer
+        by layer once `d_outputs` exist, then takes each layer's input gradient from its output
+        gradient, last layer first.
+
+        Returns:
+          (d_inputs, flat over the leaves of `inputs` (None where not floating point);
+          per layer its input arguments and the gradients of its float outputs, what
+          `_BackwardWeight` needs).
+        """
+        layers = self.cell.sequence
+        with tf.device(self.device):
+            with tf.name_scope(RECOMPUTE_SCOPE):
+                with tf.control_dependencies(d_outputs):
+                    theta = Identity(theta)
+                    args = Identity(base_layer.AsArgs(inputs))
+                layer_inputs, layer_outputs = [], []
+                with self._Scope(step, first_example, training=True):
+                    for layer in layers:
+                        # Fresh sources per layer, so each layer is differentiated alone.
+                        args = Identity(args)
+                        layer_inputs.append(args)
+                        layer_outputs.append(layer.FProp(theta[layer.p.name], *args))
+                        args = base_layer.AsArgs(layer_outputs[-1])
+            d_y = list(d_outputs)
+            layer_d_outputs = [None] * len(layers)
+            for i in reversed(range(len(layers))):
+                layer_d_outputs[i] = d_y
+                d_y = tf.gradients(FloatLeaves(layer_outputs[i]), FloatLeaves(layer_inputs[i]),
+                                   grad_ys=d_y,
+                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return WithFloatLeaves(inputs, d_y), (layer_inputs, layer_d_outputs)
+
+    def _BackwardWeight(self, theta, saved, step, first_example):
+        """The weight gradient (a zero-bubble schedule's W) from what `_BackwardInput` saved:
+        each layer's forward re-run from its input, differentiated w.r.t. its weights alone.
+
+        Returns:
+          d_theta, flat over the leaves of theta (None where not trainable).
+        """
+        layer_inputs, layer_d_outputs = saved
+        d_theta = {}
+        with tf.device(self.device):
+            for layer, args, d_y in zip(self.cell.sequence, layer_inputs, layer_d_outputs):
+                name = layer.p.name
+                layer_theta = tf.nest.map_structure(tf.identity, theta[name])
+                with tf.name_scope(RECOMPUTE_SCOPE), self._Scope(step, first_example, True):
+                    outputs = layer.FProp(layer_theta, *args)
+                leaves = tf.nest.flatten(layer_theta)
+                trainable = [v.trainable for v in tf.nest.flatten(layer.vars)]
+                sources = [t for t, keep in zip(leaves, trainable) if keep]
+                grads = iter(tf.gradients(FloatLeaves(outputs), sources, grad_ys=d_y,
+                                          unconnected_gradients=tf.UnconnectedGradients.ZERO))
+                d_theta[name] = tf.nest.pack_sequence_as(
+                    theta[name], [next(grads) if keep else None for keep in trainable])
+        return tf.nest.flatten(NestedMap(d_theta), expand_composites=False)
+
+    def BackwardInput(self, theta, inputs, step, first_example, d_outputs):
+        """(flat d_inputs, saved for `BackwardWeight`) for one micro-batch, recomputing its
+        forward."""
+        with tf.device(self.device):
+            return self._backward_input(theta, inputs, step, first_example, d_outputs)
+
+    def BackwardWeight(self, theta, saved, step, first_example):
+        """Flat d_theta for one micro-batch from what `BackwardInput` saved."""
+        with tf.device(self.device):
+            return self._backward_weight(theta, saved, step, first_example)
 
     def Forward(self, theta, inputs, step, first_example, training: bool = True):
         """(outputs, update stats) of the cell on one micro-batch whose first example has index

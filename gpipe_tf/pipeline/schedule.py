@@ -1,43 +1,400 @@
-"""The GPipe clock: which cell works on which micro-batch at each tick.
+"""Pipeline schedules as data: per device, the ordered list of actions it runs in one step.
 
-A schedule is plain data, a list of ticks, each a list of (cell, micro_batch) pairs. The graph
-builder walks it, and the timeline plot and simulator read the same list, so what is drawn is
-what is built.
+An action is a forward `F`, a backward `B` (input and weight gradients together, with the
+recompute of a re-materializing cell), or the backward split in two: `I`, the input gradient
+(what the previous stage waits for), and `W`, the weight gradient (which nothing downstream
+waits for, so it can fill a bubble). Each names a stage (a cell of the pipeline) and a
+micro-batch. With v virtual stages per device there are S = v K stages, stage s on device s % K.
+
+`Make(kind, K, M, v)` returns a validated `Schedule`; the executor compiles its lists into the
+graph, and the simulator and the memory planner walk the same lists, so what is predicted and
+drawn is what is built. The kinds:
+
+  gpipe             fill-drain (GPipe): every forward, then every backward. Bubble
+                    (K-1)/(M+K-1); a stage holds all M micro-batches' stored activations.
+  1f1b              PipeDream-flush: K-1-k warm-up forwards on device k, then one forward and
+                    one backward in turn. The same bubble; at most K-k micro-batches stored.
+  interleaved_1f1b  Megatron's interleaved 1F1B: v stages per device, micro-batches in groups
+                    of K; bubble (K-1)/(vM+K-1) with a stage's costs 1/v of a device's share.
+  zero_bubble       ZB-H1 (Qi et al. 2024): 1F1B with the backward split into I and W and the
+                    W passes deferred into the drain bubbles; the same memory limit as 1F1B,
+                    about a third of its bubble when F, I and W cost the same.
+
+A validator (`Validate`) rejects lists that miss or repeat an action, put a stage on the wrong
+device, or deadlock (a device waiting on an action another device can only run later), naming
+the action.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
 
-def _Check(num_micro_batches: int, num_cells: int) -> None:
-    if num_micro_batches < 1 or num_cells < 1:
-        raise ValueError(f'num_micro_batches and num_cells must be >= 1, got '
-                         f'{num_micro_batches} and {num_cells}.')
+KINDS = ('gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble')
+FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 'F', 'B', 'I', 'W'
+ACTION_KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
 
 
-def ForwardTicks(num_micro_batches: int, num_cells: int) -> list[list[tuple[int, int]]]:
-    """At tick t, cell k computes the forward pass of micro-batch t - k.
+class ScheduleError(ValueError):
+    """A schedule that cannot run: a bad (K, M, v) for its kind, or an invalid action list."""
+
+
+class Action(NamedTuple):
+    """One piece of work: `kind` (F, B, I or W) of `stage` on `micro_batch`."""
+    kind: str
+    stage: int
+    micro_batch: int
+
+    def __str__(self) -> str:
+        return f'{self.kind}(stage {self.stage}, micro-batch {self.micro_batch})'
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A validated schedule.
+
+    Attributes:
+      kind: one of KINDS, or 'custom' for lists given by hand.
+      num_devices: K.
+      num_micro_batches: M.
+      virtual_stages: v, stages per device (S = v K stages; stage s on device s % K).
+      actions: per device, its actions in the order it runs them.
+      order: every action once, devices' lists interleaved in an order that respects every
+        dependency (`Validate`'s): the order to build the graph in.
+    """
+    kind: str
+    num_devices: int
+    num_micro_batches: int
+    virtual_stages: int
+    actions: tuple
+    order: tuple
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_devices * self.virtual_stages
+
+    def DeviceOf(self, stage: int) -> int:
+        return stage % self.num_devices
+
+    @property
+    def training(self) -> bool:
+        """Whether the schedule has backward actions (a forward-only one has none)."""
+        return any(a.kind != FORWARD for device in self.actions for a in device)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backwards are split into I and W actions."""
+        return any(a.kind == WEIGHT_GRAD for device in self.actions for a in device)
+
+    @property
+    def forward_first(self) -> bool:
+        """Whether every device runs all its forwards before any backward: then the loss can be
+        computed after the pipeline, on the whole batch (else it must be computed per
+        micro-batch on the last stage, as soon as the micro-batch's forward is done)."""
+        for device in self.actions:
+            kinds = [a.kind for a in device]
+            if FORWARD in kinds and any(k != FORWARD for k in kinds[:_LastIndex(kinds, FORWARD)]):
+                return False
+        return True
+
+
+def _LastIndex(items: list, value) -> int:
+    return len(items) - 1 - items[::-1].index(value)
+
+
+def _CheckCounts(num_devices: int, num_micro_batches: int, virtual_stages: int) -> None:
+    if num_devices < 1 or num_micro_batches < 1 or virtual_stages < 1:
+        raise ScheduleError(f'K (devices), M (micro-batches) and v (virtual stages) must be >= 1, '
+                            f'got {num_devices}, {num_micro_batches} and {virtual_stages}.')
+
+
+# ---- the schedules ------------------------------------------------------------------------------
+def _GPipe(k_count: int, m_count: int, v: int) -> list[list[Action]]:
+    """Fill-drain: each device runs its stages' forwards in stage order per micro-batch, then
+    the backwards (the last stage's first)."""
+    lists = []
+    for d in range(k_count):
+        stages = range(d, v * k_count, k_count)
+        lists.append([Action(FORWARD, s, m) for s in stages for m in range(m_count)] +
+                     [Action(BACKWARD, s, m) for s in reversed(stages) for m in range(m_count)])
+    return lists
+
+
+def _OneFOneB(k_count: int, m_count: int) -> list[list[Action]]:
+    lists = []
+    for d in range(k_count):
+        warm_up = min(k_count - 1 - d, m_count)
+        actions = [Action(FORWARD, d, m) for m in range(warm_up)]
+        for i in range(m_count - warm_up):
+            actions += [Action(FORWARD, d, warm_up + i), Action(BACKWARD, d, i)]
+        actions += [Action(BACKWARD, d, m) for m in range(m_count - warm_up, m_count)]
+        lists.append(actions)
+    return lists
+
+
+def _Interleaved(k_count: int, m_count: int, v: int) -> list[list[Action]]:
+    """Megatron-LM's interleaved 1F1B: micro-batches go through a device's v stages in groups of
+    K; device d warms up with 2 (K - 1 - d) + (v - 1) K forwards."""
+    if v == 1:
+        return _OneFOneB(k_count, m_count)
+    if m_count % k_count:
+        raise ScheduleError(f'interleaved_1f1b sends micro-batches round in groups of K: M '
+                            f'({m_count}) must be a multiple of K ({k_count}).')
+    total = m_count * v
+
+    def Chunk(i, backward):
+        chunk = (i // k_count) % v
+        return (v - 1 - chunk if backward else chunk), (i // (k_count * v)) * k_count + i % k_count
+
+    lists = []
+    for d in range(k_count):
+        def Make(kind, i):
+            chunk, m = Chunk(i, kind == BACKWARD)
+            return Action(kind, chunk * k_count + d, m)
+
+        warm_up = min(2 * (k_count - 1 - d) + (v - 1) * k_count, total)
+        actions = [Make(FORWARD, i) for i in range(warm_up)]
+        for i in range(total - warm_up):
+            actions += [Make(FORWARD, warm_up + i), Make(BACKWARD, i)]
+        actions += [Make(BACKWARD, i) for i in range(total - warm_up, total)]
+        lists.append(actions)
+    return lists
+
+
+def _ZeroBubbleH1(k_count: int, m_count: int) -> list[list[Action]]:
+    """ZB-H1: 1F1B's order of forwards and input gradients (I in place of B), with each weight
+    gradient W deferred to where the device would otherwise wait, made by a walk with unit
+    costs. A device runs its next F or I when it is ready (an F only while fewer than K
+    micro-batches await their W, the first stage's limit under 1F1B), else its oldest pending
+    W; the W left at the end fill the drain."""
+    main = [[Action(INPUT_GRAD if a.kind == BACKWARD else a.kind, a.stage, a.micro_batch)
+             for a in device] for device in _OneFOneB(k_count, m_count)]
+    done_at = {}  # Action -> the time step it finishes.
+    lists = [[] for _ in range(k_count)]
+    position = [0] * k_count
+    pending = [[] for _ in range(k_count)]  # Per device, W actions not yet run, oldest first.
+    time = 0
+    while any(len(a) < 3 * m_count for a in lists):
+        started = []
+        for d in range(k_count):
+            if lists[d] and done_at[lists[d][-1]] > time:
+                continue  # Busy.
+            action = main[d][position[d]] if position[d] < m_count * 2 else None
+            awaiting_w = sum(1 for a in lists[d] if a.kind == FORWARD) - sum(
+                1 for a in lists[d] if a.kind == WEIGHT_GRAD)
+            if action is not None and (not _Ready(action, k_count, done_at, time) or (
+                    action.kind == FORWARD and awaiting_w >= k_count)):
+                action = None
+            if action is None and pending[d]:
+                action = pending[d][0]
+            if action is not None:
+                started.append((d, action))
+        for d, action in started:
+            lists[d].append(action)
+            done_at[action] = time + 1
+            if action.kind == WEIGHT_GRAD:
+                pending[d].pop(0)
+            else:
+                position[d] += 1
+                if action.kind == INPUT_GRAD:
+                    pending[d].append(Action(WEIGHT_GRAD, d, action.micro_batch))
+        time += 1
+    return lists
+
+
+def _Ready(action: Action, num_stages: int, done_at: dict, time: int) -> bool:
+    return all(done_at.get(dep, time + 1) <= time
+               for dep in Dependencies(action, num_stages, backward_kind=INPUT_GRAD))
+
+
+def Make(kind: str, num_devices: int, num_micro_batches: int, virtual_stages: int = 1,
+         training: bool = True) -> Schedule:
+    """The validated schedule `kind` for K devices, M micro-batches and v stages per device.
+
+    Args:
+      kind: one of KINDS.
+      num_devices, num_micro_batches, virtual_stages: K, M and v (v > 1 only with
+        interleaved_1f1b; gpipe takes any v, running a device's stages in turn).
+      training: False gives the forward-only schedule (inference): every device runs its
+        forwards in the training schedule's order, no backward.
+
+    Raises:
+      ScheduleError: for an unknown kind or counts the kind cannot schedule.
+    """
+    _CheckCounts(num_devices, num_micro_batches, virtual_stages)
+    if kind not in KINDS:
+        raise ScheduleError(f'schedule must be one of {KINDS}, got {kind!r}.')
+    if virtual_stages > 1 and kind not in ('interleaved_1f1b', 'gpipe'):
+        raise ScheduleError(f'virtual_stages > 1 needs schedule interleaved_1f1b (or gpipe), '
+                            f'got {kind!r} with virtual_stages={virtual_stages}.')
+    if kind == 'gpipe':
+        lists = _GPipe(num_devices, num_micro_batches, virtual_stages)
+    elif kind == '1f1b':
+        lists = _OneFOneB(num_devices, num_micro_batches)
+    elif kind == 'interleaved_1f1b':
+        lists = _Interleaved(num_devices, num_micro_batches, virtual_stages)
+    else:
+        lists = _ZeroBubbleH1(num_devices, num_micro_batches)
+    if not training:
+        lists = [[a for a in device if a.kind == FORWARD] for device in lists]
+    return FromLists(lists, num_micro_batches, virtual_stages, kind=kind)
+
+
+def FromLists(lists, num_micro_batches: int, virtual_stages: int = 1,
+              kind: str = 'custom') -> Schedule:
+    """A Schedule of per-device action lists (Actions, or (kind, stage, micro_batch) tuples),
+    validated.
+
+    Raises:
+      ScheduleError: naming the first problem (see `Validate`).
+    """
+    lists = tuple(tuple(Action(*a) for a in device) for device in lists)
+    _CheckCounts(len(lists), num_micro_batches, virtual_stages)
+    order = Validate(lists, num_micro_batches, virtual_stages)
+    return Schedule(kind=kind, num_devices=len(lists), num_micro_batches=num_micro_batches,
+                    virtual_stages=virtual_stages, actions=lists, order=tuple(order))
+
+
+# ---- dependencies and validation ----------------------------------------------------------------
+def Dependencies(action: Action, num_stages: int, backward_kind: str = BACKWARD) -> list[Action]:
+    """The actions `action` needs the results of.
+
+    F(s, m) needs F(s-1, m); a backward B or I of (s, m) needs F(s, m) and the backward of
+    (s+1, m) (whose kind is `backward_kind`, B or I: the one that produces the input gradient);
+    W(s, m) needs I(s, m).
+    """
+    kind, s, m = action
+    if kind == FORWARD:
+        return [Action(FORWARD, s - 1, m)] if s else []
+    if kind == WEIGHT_GRAD:
+        return [Action(INPUT_GRAD, s, m)]
+    deps = [Action(FORWARD, s, m)]
+    if s + 1 < num_stages:
+        deps.append(Action(backward_kind, s + 1, m))
+    return deps
+
+
+def Validate(lists, num_micro_batches: int, virtual_stages: int = 1) -> list[Action]:
+    """Checks per-device action lists and returns an order to build them in.
+
+    Every (stage, micro-batch) must have one F and, if any backward exists, either one B or
+    one I and one W; stage s's actions must be on device s % K; and running each device's list
+    in order must never wait forever.
 
     Returns:
-      M + K - 1 ticks; tick t lists the (cell, micro_batch) pairs active at t, by cell.
+      Every action once, in an order where each follows its dependencies and each device's
+      actions keep their list order.
+
+    Raises:
+      ScheduleError: naming the missing, repeated, misplaced or deadlocked action.
     """
-    _Check(num_micro_batches, num_cells)
-    return [[(k, t - k) for k in range(num_cells) if 0 <= t - k < num_micro_batches]
-            for t in range(num_micro_batches + num_cells - 1)]
+    num_devices = len(lists)
+    num_stages = num_devices * virtual_stages
+    seen = {}
+    for d, device in enumerate(lists):
+        for a in device:
+            if a.kind not in ACTION_KINDS:
+                raise ScheduleError(f'device {d}: {a} has an unknown kind; expected one of '
+                                    f'{ACTION_KINDS}.')
+            if not (0 <= a.stage < num_stages and 0 <= a.micro_batch < num_micro_batches):
+                raise ScheduleError(f'device {d}: {a} is out of range: {num_stages} stages, '
+                                    f'{num_micro_batches} micro-batches.')
+            if a.stage % num_devices != d:
+                raise ScheduleError(f'{a} is on device {d}; stage {a.stage} runs on device '
+                                    f'{a.stage % num_devices}.')
+            if a in seen:
+                raise ScheduleError(f'{a} appears twice (devices {seen[a]} and {d}).')
+            seen[a] = d
+    has_backward = any(a.kind != FORWARD for a in seen)
+    split = set()
+    if has_backward:
+        split = [(s, m) for s in range(num_stages) for m in range(num_micro_batches)
+                 if Action(INPUT_GRAD, s, m) in seen or Action(WEIGHT_GRAD, s, m) in seen]
+        for s, m in split:
+            for kind in (INPUT_GRAD, WEIGHT_GRAD):
+                if Action(kind, s, m) not in seen:
+                    raise ScheduleError(f'{Action(kind, s, m)} is missing: stage {s} splits its '
+                                        f'backward of micro-batch {m} into I and W.')
+            if Action(BACKWARD, s, m) in seen:
+                raise ScheduleError(f'{Action(BACKWARD, s, m)} repeats the I and W of the same '
+                                    'micro-batch.')
+        split = set(split)
+    for s in range(num_stages):
+        for m in range(num_micro_batches):
+            if Action(FORWARD, s, m) not in seen:
+                raise ScheduleError(f'{Action(FORWARD, s, m)} is missing from device '
+                                    f'{s % num_devices}.')
+            if has_backward and (s, m) not in split and Action(BACKWARD, s, m) not in seen:
+                raise ScheduleError(f'{Action(BACKWARD, s, m)} is missing from device '
+                                    f'{s % num_devices}.')
+
+    def BackwardKind(s, m):
+        return INPUT_GRAD if (s, m) in split else BACKWARD
+
+    def Needs(a):
+        # The next stage's backward is an I where that stage splits it, else a B.
+        return Dependencies(a, num_stages, backward_kind=BackwardKind(a.stage + 1, a.micro_batch))
+
+    position = [0] * num_devices
+    done = set()
+    order = []
+    while len(order) < len(seen):
+        progressed = False
+        for d in range(num_devices):
+            while position[d] < len(lists[d]):
+                a = lists[d][position[d]]
+                if not all(dep in done for dep in Needs(a)):
+                    break
+                done.add(a)
+                order.append(a)
+                position[d] += 1
+                progressed = True
+        if not progressed:
+            waits = []
+            for d in range(num_devices):
+                if position[d] < len(lists[d]):
+                    a = lists[d][position[d]]
+                    missing = [dep for dep in Needs(a) if dep not in done]
+                    waits.append(f'device {d} waits at {a} for '
+                                 f'{", ".join(str(x) for x in missing)}')
+            raise ScheduleError('the schedule deadlocks: ' + '; '.join(waits) + '.')
+    return order
 
 
-def BackwardTicks(num_micro_batches: int, num_cells: int) -> list[list[tuple[int, int]]]:
-    """The backward pass: at tick t, cell K-1-k handles micro-batch t - k, last cell first.
+# ---- what a schedule implies --------------------------------------------------------------------
+def StoredMicroBatches(sched: Schedule) -> list[int]:
+    """Per stage, the most micro-batches whose forward has run and whose backward has not
+    finished (their stored activations, or inputs when re-materializing, alive at once), going
+    through the stage's device's list in order. A split backward frees at its W."""
+    peaks = [0] * sched.num_stages
+    alive = [0] * sched.num_stages
+    for device in sched.actions:
+        for a in device:
+            if a.kind == FORWARD:
+                alive[a.stage] += 1
+                peaks[a.stage] = max(peaks[a.stage], alive[a.stage])
+            elif a.kind in (BACKWARD, WEIGHT_GRAD):
+                alive[a.stage] -= 1
+    return peaks
 
-    Returns:
-      M + K - 1 ticks; tick t lists the (cell, micro_batch) pairs active at t, last cell first.
+
+def IdealBubble(kind: str, num_devices: int, num_micro_batches: int,
+                virtual_stages: int = 1) -> float:
+    """The idle fraction of a device's step time with balanced stages, free transfers and a
+    backward twice the forward: (K-1)/(M+K-1) for gpipe and 1f1b, (K-1)/(vM+K-1) interleaved.
+    zero_bubble has no closed form here (see `perf.simulator`).
+
+    Raises:
+      ScheduleError: for zero_bubble or counts below 1.
     """
-    _Check(num_micro_batches, num_cells)
-    last = num_cells - 1
-    return [[(last - k, t - k) for k in range(num_cells) if 0 <= t - k < num_micro_batches]
-            for t in range(num_micro_batches + num_cells - 1)]
+    _CheckCounts(num_devices, num_micro_batches, virtual_stages)
+    if kind in ('gpipe', '1f1b'):
+        return (num_devices - 1) / (num_micro_batches + num_devices - 1)
+    if kind == 'interleaved_1f1b':
+        return (num_devices - 1) / (virtual_stages * num_micro_batches + num_devices - 1)
+    raise ScheduleError(f'no closed-form bubble for schedule {kind!r}; simulate it.')
 
 
 def BubbleFraction(num_micro_batches: int, num_cells: int) -> float:
-    """Idle fraction of the ideal schedule: (K - 1) / (M + K - 1)."""
-    _Check(num_micro_batches, num_cells)
-    return (num_cells - 1) / (num_micro_batches + num_cells - 1)
+    """GPipe's idle fraction: (K - 1) / (M + K - 1)."""
+    return IdealBubble('gpipe', num_cells, num_micro_batches)

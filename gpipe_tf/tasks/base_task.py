@@ -86,8 +86,26 @@ class BaseTask(base_layer.BaseLayer):
         raise NotImplementedError(f'{type(self).__name__}.ComputeMetrics')
 
     def FPropTower(self, batch: NestedMap) -> NestedMap:
-        """Runs the model on `batch` and returns its metrics (see the module docstring)."""
-        return self.ComputeMetrics(batch, self.model(self.ModelInputs(batch)))
+        """Runs the model on `batch` and returns its metrics (see the module docstring).
+
+        Under a pipeline schedule that starts backwards before the last forward (1f1b,
+        interleaved, zero-bubble), the loss is `ComputeMetrics(...).loss` of each micro-batch,
+        computed inside the pipeline (`PipeliningLayer.FPropLoss`) and combined by weight: the
+        same loss and gradients as on the whole batch. The other metrics are computed on the
+        whole batch's outputs.
+        """
+        inputs = self.ModelInputs(batch)
+        if not _LossInsideModel(self.p.model):
+            return self.ComputeMetrics(batch, self.model(inputs))
+
+        def MicroBatchLoss(outputs, micro_batch):
+            return self.ComputeMetrics(micro_batch, outputs).loss
+
+        outputs, loss, weight = self.model.FPropLoss(self.model.theta, inputs, MicroBatchLoss,
+                                                     batch)
+        metrics = self.ComputeMetrics(batch, outputs)
+        metrics.loss = (loss, weight)
+        return metrics
 
     def RegularizationLoss(self) -> tf.Tensor:
         """weight_decay * 0.5 * sum of squares of the trainable variables of rank >= 2."""
@@ -100,6 +118,12 @@ class BaseTask(base_layer.BaseLayer):
             with tf.device(v.device):
                 terms.append(tf.nn.l2_loss(v))
         return decay * tf.add_n(terms)
+
+
+def _LossInsideModel(model_params) -> bool:
+    """Whether the model is a pipeline whose schedule needs the loss per micro-batch."""
+    return ('schedule' in model_params and model_params.schedule != 'gpipe' and
+            hasattr(model_params.cls, 'FPropLoss'))
 
 
 def SyncInputShapes(p: hyperparams.Params) -> hyperparams.Params:

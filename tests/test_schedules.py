@@ -1,0 +1,223 @@
+"""Every schedule keeps the contract (DESIGN invariant 6): loss, outputs and gradients of a pipeline
+run by gpipe, 1f1b, interleaved 1F1B or zero-bubble equal the same layers run in sequence on the
+whole batch, in eager mode, in a tf.function and in a v1 graph; batch norm's moving statistics are
+the same under every schedule; and each device runs its actions in its list's order."""
+
+import re
+
+import pytest
+import tensorflow as tf
+from absl.testing import parameterized
+
+from gpipe_tf import errors
+from gpipe_tf import test_utils
+from gpipe_tf.layers import basic
+from gpipe_tf.layers import fprop_context
+from gpipe_tf.layers import normalization
+from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.pipeline import schedule as schedule_lib
+
+pytestmark = pytest.mark.unit
+
+DEVICES = test_utils.ConfigureVirtualCpus()
+BATCH, DIM, NUM_BLOCKS = 8, 4, 4
+RTOL = 1e-5
+# (name, schedule, K devices, v, M, R): each kind with counts that exercise it.
+CASES = [
+    ('gpipe', 'gpipe', 2, 1, 4, 1),
+    ('1f1b', '1f1b', 3, 1, 4, 1),
+    ('interleaved', 'interleaved_1f1b', 2, 2, 4, 1),
+    ('zero_bubble', 'zero_bubble', 3, 1, 4, 1),
+    ('1f1b_replicas', '1f1b', 2, 1, 2, 2),
+]
+
+
+def Layers(batch_norm=False):
+    layers = []
+    for i in range(NUM_BLOCKS):
+        layers.append(basic.DenseLayer.Params().Set(name=f'dense_{i}', input_dim=DIM,
+                                                    output_dim=DIM, activation='tanh'))
+        if batch_norm:
+            layers.append(normalization.BatchNormLayer.Params().Set(name=f'bn_{i}', dim=DIM))
+        layers.append(basic.DropoutLayer.Params().Set(name=f'dropout_{i}', keep_prob=0.75))
+    return layers
+
+
+def Pipeline(kind, k, v, m, r, batch_norm=False, **overrides):
+    return pipelining_layer.PipeliningLayer.Params().Set(
+        name='model', layer_tpl=Layers(batch_norm), num_cells=k, virtual_stages=v,
+        num_micro_batches=m, num_replicas=r, schedule=kind, input_shapes=[BATCH, DIM],
+        devices=DEVICES[:k * r], partition_method='uniform', random_seed=3).Set(**overrides)
+
+
+def Data():
+    x = tf.random.stateless_normal([BATCH, DIM], [1, 2])
+    target = tf.random.stateless_normal([BATCH, DIM], [3, 4])
+    weights = tf.constant([1.0, 0.0, 2.0, 1.0, 0.5, 1.0, 3.0, 1.0])
+    return x, NestedMap(target=target, weights=weights)
+
+
+def LossFn(outputs, loss_inputs):
+    """A weighted mean over examples, as a task's loss: (value, weight)."""
+    per_example = tf.reduce_sum(tf.square(outputs - loss_inputs.target), axis=1)
+    total = tf.reduce_sum(loss_inputs.weights)
+    return tf.math.divide_no_nan(tf.reduce_sum(per_example * loss_inputs.weights), total), total
+
+
+def PipelineStep(layer, x, loss_inputs):
+    """(loss, outputs, gradients w.r.t. x and every trainable variable), training, step 5."""
+    with tf.GradientTape() as tape, fprop_context.Scope(step=5):
+        tape.watch(x)
+        outputs, loss, _ = layer.FPropLoss(layer.theta, x, LossFn, loss_inputs)
+    return loss, outputs, tape.gradient(loss, [x] + list(layer.trainable_variables))
+
+
+def ReferenceStep(layer, x, loss_inputs, num_micro_batches=1):
+    """The same with the pipeline's layers in sequence on the whole batch (batch norm per
+    micro-batch when num_micro_batches > 1)."""
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        outputs = test_utils.Unpartitioned(layer, x, num_micro_batches, step=5)
+        loss, _ = LossFn(outputs, loss_inputs)
+    return loss, outputs, tape.gradient(loss, [x] + list(layer.trainable_variables))
+
+
+class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
+
+    def assertSameStep(self, got, want, rtol=RTOL, d_x_rtol=RTOL):
+        names = ['loss', 'outputs', 'd_x'] + [f'grad {i}' for i in range(len(got[2]) - 1)]
+        for name, a, b in zip(names, [got[0], got[1]] + list(got[2]),
+                              [want[0], want[1]] + list(want[2])):
+            self.assertLessEqual(test_utils.MaxRelativeError(a, b),
+                            d_x_rtol if name == 'd_x' else rtol, msg=name)
+
+    @parameterized.named_parameters(*CASES)
+    def testEagerEqualsTheLayersInSequence(self, kind, k, v, m, r):
+        layer = Pipeline(kind, k, v, m, r).Instantiate()
+        x, loss_inputs = Data()
+        self.assertSameStep(PipelineStep(layer, x, loss_inputs),
+                            ReferenceStep(layer, x, loss_inputs))
+
+    @parameterized.named_parameters(*CASES)
+    def testFunctionEqualsTheLayersInSequence(self, kind, k, v, m, r):
+        layer = Pipeline(kind, k, v, m, r).Instantiate()
+        x, loss_inputs = Data()
+        got = tf.function(lambda x: PipelineStep(layer, x, loss_inputs))(x)
+        self.assertSameStep(got, ReferenceStep(layer, x, loss_inputs))
+
+    @parameterized.named_parameters(*CASES[:4])
+    def testV1GraphEqualsTheLayersInSequence(self, kind, k, v, m, r):
+        graph = tf.Graph()
+        with graph.as_default():
+            layer = Pipeline(kind, k, v, m, r).Instantiate()
+            x, loss_inputs = Data()
+            with fprop_context.Scope(step=5):
+                outputs, loss, _ = layer.FPropLoss(layer.theta, x, LossFn, loss_inputs)
+                ref_outputs = test_utils.Unpartitioned(layer, x, 1, step=5)
+            ref_loss, _ = LossFn(ref_outputs, loss_inputs)
+            sources = [x] + list(layer.trainable_variables)
+            fetches = ((loss, outputs, tf.compat.v1.gradients(loss, sources)),
+                       (ref_loss, ref_outputs, tf.compat.v1.gradients(ref_loss, sources)))
+            config = tf.compat.v1.ConfigProto(device_count={'CPU': len(DEVICES)})
+            with tf.compat.v1.Session(graph=graph, config=config) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                got, want = sess.run(fetches)
+        self.assertSameStep(got, want)
+
+    @parameterized.named_parameters(*CASES[1:4])
+    def testBatchNormStatisticsAndGradientsEqualGPipes(self, kind, k, v, m, r):
+        x, loss_inputs = Data()
+        steps, statistics = {}, {}
+        for name in ('gpipe', kind):
+            layer = Pipeline(name, k, v, m, r, batch_norm=True).Instantiate()
+            steps[name] = PipelineStep(layer, x, loss_inputs)
+            # Batch norm normalizes each micro-batch: the oracle runs M micro-batches. With
+            # two examples per micro-batch batch norm is ill-conditioned, and float32
+            # summation order shows at up to 6e-5 of the largest gradient (under gpipe too).
+            self.assertSameStep(steps[name], ReferenceStep(layer, x, loss_inputs, m),
+                                rtol=1e-4, d_x_rtol=1e-4)
+            statistics[name] = {v.name: v.numpy() for v in layer.variables
+                                if 'moving' in v.name}
+        # Eagerly, the same ops run on the same values in another order: bit for bit.
+        self.assertSameStep(steps[kind], steps['gpipe'], rtol=1e-30, d_x_rtol=1e-30)
+        self.assertNotEmpty(statistics['gpipe'])
+        for name, value in statistics['gpipe'].items():
+            self.assertAllClose(statistics[kind][name], value, rtol=RTOL, msg=name)
+
+    def testEvalLossIsTheWholeBatchLoss(self):
+        layer = Pipeline('1f1b', 3, 1, 4, 1).Instantiate()
+        x, loss_inputs = Data()
+        with fprop_context.Scope(training=False):
+            outputs, loss, weight = layer.FPropLoss(layer.theta, x, LossFn, loss_inputs)
+            ref = test_utils.Unpartitioned(layer, x)
+        self.assertLess(test_utils.MaxRelativeError(outputs, ref), RTOL)
+        self.assertAllClose(loss, LossFn(ref, loss_inputs)[0], rtol=RTOL)
+        self.assertAllClose(weight, tf.reduce_sum(loss_inputs.weights))
+
+
+class ScheduleErrorsTest(tf.test.TestCase):
+
+    def testFPropTrainingUnderA1F1BScheduleAsksForFPropLoss(self):
+        layer = Pipeline('1f1b', 2, 1, 2, 1).Instantiate()
+        with self.assertRaisesRegex(errors.ConfigError, 'FPropLoss'):
+            layer(Data()[0])
+
+    def testZeroBubbleNeedsEveryCellRematerialized(self):
+        with self.assertRaisesRegex(errors.ConfigError, 'recompute="always", got \'never\''):
+            Pipeline('zero_bubble', 2, 1, 2, 1, recompute='never').Instantiate()
+
+    def testInterleavedNeedsMAMultipleOfK(self):
+        with self.assertRaisesRegex(errors.ConfigError, r'M \(2\) must be a multiple of K \(4\)'):
+            pipelining_layer.PipeliningLayer.Params().Set(
+                name='model', layer_tpl=Layers(), num_cells=4, virtual_stages=2,
+                num_micro_batches=2, schedule='interleaved_1f1b', input_shapes=[BATCH, DIM],
+                partition_method='uniform').Instantiate()
+
+    def testUnknownScheduleNamesTheChoices(self):
+        with self.assertRaisesRegex(errors.ConfigError, "one of .*'1f1b'.*got 'pipedream'"):
+            Pipeline('pipedream', 2, 1, 2, 1).Instantiate()
+
+
+class ScheduleOrderTest(tf.test.TestCase, parameterized.TestCase):
+    """Read from the traced graph: one call per action on its stage's device, and each
+    device's calls chained (data or control dependencies) in its list's order."""
+
+    @parameterized.named_parameters(*CASES[:4])
+    def testEachDeviceRunsItsActionsInListOrder(self, kind, k, v, m, r):
+        layer = Pipeline(kind, k, v, m, r).Instantiate()
+        x, loss_inputs = Data()
+        graph = tf.function(lambda x: PipelineStep(layer, x, loss_inputs)).get_concrete_function(
+            x).graph
+        parts = {'fwd': 'F', 'bwd': 'B', 'bwd_input': 'I', 'bwd_weight': 'W'}
+        calls = {}
+        for op in graph.get_operations():
+            if op.type in ('PartitionedCall', 'StatefulPartitionedCall'):
+                match = re.match(r'cell_(\d+)_mb_(\d+)_(fwd|bwd|bwd_input|bwd_weight)/', op.name)
+                if match:
+                    action = schedule_lib.Action(parts[match[3]], int(match[1]), int(match[2]))
+                    self.assertNotIn(action, calls, op.name)
+                    calls[action] = op
+        sched = layer.plan.schedule
+        self.assertCountEqual(calls, [a for device in sched.actions for a in device])
+        for action, op in calls.items():
+            self.assertEqual(op.device, DEVICES[sched.DeviceOf(action.stage)], str(action))
+
+        def Ancestors(op):
+            seen, stack = set(), [op]
+            while stack:
+                current = stack.pop()
+                for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+                    if parent not in seen:
+                        seen.add(parent)
+                        stack.append(parent)
+            return seen
+
+        for d, actions in enumerate(sched.actions):
+            for before, after in zip(actions, actions[1:]):
+                self.assertIn(calls[before], Ancestors(calls[after]),
+                              msg=f'device {d}: {after} does not wait for {before}')
+
+
+if __name__ == '__main__':
+    tf.test.main()
