@@ -181,12 +181,18 @@ def PlanFigures(params, name: str, device_bytes: float | None = None) -> dict[st
 
 
 def MeasuredTimelineFigure(events: Sequence[trace.OpEvent], num_cells: int,
-                           num_micro_batches: int, title: str = '') -> Figure:
-    """The timeline of one traced step (its op events), with the ideal utilisation of K and M.
+                           num_micro_batches: int, title: str = '',
+                           sched: schedule_lib.Schedule | None = None) -> Figure:
+    """The timeline of one traced step (its op events), with the ideal utilisation of its
+    schedule (default: gpipe's, one cell per device).
 
     Raises:
       ValueError: if no event is a pipeline op, or one names a cell >= num_cells.
     """
+    num_devices = sched.num_devices if sched is not None else num_cells
+    ideal = (simulator.IdealUtilisation(num_micro_batches, num_devices, sched.kind,
+                                        sched.virtual_stages)
+             if sched is not None else simulator.IdealUtilisation(num_micro_batches, num_cells))
     return plot.TimelineFigure(
-        trace.MeasuredTimeline(list(events), num_cells), title=title,
-        ideal_utilisation=simulator.IdealUtilisation(num_micro_batches, num_cells))
+        trace.MeasuredTimeline(list(events), num_cells, num_devices=num_devices), title=title,
+        ideal_utilisation=ideal)

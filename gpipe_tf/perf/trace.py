@@ -25,7 +25,8 @@ from gpipe_tf.pipeline import recompute as recompute_lib
 
 # `cell_<k>_mb_<m>_<part>` (uniquified `_<n>` when the pipeline is built twice in one graph),
 # anywhere in an op's name (a v1 graph puts it under `gradients/...`).
-_OP_SCOPE = re.compile(r'(?:^|/)cell_(\d+)_mb_(\d+)_(fwd|bwd|grad_sum)(?:_\d+)?/(.*)$')
+_OP_SCOPE = re.compile(
+    r'(?:^|/)cell_(\d+)_mb_(\d+)_(fwd|bwd|bwd_input|bwd_weight|grad_sum)(?:_\d+)?/(.*)$')
 # With R > 1 replicas, each replica's ops are under `replica_<r>/`.
 _REPLICA = re.compile(r'(?:^|/)replica_(\d+)/')
 # The runtime's send/receive halves (`.../_17`): transfers, not a device's computation.
@@ -45,8 +46,9 @@ class OpEvent:
 
 
 def ClassifyOp(name: str) -> tuple[int, int, str] | None:
-    """(cell, micro-batch, kind) of a pipeline op from its name, kind in `simulator.KINDS`;
-    None for ops outside the schedule (the loss, the update, transfers)."""
+    """(cell, micro-batch, kind) of a pipeline op from its name, kind in `simulator.KINDS` or
+    `simulator.SPLIT_KINDS`; None for ops outside the schedule (the update, transfers). A split
+    backward's W re-runs each layer's forward: it is all 'weight_grad'."""
     if _TRANSFER.search(name):
         return None
     match = _OP_SCOPE.search(name)
@@ -55,13 +57,16 @@ def ClassifyOp(name: str) -> tuple[int, int, str] | None:
     cell, micro_batch, part, rest = match.groups()
     if part == 'fwd':
         kind = 'forward'
-    elif (part == 'bwd' and re.search(rf'(^|/){recompute_lib.RECOMPUTE_SCOPE}/', rest)
+    elif part == 'bwd_weight':
+        kind = 'weight_grad'
+    elif (part in ('bwd', 'bwd_input') and
+          re.search(rf'(^|/){recompute_lib.RECOMPUTE_SCOPE}/', rest)
           and not re.search(r'(^|/)gradients/', rest)):
         # Gradient ops are named after the forward ops they differentiate, so the recompute
         # scope reappears under `gradients/`.
         kind = 'recompute'
     else:
-        kind = 'backward'
+        kind = 'backward' if part != 'bwd_input' else 'input_grad'
     return int(cell), int(micro_batch), kind
 
 
@@ -146,10 +151,10 @@ def ReplicaOf(name: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-def MeasuredTimeline(events: list[OpEvent], num_cells: int,
-                     replica: int = 0) -> simulator.Timeline:
+def MeasuredTimeline(events: list[OpEvent], num_cells: int, replica: int = 0,
+                     num_devices: int | None = None) -> simulator.Timeline:
     """The schedule's boxes of one replica's pipeline from a step's op events, times relative
-    to the step's first op.
+    to the step's first op; cell c on device c % num_devices (default: one cell per device).
 
     The makespan runs from the first to the last op of the step (the loss and the update
     included); a device's busy time is the union of its pipeline ops.
@@ -157,7 +162,8 @@ def MeasuredTimeline(events: list[OpEvent], num_cells: int,
     Raises:
       ValueError: if no op of the pipeline is among the events, or one names a cell >= K.
     """
-    ops, spans = {}, [[] for _ in range(num_cells)]
+    num_devices = num_devices or num_cells
+    ops, spans = {}, [[] for _ in range(num_devices)]
     for event in events:
         label = ClassifyOp(event.name)
         if label is None or ReplicaOf(event.name) != replica:
@@ -167,10 +173,10 @@ def MeasuredTimeline(events: list[OpEvent], num_cells: int,
             raise ValueError(f'Op {event.name} belongs to cell {cell}, but the pipeline has '
                              f'{num_cells} cells.')
         ops.setdefault(label, []).append(event)
-        spans[cell].append((event.start, event.end))
+        spans[cell % num_devices].append((event.start, event.end))
     if not ops:
         raise ValueError(f'None of the {len(events)} traced ops is a pipeline op (named under '
-                         'cell_<k>_mb_<m>_<fwd|bwd|grad_sum>): was the right step traced?')
+                         'cell_<k>_mb_<m>_<part>): was the right step traced?')
     origin = min(e.start for e in events)
     intervals = []
     for (cell, m, kind), box_ops in ops.items():
@@ -178,7 +184,7 @@ def MeasuredTimeline(events: list[OpEvent], num_cells: int,
         # for and run whenever a thread is free, often at the step's very start.
         longest = max(e.end - e.start for e in box_ops)
         box_ops = [e for e in box_ops if e.end - e.start >= _SUBSTANTIAL * longest]
-        intervals.append(simulator.Interval(cell, cell, m, kind,
+        intervals.append(simulator.Interval(cell % num_devices, cell, m, kind,
                                             min(e.start for e in box_ops) - origin,
                                             max(e.end for e in box_ops) - origin))
     intervals.sort(key=lambda i: (i.start, i.device))

@@ -173,9 +173,10 @@ def PipelineFigures(task_params, plan, step: int, step_trace) -> dict:
                         step_trace.error)
         return figures
     try:
+        num_micro_batches = plan.MicroBatchesOf(task_params.input.batch_size)
         figures['timeline_measured'] = pictures.MeasuredTimelineFigure(
-            step_trace.events, plan.num_cells,
-            plan.MicroBatchesOf(task_params.input.batch_size), f'{name}\nmeasured step {step}')
+            step_trace.events, plan.num_cells, num_micro_batches,
+            f'{name}\nmeasured step {step}', sched=plan.Schedule(num_micro_batches))
     except Exception as error:  # pylint: disable=broad-except
         logging.warning('No measured timeline of %s: %s', name, error)
     return figures
