@@ -392,5 +392,41 @@ class BubbleTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAlmostEqual(schedule.BubbleFraction(m, k), expected, delta=0.005)
 
 
+class TicksTest(tf.test.TestCase, parameterized.TestCase):
+    """The clock a looped executor runs: one action per device per tick."""
+
+    @parameterized.product(kind=['gpipe', '1f1b', 'zero_bubble'], k=[1, 2, 4], m=[1, 3, 8])
+    def testEachDeviceRunsItsListInOrderAfterWhatEachActionNeeds(self, kind, k, m):
+        sched = schedule.Make(kind, k, m)
+        for kinds in (schedule.ACTION_KINDS, ('F',)):
+            ticks = schedule.Ticks(sched, kinds)
+            tick_of = {}
+            for t, tick in enumerate(ticks):
+                self.assertLen(tick, k)
+                for d, action in enumerate(tick):
+                    if action is not None:
+                        self.assertEqual(sched.DeviceOf(action.stage), d)
+                        tick_of[action] = t
+            for d, actions in enumerate(sched.actions):
+                mine = [a for a in actions if a.kind in kinds]
+                self.assertEqual(sorted(mine, key=tick_of.get), mine, msg=f'device {d}')
+            backward = 'I' if sched.splits_backward else 'B'
+            for action, t in tick_of.items():
+                for dep in schedule.Dependencies(action, sched.num_stages, backward):
+                    if dep.kind in kinds:
+                        self.assertLess(tick_of[dep], t, msg=f'{action} before {dep}')
+
+    def testGPipeForwardClockIsTheTicksOfThePaper(self):
+        # At tick t, cell k works on micro-batch t - k: M + K - 1 ticks.
+        ticks = schedule.Ticks(schedule.Make('gpipe', 3, 4), ('F',))
+        self.assertLen(ticks, 4 + 3 - 1)
+        for t, tick in enumerate(ticks):
+            for k, action in enumerate(tick):
+                if 0 <= t - k < 4:
+                    self.assertEqual(action, schedule.Action('F', k, t - k))
+                else:
+                    self.assertIsNone(action)
+
+
 if __name__ == '__main__':
     tf.test.main()

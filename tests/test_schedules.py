@@ -44,6 +44,12 @@ def Layers(batch_norm=False):
     return layers
 
 
+# The same cases run as a loop over the schedule's clock (`unroll=False`; zero_bubble, which
+# the loop does not run, falls back to the unrolled executor).
+LOOPED = [(f'{case[0]}_looped',) + case[1:] + (False,) for case in CASES]
+UNROLLED = [case + (True,) for case in CASES]
+
+
 def Pipeline(kind, k, v, m, r, batch_norm=False, **overrides):
     return pipelining_layer.PipeliningLayer.Params().Set(
         name='model', layer_tpl=Layers(batch_norm), num_cells=k, virtual_stages=v,
@@ -92,25 +98,25 @@ class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
             self.assertLessEqual(test_utils.MaxRelativeError(a, b),
                             d_x_rtol if name == 'd_x' else rtol, msg=name)
 
-    @parameterized.named_parameters(*CASES)
-    def testEagerEqualsTheLayersInSequence(self, kind, k, v, m, r):
-        layer = Pipeline(kind, k, v, m, r).Instantiate()
+    @parameterized.named_parameters(*UNROLLED[:4], *LOOPED[1:3])
+    def testEagerEqualsTheLayersInSequence(self, kind, k, v, m, r, unroll):
+        layer = Pipeline(kind, k, v, m, r, unroll=unroll).Instantiate()
         x, loss_inputs = Data()
         self.assertSameStep(PipelineStep(layer, x, loss_inputs),
                             ReferenceStep(layer, x, loss_inputs))
 
-    @parameterized.named_parameters(*CASES)
-    def testFunctionEqualsTheLayersInSequence(self, kind, k, v, m, r):
-        layer = Pipeline(kind, k, v, m, r).Instantiate()
+    @parameterized.named_parameters(*UNROLLED, *LOOPED)
+    def testFunctionEqualsTheLayersInSequence(self, kind, k, v, m, r, unroll):
+        layer = Pipeline(kind, k, v, m, r, unroll=unroll).Instantiate()
         x, loss_inputs = Data()
         got = tf.function(lambda x: PipelineStep(layer, x, loss_inputs))(x)
         self.assertSameStep(got, ReferenceStep(layer, x, loss_inputs))
 
-    @parameterized.named_parameters(*CASES[:4])
-    def testV1GraphEqualsTheLayersInSequence(self, kind, k, v, m, r):
+    @parameterized.named_parameters(*UNROLLED[:4], *LOOPED[:3])
+    def testV1GraphEqualsTheLayersInSequence(self, kind, k, v, m, r, unroll):
         graph = tf.Graph()
         with graph.as_default():
-            layer = Pipeline(kind, k, v, m, r).Instantiate()
+            layer = Pipeline(kind, k, v, m, r, unroll=unroll).Instantiate()
             x, loss_inputs = Data()
             with fprop_context.Scope(step=5):
                 outputs, loss, _ = layer.FPropLoss(layer.theta, x, LossFn, loss_inputs)
@@ -125,12 +131,15 @@ class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
                 got, want = sess.run(fetches)
         self.assertSameStep(got, want)
 
-    @parameterized.named_parameters(*CASES[1:4])
-    def testBatchNormStatisticsAndGradientsEqualGPipes(self, kind, k, v, m, r):
+    @parameterized.named_parameters(*UNROLLED[1:4], *LOOPED[:2])
+    def testBatchNormStatisticsAndGradientsEqualGPipes(self, kind, k, v, m, r, unroll):
         x, loss_inputs = Data()
         steps, statistics = {}, {}
-        for name in ('gpipe', kind):
-            layer = Pipeline(name, k, v, m, r, batch_norm=True).Instantiate()
+        # gpipe unrolled is the reference of every other schedule and executor.
+        for name, run_kind, run_unroll in (('reference', 'gpipe', True),
+                                           ('tested', kind, unroll)):
+            layer = Pipeline(run_kind, k, v, m, r, batch_norm=True,
+                             unroll=run_unroll).Instantiate()
             steps[name] = PipelineStep(layer, x, loss_inputs)
             # Batch norm normalizes each micro-batch: the oracle runs M micro-batches. With
             # two examples per micro-batch batch norm is ill-conditioned, and float32
@@ -140,10 +149,10 @@ class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
             statistics[name] = {v.name: v.numpy() for v in layer.variables
                                 if 'moving' in v.name}
         # Eagerly, the same ops run on the same values in another order: bit for bit.
-        self.assertSameStep(steps[kind], steps['gpipe'], rtol=1e-30, d_x_rtol=1e-30)
-        self.assertNotEmpty(statistics['gpipe'])
-        for name, value in statistics['gpipe'].items():
-            self.assertAllClose(statistics[kind][name], value, rtol=RTOL, msg=name)
+        self.assertSameStep(steps['tested'], steps['reference'], rtol=1e-30, d_x_rtol=1e-30)
+        self.assertNotEmpty(statistics['reference'])
+        for name, value in statistics['reference'].items():
+            self.assertAllClose(statistics['tested'][name], value, rtol=RTOL, msg=name)
 
     def testEvalLossIsTheWholeBatchLoss(self):
         layer = Pipeline('1f1b', 3, 1, 4, 1).Instantiate()

@@ -18,11 +18,12 @@ STEPS = 4
 RTOL = 1e-5
 
 
-def Losses(*flags) -> dict[int, float]:
-    """{step: loss} of a fresh run of the MLP with `flags`."""
+def Losses(*flags, overrides='') -> dict[int, float]:
+    """{step: loss} of a fresh run of the MLP with `flags` (and Params `overrides`)."""
     logdir = tempfile.mkdtemp(prefix='schedules_')
     try:
-        test_utils.TrainerInProcess(f'--model={MLP}', f'--model_params_override={FAST}',
+        test_utils.TrainerInProcess(f'--model={MLP}',
+                                    f'--model_params_override={FAST}; {overrides}',
                                     f'--logdir={logdir}', f'--max_steps={STEPS}', *flags)
         return test_utils.EventScalars(os.path.join(logdir, 'train'), 'loss')
     finally:
@@ -37,13 +38,14 @@ class TrainerSchedulesTest(tf.test.TestCase, parameterized.TestCase):
         cls.reference = {mode: Losses(f'--graph_mode={mode}') for mode in ('tf_function', 'v1')}
 
     @parameterized.parameters(
-        ('1f1b', 'tf_function'), ('zero_bubble', 'tf_function'), ('1f1b', 'v1'),
-        ('interleaved_1f1b', 'v1'))
-    def testScheduleGivesGPipesLosses(self, kind, mode):
+        ('1f1b', 'tf_function', True), ('zero_bubble', 'tf_function', True),
+        ('1f1b', 'v1', True), ('interleaved_1f1b', 'v1', True),
+        ('1f1b', 'tf_function', False), ('gpipe', 'v1', False))
+    def testScheduleGivesGPipesLosses(self, kind, mode, unroll):
         flags = [f'--schedule={kind}', f'--graph_mode={mode}']
         if kind == 'interleaved_1f1b':  # 2 devices x 2 cells each; M=8 is a multiple of K.
             flags += ['--worker_split_size=2', '--virtual_stages=2']
-        losses = Losses(*flags)
+        losses = Losses(*flags, overrides=f'model.unroll : {unroll}')
         self.assertEqual(sorted(losses), list(range(1, STEPS + 1)))
         for step, loss in self.reference[mode].items():
             self.assertAllClose(losses[step], loss, rtol=RTOL, atol=0, msg=f'step {step}')

@@ -29,6 +29,7 @@ from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import executor
+from gpipe_tf.pipeline import looped
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import plan as plan_lib
@@ -99,6 +100,11 @@ class PipeliningLayer(BaseLayer):
                  'v, cells per device for interleaved_1f1b: the layers are partitioned into '
                  'v x num_cells cells, cell s on device s % num_cells.',
                  check=hyperparams.Integer(at_least=1))
+        p.Define('unroll', True,
+                 'Whether the schedule is unrolled into the graph (K M calls of the cells), or '
+                 'run as a loop over its clock whose graph does not grow with M (needs '
+                 'recompute="always", no split backward and no logical_device_fn; else the '
+                 'schedule is unrolled).')
         p.Define('partition_method', 'flops',
                  f'How layer_tpl is split: one of {PARTITION_METHODS}, or explicit boundaries '
                  '[0, b_1, ..., L] (cell k holds layers b_k .. b_{k+1} - 1).')
@@ -280,10 +286,12 @@ class PipeliningLayer(BaseLayer):
         # Replica r's shard starts at example r N / R of the mini-batch (after the examples
         # that come before this whole batch, under a strategy's replicas).
         shard = batch_size // p.num_replicas
-        runs = [executor.UnrolledSchedule(functions, self.plan.recompute, sched, p.batch_dim,
-                                          tf.cast(ctx.step, tf.int64), assign,
-                                          first_example=tf.cast(ctx.first_example, tf.int64) +
-                                          r * shard)
+        run = executor.UnrolledSchedule
+        if not p.unroll and looped.Supports(self.plan.recompute, sched, assign):
+            run = looped.LoopedSchedule
+        runs = [run(functions, self.plan.recompute, sched, p.batch_dim,
+                    tf.cast(ctx.step, tf.int64), assign,
+                    first_example=tf.cast(ctx.first_example, tf.int64) + r * shard)
                 for r, functions in enumerate(self._replica_functions)]
         thetas = []
         for k in range(self.plan.num_cells):

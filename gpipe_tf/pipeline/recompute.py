@@ -164,6 +164,15 @@ class CellFunctions:
                     theta[name], [next(grads) if keep else None for keep in trainable])
         return tf.nest.flatten(NestedMap(d_theta), expand_composites=False)
 
+    def ForwardSpecs(self, theta, input_spec, step_spec, training: bool = True):
+        """TensorSpecs of the (outputs, statistics) of the cell's forward on inputs of
+        `input_spec` (tracing it if it was not)."""
+        concrete = self._forward[training].get_concrete_function(theta, input_spec, step_spec,
+                                                                 step_spec)
+        return tf.nest.map_structure(
+            lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype),
+            concrete.structured_outputs)
+
     def BackwardInput(self, theta, inputs, step, first_example, d_outputs):
         """(flat d_inputs, saved for `BackwardWeight`) for one micro-batch, recomputing its
         forward."""

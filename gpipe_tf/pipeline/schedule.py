@@ -398,3 +398,39 @@ def IdealBubble(kind: str, num_devices: int, num_micro_batches: int,
 def BubbleFraction(num_micro_batches: int, num_cells: int) -> float:
     """GPipe's idle fraction: (K - 1) / (M + K - 1)."""
     return IdealBubble('gpipe', num_cells, num_micro_batches)
+
+
+def Ticks(sched: Schedule, kinds=ACTION_KINDS) -> list[list[Action | None]]:
+    """The schedule's actions of `kinds` on a clock: at each tick every device runs its next
+    action if what it needs finished at an earlier tick (actions of other kinds count as done),
+    else idles (None). A looped executor runs one tick per iteration.
+
+    Returns:
+      Per tick, per device, the Action it runs or None.
+    """
+    lists = [[a for a in device if a.kind in kinds] for device in sched.actions]
+    position = [0] * sched.num_devices
+    finished = set()
+    ticks = []
+    while any(position[d] < len(lists[d]) for d in range(sched.num_devices)):
+        tick = []
+        for d, actions in enumerate(lists):
+            action = actions[position[d]] if position[d] < len(actions) else None
+            if action is not None and not all(
+                    dep in finished or dep.kind not in kinds
+                    for dep in _Needs(sched, action)):
+                action = None
+            tick.append(action)
+        if not any(tick):
+            raise ScheduleError(f'the {kinds} actions of the schedule cannot all run.')
+        for d, action in enumerate(tick):
+            if action is not None:
+                position[d] += 1
+        finished.update(a for a in tick if a is not None)
+        ticks.append(tick)
+    return ticks
+
+
+def _Needs(sched: Schedule, action: Action) -> list[Action]:
+    backward_kind = INPUT_GRAD if sched.splits_backward else BACKWARD
+    return Dependencies(action, sched.num_stages, backward_kind)

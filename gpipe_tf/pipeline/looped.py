@@ -1,0 +1,375 @@
+"""A pipeline schedule run as a loop in the graph: its size, and the time to build and optimize
+it, do not grow with M.
+
+`executor.UnrolledSchedule` adds every action to the graph, K M forwards and as many backwards:
+at K=8, M=32 graph optimization of the inlined calls took minutes before the first step.
+`LoopedSchedule` puts the schedule's clock (`schedule.Ticks`) in a `tf.while_loop`: at each tick
+every device runs the action the table gives it, a `tf.switch_case` over the kinds of action
+and stages it has, or idles. Micro-batches live in TensorArrays, one per leaf of each stage
+boundary: inputs and outputs of every stage (what re-materializing backwards read) and the
+gradients of every boundary. Weight gradients and training statistics are summed in loop
+variables on each stage's device. The values equal the unrolled executor's: the same traced cell
+functions run on the same micro-batches, and each device runs its actions in its list's order.
+
+It runs schedules whose cells all re-materialize (the stored input is all a backward needs) and
+whose backward is not split (F and B); with `logical_device_fn` (XLA) the unrolled executor runs.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from gpipe_tf.pipeline import microbatch
+from gpipe_tf.pipeline import recompute
+from gpipe_tf.pipeline import schedule as schedule_lib
+
+F, B = schedule_lib.FORWARD, schedule_lib.BACKWARD
+
+
+def Supports(recomputes, sched: schedule_lib.Schedule, assign) -> bool:
+    """Whether a LoopedSchedule can run this pipeline."""
+    return all(recomputes) and not sched.splits_backward and assign is None
+
+
+class LoopedSchedule:
+    """One step of a pipeline of S stages over M micro-batches, its clock in a while loop.
+
+    Args: as `executor.UnrolledSchedule` (`assign` must be None and every stage must
+      re-materialize: see `Supports`).
+    """
+
+    def __init__(self, functions, recomputes, sched, batch_dim, step, assign=None,
+                 first_example=0):
+        if not Supports(recomputes, sched, assign):
+            raise ValueError('LoopedSchedule runs re-materializing cells with F and B actions '
+                             'and no logical_device_fn; use executor.UnrolledSchedule.')
+        self._functions = functions
+        self._devices = [f.device for f in functions]
+        self._schedule = sched
+        self._num_stages = len(functions)
+        self._num_micro_batches = sched.num_micro_batches
+        self._batch_dim = batch_dim
+        self._step = step
+        self._first_example = first_example
+
+    @property
+    def schedule(self) -> schedule_lib.Schedule:
+        return self._schedule
+
+    # ---- the step ---------------------------------------------------------------------------
+    def Forward(self, thetas: list, inputs, training: bool = True):
+        """As `UnrolledSchedule.Forward`: (outputs, per cell its summed statistics)."""
+        if training and not self._schedule.forward_first:
+            raise ValueError(f'Schedule {self._schedule.kind!r} runs backwards before the last '
+                             'forward: the loss must be computed per micro-batch inside the '
+                             'pipeline (ForwardBackward).')
+        self._Start(thetas, inputs, training)
+        self._Loop((F,))
+        return self._Outputs(), self._Updates()
+
+    def Backward(self, d_outputs):
+        """As `UnrolledSchedule.Backward`: (per cell its flat weight gradients, d_inputs)."""
+        with tf.device(self._devices[-1]):
+            self._d_acts[-1] = self._Arrays(recompute.FloatLeaves(
+                microbatch.Split(d_outputs, self._num_micro_batches, self._batch_dim)[0]),
+                FloatParts(d_outputs, self._num_micro_batches, self._batch_dim))
+        self._Loop((B,))
+        return self._Gradients()
+
+    def ForwardBackward(self, thetas: list, inputs, loss_fn, loss_inputs=None):
+        """As `UnrolledSchedule.ForwardBackward`."""
+        self._Start(thetas, inputs, training=True)
+        m_count = self._num_micro_batches
+        self._loss_fn = loss_fn
+        with tf.device(self._devices[-1]):
+            self._loss_parts = (microbatch.Split(loss_inputs, m_count, self._batch_dim)
+                                if loss_inputs is not None else None)
+            self._loss_inputs = (None if loss_inputs is None else tf.nest.map_structure(
+                lambda *xs: tf.stack(xs), *self._loss_parts))
+            self._loss = [tf.zeros([]), tf.zeros([])]
+            # The outputs' gradients come from the loss, written as each forward ends.
+            specs = recompute.FloatLeaves(self._output_specs)
+            self._d_acts[-1] = [tf.TensorArray(s.dtype, size=m_count, element_shape=s.shape,
+                                               clear_after_read=False) for s in specs]
+        self._Loop((F, B))
+        d_thetas, d_inputs = self._Gradients()
+        return (self._Outputs(), self._Updates(), tuple(self._loss), d_thetas, d_inputs)
+
+    # ---- setting up -------------------------------------------------------------------------
+    def _Start(self, thetas, inputs, training):
+        m_count, batch_dim = self._num_micro_batches, self._batch_dim
+        self._training = training
+        self._thetas = list(thetas)
+        self._loss_fn = None
+        self._loss = None  # ForwardBackward's [sum of value * weight, sum of weight].
+        with tf.device(self._devices[0]):
+            parts = microbatch.Split(inputs, m_count, batch_dim)
+            self._input_structure = parts[0]
+            size = microbatch.BatchSize(parts[0], batch_dim)
+            if size is None:
+                size = tf.shape(tf.nest.flatten(parts[0])[0], out_type=tf.int64)[batch_dim]
+            self._micro_batch_size = tf.cast(size, tf.int64)
+            first = self._Arrays(tf.nest.flatten(parts[0]), [
+                tf.stack(leaves) for leaves in zip(*[tf.nest.flatten(p) for p in parts])])
+        # acts[b]: the TensorArrays of boundary b (b = 0 the input, b = S the output), one per
+        # leaf; d_acts[b]: those of its float leaves' gradients.
+        self._structures = [self._input_structure]
+        step_spec = tf.TensorSpec([], tf.int64)
+        for s, fn in enumerate(self._functions):
+            spec = tf.nest.map_structure(_Spec, self._structures[-1])
+            outputs, _ = fn.ForwardSpecs(self._thetas[s], spec, step_spec, training)
+            self._structures.append(outputs)
+        self._output_specs = self._structures[-1]
+        self._acts = [first] + [
+            self._EmptyArrays(tf.nest.flatten(st), s) for s, st in
+            enumerate(self._structures[1:])]
+        self._d_acts = [None] * (self._num_stages + 1)
+        for b in range(self._num_stages):  # Boundary b's gradient is written by stage b.
+            with tf.device(self._devices[b]):
+                self._d_acts[b] = self._EmptyArrays(
+                    recompute.FloatLeaves(self._structures[b]), b)
+        self._grads = [None] * self._num_stages
+        self._stats = [None] * self._num_stages
+
+    def _Arrays(self, leaves, stacked):
+        return [tf.TensorArray(x.dtype, size=self._num_micro_batches, element_shape=x.shape,
+                               clear_after_read=False).unstack(values)
+                for x, values in zip(leaves, stacked)]
+
+    def _EmptyArrays(self, specs, stage):
+        with tf.device(self._devices[min(stage, self._num_stages - 1)]):
+            return [tf.TensorArray(x.dtype, size=self._num_micro_batches, element_shape=x.shape,
+                                   clear_after_read=False) for x in specs]
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def _Loop(self, kinds):
+        sched = self._schedule
+        ticks = schedule_lib.Ticks(sched, kinds)
+        # Per device, its branches: the (kind, stage) pairs it runs; branch 0 idles.
+        branches = [sorted({(a.kind, a.stage) for tick in ticks for a in [tick[d]] if a})
+                    for d in range(sched.num_devices)]
+        index = [[0 if tick[d] is None else 1 + branches[d].index((tick[d].kind,
+                                                                   tick[d].stage))
+                  for d in range(sched.num_devices)] for tick in ticks]
+        micro_batch = [[0 if a is None else a.micro_batch for a in tick] for tick in ticks]
+        self._InitSums(kinds)
+        state = self._State()
+        index_table = tf.constant(index, tf.int32)
+        micro_batch_table = tf.constant(micro_batch, tf.int32)
+
+        def Body(t, *flat):
+            self._SetState(flat)
+            writes = {}
+            for d in range(sched.num_devices):
+                stages = [s for _, s in branches[d]]
+                device = self._devices[stages[0]] if stages else None
+                if device is None:
+                    continue
+                keys = self._Writes(branches[d])
+                with tf.device(device), tf.name_scope(f'device_{d}'):
+                    m = micro_batch_table[t, d]
+                    fns = [lambda keys=keys: self._Get(keys)] + [
+                        (lambda kind=kind, s=s, keys=keys:
+                         self._Action(kind, s, m, keys)) for kind, s in branches[d]]
+                    results = tf.switch_case(index_table[t, d], fns)
+                writes.update(zip(keys, _AsList(results)))
+            self._SetState(flat)
+            for key, value in writes.items():
+                self._Put(key, value)
+            return (t + 1,) + tuple(self._State())
+
+        flat = tf.while_loop(lambda t, *_: t < len(ticks), Body, (tf.constant(0),) + tuple(state),
+                             # A device may start its next ticks while slower ones finish
+                             # theirs (at K=8, M=32: 2.2 s a step with 2, 1.8 s with 8).
+                             parallel_iterations=max(2, sched.num_devices))
+        self._SetState(flat[1:])
+
+    def _InitSums(self, kinds):
+        for s, fn in enumerate(self._functions):
+            with tf.device(self._devices[s]), tf.name_scope(f'cell_{s}_sums'):
+                if B in kinds and self._grads[s] is None:
+                    # One vector per stage: every loop variable costs control-flow ops at
+                    # every tick, and a stage has tens of weights.
+                    self._grads[s] = tf.zeros([self._GradientSize(s)], self._GradientDtype(s))
+                if F in kinds and self._training:
+                    self._stats[s] = tf.nest.map_structure(
+                        lambda spec: tf.zeros(spec.shape, spec.dtype), self._StatSpecs(s))
+
+    def _Trainable(self, s) -> list:
+        return [t for t, keep in zip(tf.nest.flatten(self._thetas[s]),
+                                     self._functions[s].trainable) if keep]
+
+    def _GradientSize(self, s) -> int:
+        return sum(int(t.shape.num_elements()) for t in self._Trainable(s))
+
+    def _GradientDtype(self, s):
+        dtypes = {t.dtype for t in self._Trainable(s)}
+        if len(dtypes) > 1:
+            raise ValueError(f'cell {s} has weights of several dtypes {sorted(map(str, dtypes))}'
+                             '; run it unrolled (unroll=True).')
+        return dtypes.pop() if dtypes else tf.float32
+
+    def _Unpack(self, s, vector) -> list:
+        """Stage s's packed gradient as its flat list (None for non-trainable leaves)."""
+        sizes = [int(t.shape.num_elements()) for t in self._Trainable(s)]
+        pieces = iter(tf.split(vector, sizes) if sizes else [])
+        return [tf.reshape(next(pieces), t.shape) if keep else None for t, keep in
+                zip(tf.nest.flatten(self._thetas[s]), self._functions[s].trainable)]
+
+    def _StatSpecs(self, s):
+        spec = tf.nest.map_structure(_Spec, self._structures[s])
+        _, stats = self._functions[s].ForwardSpecs(
+            self._thetas[s], spec, tf.TensorSpec([], tf.int64), True)
+        return stats
+
+    # The loop's state: a dict of named nests, flattened for the while loop.
+    def _StateKeys(self):
+        keys = [('act', b) for b in range(self._num_stages + 1)]
+        keys += [('d_act', b) for b in range(self._num_stages + 1)
+                 if self._d_acts[b] is not None]
+        keys += [('grad', s) for s in range(self._num_stages) if self._grads[s] is not None]
+        keys += [('stats', s) for s in range(self._num_stages) if self._stats[s] is not None]
+        if self._loss_fn is not None:
+            keys.append(('loss', 0))
+        return keys
+
+    def _Get(self, keys):
+        return [self._Value(key) for key in keys]
+
+    def _Value(self, key):
+        kind, i = key
+        if kind == 'loss':
+            return self._loss
+        return {'act': self._acts, 'd_act': self._d_acts, 'grad': self._grads,
+                'stats': self._stats}[kind][i]
+
+    def _Put(self, key, value):
+        kind, i = key
+        target = {'act': self._acts, 'd_act': self._d_acts, 'grad': self._grads,
+                  'stats': self._stats}.get(kind)
+        if target is None:
+            self._loss = list(value)
+        else:
+            target[i] = value
+
+    def _State(self):
+        self._keys = self._StateKeys()
+        return tf.nest.flatten([self._Value(k) for k in self._keys])
+
+    def _SetState(self, flat):
+        values = tf.nest.pack_sequence_as([self._Value(k) for k in self._keys], list(flat))
+        for key, value in zip(self._keys, values):
+            self._Put(key, value)
+
+    def _Writes(self, device_branches):
+        """The state a device's actions change: its stages' outputs (F), their input gradients
+        (B), weight-gradient and statistics sums, and the loss on the last stage."""
+        keys = []
+        for kind, s in device_branches:
+            if kind == F:
+                keys.append(('act', s + 1))
+                if self._stats[s] is not None:
+                    keys.append(('stats', s))
+                if s == self._num_stages - 1 and self._loss_fn is not None:
+                    keys += [('d_act', s + 1), ('loss', 0)]
+            else:
+                keys += [('d_act', s), ('grad', s)]
+        return list(dict.fromkeys(keys))
+
+    # ---- the actions ------------------------------------------------------------------------
+    def _Read(self, arrays, structure, m, float_only=False):
+        leaves = [ta.read(m) for ta in arrays]
+        if float_only:
+            return leaves
+        return tf.nest.pack_sequence_as(structure, leaves)
+
+    def _Action(self, kind, s, m, keys):
+        values = dict(zip(keys, self._Get(keys)))
+        first = (tf.cast(self._first_example, tf.int64) +
+                 tf.cast(m, tf.int64) * self._micro_batch_size)
+        fn = self._functions[s]
+        x = self._Read(self._acts[s], self._structures[s], m)
+        if kind == F:
+            with tf.name_scope(f'cell_{s}_fwd'):
+                outputs, stats = fn.Forward(self._thetas[s], x, self._step, first,
+                                            training=self._training)
+                values[('act', s + 1)] = [ta.write(m, y) for ta, y in
+                                          zip(values[('act', s + 1)], tf.nest.flatten(outputs))]
+                if self._stats[s] is not None:
+                    values[('stats', s)] = tf.nest.map_structure(
+                        tf.add, values[('stats', s)], stats)
+                if s == self._num_stages - 1 and self._loss_fn is not None:
+                    total, weight, d_y = self._Loss(outputs, m)
+                    values[('d_act', s + 1)] = [ta.write(m, g) for ta, g in
+                                                zip(values[('d_act', s + 1)], d_y)]
+                    values[('loss', 0)] = [values[('loss', 0)][0] + total,
+                                           values[('loss', 0)][1] + weight]
+        else:
+            with tf.name_scope(f'cell_{s}_bwd'):
+                d_y = self._Read(self._d_acts[s + 1], None, m, float_only=True)
+                d_theta, d_x = fn.Backward(self._thetas[s], x, self._step, first, d_y)
+                values[('grad', s)] = values[('grad', s)] + _Pack(d_theta)
+                values[('d_act', s)] = [ta.write(m, g) for ta, g in
+                                        zip(values[('d_act', s)],
+                                            [g for g in d_x if g is not None])]
+        return [values[k] for k in keys]
+
+    def _Loss(self, outputs, m):
+        ys = recompute.FloatLeaves(outputs)
+        loss_inputs = (None if self._loss_inputs is None else
+                       tf.nest.map_structure(lambda x: tf.gather(x, m), self._loss_inputs))
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(ys)
+            value, weight = self._loss_fn(recompute.Identity(outputs), loss_inputs)
+            weight = tf.stop_gradient(tf.cast(weight, value.dtype))
+            total = value * weight
+        d_y = tape.gradient(total, ys, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return tf.cast(total, tf.float32), tf.cast(weight, tf.float32), d_y
+
+    # ---- results ----------------------------------------------------------------------------
+    def _Outputs(self):
+        with tf.device(self._devices[-1]):
+            leaves = [tf.unstack(ta.stack()) for ta in self._acts[-1]]
+            parts = [tf.nest.pack_sequence_as(self._output_specs, [l[m] for l in leaves])
+                     for m in range(self._num_micro_batches)]
+            return microbatch.Concat(parts, self._batch_dim)
+
+    def _Updates(self) -> list:
+        if not self._training:
+            return [[] for _ in range(self._num_stages)]
+        return [self._stats[s] for s in range(self._num_stages)]
+
+    def _Gradients(self):
+        with tf.device(self._devices[0]):
+            leaves = iter([tf.unstack(ta.stack()) for ta in self._d_acts[0]])
+            flat = [next(leaves) if recompute.IsFloat(x) else [None] * self._num_micro_batches
+                    for x in tf.nest.flatten(self._input_structure)]
+            parts = [tf.nest.pack_sequence_as(self._input_structure, [l[m] for l in flat])
+                     for m in range(self._num_micro_batches)]
+            d_inputs = microbatch.Concat(parts, self._batch_dim)
+        grads = []
+        for s in range(self._num_stages):
+            with tf.device(self._devices[s]):
+                grads.append(self._Unpack(s, self._grads[s]))
+        return grads, d_inputs
+
+
+def FloatParts(nest, num_micro_batches, batch_dim):
+    """The float leaves of `nest`, each stacked as [M, micro-batch...] (its micro-batches)."""
+    parts = microbatch.Split(nest, num_micro_batches, batch_dim)
+    flat = [recompute.FloatLeaves(p) for p in parts]
+    return [tf.stack(leaves) for leaves in zip(*flat)]
+
+
+def _Pack(grads) -> tf.Tensor:
+    """The non-None gradients flattened into one vector (dense)."""
+    return tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads
+                      if g is not None], 0)
+
+
+def _Spec(x):
+    return None if x is None else tf.TensorSpec(x.shape, x.dtype)
+
+
+def _AsList(results):
+    return list(results) if isinstance(results, (list, tuple)) else [results]
