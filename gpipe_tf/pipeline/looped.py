@@ -72,7 +72,7 @@ class LoopedSchedule:
         with tf.device(self._devices[-1]):
             self._d_acts[-1] = self._Arrays(recompute.FloatLeaves(
                 microbatch.Split(d_outputs, self._num_micro_batches, self._batch_dim)[0]),
-                FloatParts(d_outputs, self._num_micro_batches, self._batch_dim))
+                _FloatParts(d_outputs, self._num_micro_batches, self._batch_dim))
         self._Loop((B,))
         return self._Gradients()
 
@@ -82,10 +82,10 @@ class LoopedSchedule:
         m_count = self._num_micro_batches
         self._loss_fn = loss_fn
         with tf.device(self._devices[-1]):
-            self._loss_parts = (microbatch.Split(loss_inputs, m_count, self._batch_dim)
-                                if loss_inputs is not None else None)
+            # Stacked [M, micro-batch...], for a micro-batch's by its index in the loop.
             self._loss_inputs = (None if loss_inputs is None else tf.nest.map_structure(
-                lambda *xs: tf.stack(xs), *self._loss_parts))
+                lambda *xs: tf.stack(xs),
+                *microbatch.Split(loss_inputs, m_count, self._batch_dim)))
             self._loss = [tf.zeros([]), tf.zeros([])]
             # The outputs' gradients come from the loss, written as each forward ends.
             specs = recompute.FloatLeaves(self._output_specs)
@@ -354,7 +354,7 @@ class LoopedSchedule:
         return grads, d_inputs
 
 
-def FloatParts(nest, num_micro_batches, batch_dim):
+def _FloatParts(nest, num_micro_batches, batch_dim):
     """The float leaves of `nest`, each stacked as [M, micro-batch...] (its micro-batches)."""
     parts = microbatch.Split(nest, num_micro_batches, batch_dim)
     flat = [recompute.FloatLeaves(p) for p in parts]
