@@ -5,7 +5,6 @@ the same under every schedule; and each device runs its actions in its list's or
 
 import re
 
-import pytest
 import tensorflow as tf
 from absl.testing import parameterized
 
@@ -17,8 +16,6 @@ from gpipe_tf.layers import normalization
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import schedule as schedule_lib
-
-pytestmark = pytest.mark.unit
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 BATCH, DIM, NUM_BLOCKS = 8, 4, 4
