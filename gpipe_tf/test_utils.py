@@ -114,6 +114,18 @@ def BatchNormStack(num_blocks: int, dim: int) -> list:
     return layers
 
 
+def Ancestors(op) -> set:
+    """Every op `op` waits for in its graph: through data and control inputs."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
 def SquareLoss(outputs) -> tf.Tensor:
     """A scalar that depends on every float output: the sum of their squares."""
     return tf.add_n([tf.reduce_sum(tf.square(x)) for x in FloatLeaves(outputs)])

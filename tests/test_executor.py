@@ -344,22 +344,13 @@ class ExecutionOrderTest(tf.test.TestCase, parameterized.TestCase):
                     self.assertEqual(calls[(cell, mb, 'bwd')][0].device, DEVICES[cell])
         self.assertLen([key for key in calls if key[2] == 'fwd'], k * m)
 
-        def Ancestors(op):
-            seen, stack = set(), [op]
-            while stack:
-                current = stack.pop()
-                for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-                    if parent not in seen:
-                        seen.add(parent)
-                        stack.append(parent)
-            return seen
 
         for cell in range(k):
             parts = ('fwd', 'bwd') if recomputes[cell] else ('fwd',)
             for part in parts:
                 for mb in range(1, m):
                     self.assertIn(calls[(cell, mb - 1, part)][0],
-                                  Ancestors(calls[(cell, mb, part)][0]),
+                                  test_utils.Ancestors(calls[(cell, mb, part)][0]),
                                   msg=f'cell {cell} {part}: micro-batch {mb} does not wait '
                                       f'for {mb - 1}')
 

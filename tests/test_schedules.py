@@ -41,7 +41,8 @@ def Layers(batch_norm=False):
     return layers
 
 
-# The same cases run as a loop over the schedule's clock (`unroll=False`; zero_bubble, which
+# gpipe unrolled is test_pipeline's (its K x M x recompute grid in every mode); here it is the
+# batch-norm reference. The same cases run as a loop over the schedule's clock (`unroll=False`; zero_bubble, which
 # the loop does not run, falls back to the unrolled executor).
 LOOPED = [(f'{case[0]}_looped',) + case[1:] + (False,) for case in CASES]
 UNROLLED = [case + (True,) for case in CASES]
@@ -95,21 +96,21 @@ class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
             self.assertLessEqual(test_utils.MaxRelativeError(a, b),
                             d_x_rtol if name == 'd_x' else rtol, msg=name)
 
-    @parameterized.named_parameters(*UNROLLED[:4], *LOOPED[2:3])
+    @parameterized.named_parameters(*UNROLLED[1:4], *LOOPED[2:3])
     def testEagerEqualsTheLayersInSequence(self, kind, k, v, m, r, unroll):
         layer = Pipeline(kind, k, v, m, r, unroll=unroll).Instantiate()
         x, loss_inputs = Data()
         self.assertSameStep(PipelineStep(layer, x, loss_inputs),
                             ReferenceStep(layer, x, loss_inputs))
 
-    @parameterized.named_parameters(*UNROLLED, *LOOPED[1:3], *LOOPED[4:])
+    @parameterized.named_parameters(*UNROLLED[1:], *LOOPED[1:3], *LOOPED[4:])
     def testFunctionEqualsTheLayersInSequence(self, kind, k, v, m, r, unroll):
         layer = Pipeline(kind, k, v, m, r, unroll=unroll).Instantiate()
         x, loss_inputs = Data()
         got = tf.function(lambda x: PipelineStep(layer, x, loss_inputs))(x)
         self.assertSameStep(got, ReferenceStep(layer, x, loss_inputs))
 
-    @parameterized.named_parameters(*UNROLLED[:4], *LOOPED[:2])
+    @parameterized.named_parameters(*UNROLLED[1:4], *LOOPED[:1])
     def testV1GraphEqualsTheLayersInSequence(self, kind, k, v, m, r, unroll):
         graph = tf.Graph()
         with graph.as_default():
@@ -207,7 +208,7 @@ class ScheduleOrderTest(tf.test.TestCase, parameterized.TestCase):
     """Read from the traced graph: one call per action on its stage's device, and each
     device's calls chained (data or control dependencies) in its list's order."""
 
-    @parameterized.named_parameters(*CASES[:4])
+    @parameterized.named_parameters(*CASES[1:4])
     def testEachDeviceRunsItsActionsInListOrder(self, kind, k, v, m, r):
         layer = Pipeline(kind, k, v, m, r).Instantiate()
         x, loss_inputs = Data()
@@ -227,19 +228,10 @@ class ScheduleOrderTest(tf.test.TestCase, parameterized.TestCase):
         for action, op in calls.items():
             self.assertEqual(op.device, DEVICES[sched.DeviceOf(action.stage)], str(action))
 
-        def Ancestors(op):
-            seen, stack = set(), [op]
-            while stack:
-                current = stack.pop()
-                for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-                    if parent not in seen:
-                        seen.add(parent)
-                        stack.append(parent)
-            return seen
 
         for d, actions in enumerate(sched.actions):
             for before, after in zip(actions, actions[1:]):
-                self.assertIn(calls[before], Ancestors(calls[after]),
+                self.assertIn(calls[before], test_utils.Ancestors(calls[after]),
                               msg=f'device {d}: {after} does not wait for {before}')
 
 

@@ -51,6 +51,15 @@ def _Done(tensors, device: str) -> list:
         return [tf.identity(x) for x in tf.nest.flatten(tensors) if x is not None]
 
 
+def CheckForwardFirst(sched: schedule_lib.Schedule) -> None:
+    """Raises ValueError unless every forward of `sched` precedes every backward, as a loss
+    computed after the pipeline needs."""
+    if not sched.forward_first:
+        raise ValueError(f'Schedule {sched.kind!r} runs backwards before the last forward: the '
+                         'loss must be computed per micro-batch inside the pipeline '
+                         '(ForwardBackward).')
+
+
 def AssignNest(assign, cell: int, nest):
     """Every tensor of `nest` (None leaves stay None) assigned to logical device `cell`.
 
@@ -147,10 +156,8 @@ class UnrolledSchedule:
         Raises:
           ValueError: for training under a schedule that is not forward-first.
         """
-        if training and not self._schedule.forward_first:
-            raise ValueError(f'Schedule {self._schedule.kind!r} runs backwards before the last '
-                             'forward: the loss must be computed per micro-batch inside the '
-                             'pipeline (ForwardBackward).')
+        if training:
+            CheckForwardFirst(self._schedule)
         self._Start(thetas, inputs, training)
         self._Run([a for a in self._schedule.order if a.kind == F])
         return self._Outputs(), self._Updates()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from gpipe_tf.pipeline import executor
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule as schedule_lib
@@ -59,10 +60,8 @@ class LoopedSchedule:
     # ---- the step ---------------------------------------------------------------------------
     def Forward(self, thetas: list, inputs, training: bool = True):
         """As `UnrolledSchedule.Forward`: (outputs, per cell its summed statistics)."""
-        if training and not self._schedule.forward_first:
-            raise ValueError(f'Schedule {self._schedule.kind!r} runs backwards before the last '
-                             'forward: the loss must be computed per micro-batch inside the '
-                             'pipeline (ForwardBackward).')
+        if training:
+            executor.CheckForwardFirst(self._schedule)
         self._Start(thetas, inputs, training)
         self._Loop((F,))
         return self._Outputs(), self._Updates()

@@ -360,16 +360,12 @@ class PipeliningLayer(BaseLayer):
           (outputs, per cell its layers' training statistics summed over micro-batches and
           replicas).
         """
-        theta_sizes = [len(tf.nest.flatten(t)) for t in thetas]
         num_replicas, batch_dim = self.p.num_replicas, self.p.batch_dim
         results = []
 
         @tf.custom_gradient
         def Pipeline(*flat):
-            thetas_in, offset = [], 0
-            for theta, size in zip(thetas, theta_sizes):
-                thetas_in.append(tf.nest.pack_sequence_as(theta, flat[offset:offset + size]))
-                offset += size
+            thetas_in, offset = _Unflatten(thetas, flat)
             replica_updates = []
 
             def Forward(r, shard):
@@ -419,16 +415,12 @@ class PipeliningLayer(BaseLayer):
         Returns:
           (outputs, per cell its training statistics, loss, weight).
         """
-        theta_sizes = [len(tf.nest.flatten(t)) for t in thetas]
         num_replicas, batch_dim = self.p.num_replicas, self.p.batch_dim
         results = []
 
         @tf.custom_gradient
         def Pipeline(*flat):
-            thetas_in, offset = [], 0
-            for theta, size in zip(thetas, theta_sizes):
-                thetas_in.append(tf.nest.pack_sequence_as(theta, flat[offset:offset + size]))
-                offset += size
+            thetas_in, offset = _Unflatten(thetas, flat)
             pipeline_inputs = tf.nest.pack_sequence_as(inputs, flat[offset:])
             if num_replicas == 1:
                 shards, loss_shards = [pipeline_inputs], [loss_inputs]
@@ -495,6 +487,17 @@ class PipeliningLayer(BaseLayer):
             layers += list(p.layer_tpl or [])
         layers = [lp.Copy().Set(name=plan_lib.LayerName(lp, i)) for i, lp in enumerate(layers)]
         return sequential.ChainMeta(layers, *input_shapes)[0]
+
+
+def _Unflatten(thetas: list, flat) -> tuple[list, int]:
+    """(per cell its theta with the leaves taken in order from `flat`, the index in `flat`
+    after the last theta leaf): how the custom-gradient ops receive the cells' thetas."""
+    thetas_in, offset = [], 0
+    for theta in thetas:
+        size = len(tf.nest.flatten(theta))
+        thetas_in.append(tf.nest.pack_sequence_as(theta, flat[offset:offset + size]))
+        offset += size
+    return thetas_in, offset
 
 
 def _FloatGrads(outputs, d_flat) -> list:
