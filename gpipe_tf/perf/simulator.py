@@ -224,24 +224,18 @@ def Simulate(costs: CellCosts, num_micro_batches: int, recompute: bool | Sequenc
     end = {}  # Action -> when it finishes.
     for action in schedule.order:
         kind, s, m = action
+        # What it needs, plus one hop for what comes across a stage boundary.
+        ready = max([0.0] + [end[dep] + (costs.transfer if dep.stage != s else 0.0)
+                             for dep in schedule.Needs(action)])
         if kind == schedule_lib.FORWARD:
-            ready = 0.0 if s == 0 else end[(kind, s - 1, m)] + costs.transfer
             end[action] = Run(s, m, 'forward', ready, costs.forward[s])
             continue
         if kind == schedule_lib.WEIGHT_GRAD:
             seconds = (costs.forward[s] if recompute[s] else 0.0) + fraction * costs.backward[s]
-            end[action] = Run(s, m, 'weight_grad', end[(schedule_lib.INPUT_GRAD, s, m)],
-                              seconds)
+            end[action] = Run(s, m, 'weight_grad', ready, seconds)
             continue
-        ready = end[(schedule_lib.FORWARD, s, m)]
-        if s == last:
-            if schedule.forward_first:
-                ready = max(end[f] for f in last_forwards)
-        else:
-            following = next(end[(k, s + 1, m)] for k in (schedule_lib.BACKWARD,
-                                                          schedule_lib.INPUT_GRAD)
-                             if (k, s + 1, m) in end)
-            ready = max(ready, following + costs.transfer)
+        if s == last and schedule.forward_first:
+            ready = max(end[f] for f in last_forwards)
         if recompute[s]:
             ready = Run(s, m, 'recompute', ready, recompute_costs[s])
         seconds = costs.backward[s] * (1.0 if kind == schedule_lib.BACKWARD else 1.0 - fraction)

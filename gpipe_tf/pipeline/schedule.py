@@ -28,6 +28,7 @@ the action.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 KINDS = ('gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble')
@@ -75,6 +76,17 @@ class Schedule:
 
     def DeviceOf(self, stage: int) -> int:
         return stage % self.num_devices
+
+    def Needs(self, action: Action) -> list[Action]:
+        """The actions `action` needs the results of, in this schedule: `Dependencies`, the
+        backward of the next stage being its I where that stage splits it."""
+        return _Needs(action, self.num_stages, self._split)
+
+    @functools.cached_property
+    def _split(self) -> frozenset:
+        """The (stage, micro-batch) pairs whose backward is split into I and W."""
+        return frozenset((a.stage, a.micro_batch) for device in self.actions for a in device
+                         if a.kind == INPUT_GRAD)
 
     @property
     def training(self) -> bool:
@@ -328,12 +340,8 @@ def Validate(lists, num_micro_batches: int, virtual_stages: int = 1) -> list[Act
                 raise ScheduleError(f'{Action(BACKWARD, s, m)} is missing from device '
                                     f'{s % num_devices}.')
 
-    def BackwardKind(s, m):
-        return INPUT_GRAD if (s, m) in split else BACKWARD
-
     def Needs(a):
-        # The next stage's backward is an I where that stage splits it, else a B.
-        return Dependencies(a, num_stages, backward_kind=BackwardKind(a.stage + 1, a.micro_batch))
+        return _Needs(a, num_stages, split)
 
     position = [0] * num_devices
     done = set()
@@ -418,7 +426,7 @@ def Ticks(sched: Schedule, kinds=ACTION_KINDS) -> list[list[Action | None]]:
             action = actions[position[d]] if position[d] < len(actions) else None
             if action is not None and not all(
                     dep in finished or dep.kind not in kinds
-                    for dep in _Needs(sched, action)):
+                    for dep in sched.Needs(action)):
                 action = None
             tick.append(action)
         if not any(tick):
@@ -431,6 +439,8 @@ def Ticks(sched: Schedule, kinds=ACTION_KINDS) -> list[list[Action | None]]:
     return ticks
 
 
-def _Needs(sched: Schedule, action: Action) -> list[Action]:
-    backward_kind = INPUT_GRAD if sched.splits_backward else BACKWARD
-    return Dependencies(action, sched.num_stages, backward_kind)
+def _Needs(action: Action, num_stages: int, split) -> list[Action]:
+    """`Dependencies`, with the next stage's backward an I where (stage + 1, micro-batch) is in
+    `split`, else a B."""
+    following = (action.stage + 1, action.micro_batch) in split
+    return Dependencies(action, num_stages, INPUT_GRAD if following else BACKWARD)
