@@ -60,6 +60,35 @@ def CheckForwardFirst(sched: schedule_lib.Schedule) -> None:
                          '(ForwardBackward).')
 
 
+def MicroBatchSize(micro_batch, batch_dim: int):
+    """The examples of a micro-batch: an int where known statically, else an int64 tensor."""
+    size = microbatch.BatchSize(micro_batch, batch_dim)
+    if size is None:
+        size = tf.shape(tf.nest.flatten(micro_batch)[0], out_type=tf.int64)[batch_dim]
+    return size
+
+
+def MicroBatchLoss(loss_fn, outputs, loss_inputs):
+    """The loss of one micro-batch inside the pipeline.
+
+    Args:
+      loss_fn: (outputs, loss_inputs) -> (value, weight), a mean over `weight` items.
+      outputs, loss_inputs: the micro-batch's.
+
+    Returns:
+      (value * weight, weight, the gradient of value * weight w.r.t. the float leaves of
+      `outputs`).
+    """
+    ys = recompute.FloatLeaves(outputs)
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(ys)
+        value, weight = loss_fn(recompute.Identity(outputs), loss_inputs)
+        weight = tf.stop_gradient(tf.cast(weight, value.dtype))
+        total = value * weight
+    return total, weight, tape.gradient(total, ys,
+                                        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+
 def AssignNest(assign, cell: int, nest):
     """Every tensor of `nest` (None leaves stay None) assigned to logical device `cell`.
 
@@ -217,9 +246,7 @@ class UnrolledSchedule:
         self._training = training
         with tf.device(self._devices[0]):
             first = microbatch.Split(inputs, m_count, batch_dim)
-            size = microbatch.BatchSize(first[0], batch_dim)
-            if size is None:  # Not known statically.
-                size = tf.shape(tf.nest.flatten(first[0])[0], out_type=tf.int64)[batch_dim]
+            size = MicroBatchSize(first[0], batch_dim)
             self._first_examples = [tf.cast(self._first_example, tf.int64) + m * size
                                     for m in range(m_count)]
         self._acts = [first] + self._Grid()  # Stage s's input of micro-batch m: acts[s][m].
@@ -283,17 +310,10 @@ class UnrolledSchedule:
         return outputs, None
 
     def _Loss(self, m, outputs):
-        """The loss of micro-batch m: records (value * weight, weight) and returns the
-        gradient of value * weight w.r.t. the float leaves of `outputs`."""
-        ys = recompute.FloatLeaves(outputs)
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(ys)
-            sources = recompute.Identity(outputs)
-            value, weight = self._loss_fn(sources, self._loss_inputs[m])
-            weight = tf.stop_gradient(tf.cast(weight, value.dtype))
-            total = value * weight
+        """Records micro-batch m's (value * weight, weight); returns its outputs' gradient."""
+        total, weight, d_y = MicroBatchLoss(self._loss_fn, outputs, self._loss_inputs[m])
         self._losses[m] = (total, weight)
-        return tape.gradient(total, ys, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return d_y
 
     def _IncomingGradient(self, k, m):
         return self._Assign(k, recompute.FloatLeaves(self._d_acts[k][m]))

@@ -104,20 +104,20 @@ class LoopedSchedule:
         with tf.device(self._devices[0]):
             parts = microbatch.Split(inputs, m_count, batch_dim)
             self._input_structure = parts[0]
-            size = microbatch.BatchSize(parts[0], batch_dim)
-            if size is None:
-                size = tf.shape(tf.nest.flatten(parts[0])[0], out_type=tf.int64)[batch_dim]
-            self._micro_batch_size = tf.cast(size, tf.int64)
+            self._micro_batch_size = tf.cast(executor.MicroBatchSize(parts[0], batch_dim),
+                                             tf.int64)
             first = self._Arrays(tf.nest.flatten(parts[0]), [
                 tf.stack(leaves) for leaves in zip(*[tf.nest.flatten(p) for p in parts])])
         # acts[b]: the TensorArrays of boundary b (b = 0 the input, b = S the output), one per
         # leaf; d_acts[b]: those of its float leaves' gradients.
         self._structures = [self._input_structure]
+        self._stat_specs = []  # Per stage, its training statistics' specs.
         step_spec = tf.TensorSpec([], tf.int64)
         for s, fn in enumerate(self._functions):
             spec = tf.nest.map_structure(_Spec, self._structures[-1])
-            outputs, _ = fn.ForwardSpecs(self._thetas[s], spec, step_spec, training)
+            outputs, stats = fn.ForwardSpecs(self._thetas[s], spec, step_spec, training)
             self._structures.append(outputs)
+            self._stat_specs.append(stats)
         self._output_specs = self._structures[-1]
         self._acts = [first] + [
             self._EmptyArrays(tf.nest.flatten(st), s) for s, st in
@@ -160,19 +160,16 @@ class LoopedSchedule:
             self._SetState(flat)
             writes = {}
             for d in range(sched.num_devices):
-                stages = [s for _, s in branches[d]]
-                device = self._devices[stages[0]] if stages else None
-                if device is None:
-                    continue
+                if not branches[d]:
+                    continue  # A device with no action of these kinds.
                 keys = self._Writes(branches[d])
-                with tf.device(device), tf.name_scope(f'device_{d}'):
+                with tf.device(self._devices[branches[d][0][1]]), tf.name_scope(f'device_{d}'):
                     m = micro_batch_table[t, d]
                     fns = [lambda keys=keys: self._Get(keys)] + [
                         (lambda kind=kind, s=s, keys=keys:
                          self._Action(kind, s, m, keys)) for kind, s in branches[d]]
                     results = tf.switch_case(index_table[t, d], fns)
                 writes.update(zip(keys, _AsList(results)))
-            self._SetState(flat)
             for key, value in writes.items():
                 self._Put(key, value)
             return (t + 1,) + tuple(self._State())
@@ -192,7 +189,7 @@ class LoopedSchedule:
                     self._grads[s] = tf.zeros([self._GradientSize(s)], self._GradientDtype(s))
                 if F in kinds and self._training:
                     self._stats[s] = tf.nest.map_structure(
-                        lambda spec: tf.zeros(spec.shape, spec.dtype), self._StatSpecs(s))
+                        lambda spec: tf.zeros(spec.shape, spec.dtype), self._stat_specs[s])
 
     def _Trainable(self, s) -> list:
         return [t for t, keep in zip(tf.nest.flatten(self._thetas[s]),
@@ -215,12 +212,6 @@ class LoopedSchedule:
         return [tf.reshape(next(pieces), t.shape) if keep else None for t, keep in
                 zip(tf.nest.flatten(self._thetas[s]), self._functions[s].trainable)]
 
-    def _StatSpecs(self, s):
-        spec = tf.nest.map_structure(_Spec, self._structures[s])
-        _, stats = self._functions[s].ForwardSpecs(
-            self._thetas[s], spec, tf.TensorSpec([], tf.int64), True)
-        return stats
-
     # The loop's state: a dict of named nests, flattened for the while loop.
     def _StateKeys(self):
         keys = [('act', b) for b in range(self._num_stages + 1)]
@@ -235,21 +226,20 @@ class LoopedSchedule:
     def _Get(self, keys):
         return [self._Value(key) for key in keys]
 
+    def _Table(self, kind) -> list:
+        return {'act': self._acts, 'd_act': self._d_acts, 'grad': self._grads,
+                'stats': self._stats}[kind]
+
     def _Value(self, key):
         kind, i = key
-        if kind == 'loss':
-            return self._loss
-        return {'act': self._acts, 'd_act': self._d_acts, 'grad': self._grads,
-                'stats': self._stats}[kind][i]
+        return self._loss if kind == 'loss' else self._Table(kind)[i]
 
     def _Put(self, key, value):
         kind, i = key
-        target = {'act': self._acts, 'd_act': self._d_acts, 'grad': self._grads,
-                  'stats': self._stats}.get(kind)
-        if target is None:
+        if kind == 'loss':
             self._loss = list(value)
         else:
-            target[i] = value
+            self._Table(kind)[i] = value
 
     def _State(self):
         self._keys = self._StateKeys()
@@ -314,15 +304,9 @@ class LoopedSchedule:
         return [values[k] for k in keys]
 
     def _Loss(self, outputs, m):
-        ys = recompute.FloatLeaves(outputs)
         loss_inputs = (None if self._loss_inputs is None else
                        tf.nest.map_structure(lambda x: tf.gather(x, m), self._loss_inputs))
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(ys)
-            value, weight = self._loss_fn(recompute.Identity(outputs), loss_inputs)
-            weight = tf.stop_gradient(tf.cast(weight, value.dtype))
-            total = value * weight
-        d_y = tape.gradient(total, ys, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        total, weight, d_y = executor.MicroBatchLoss(self._loss_fn, outputs, loss_inputs)
         return tf.cast(total, tf.float32), tf.cast(weight, tf.float32), d_y
 
     # ---- results ----------------------------------------------------------------------------

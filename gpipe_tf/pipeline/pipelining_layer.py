@@ -223,9 +223,8 @@ class PipeliningLayer(BaseLayer):
         inside the pipeline: train it with `FPropLoss`."""
         ctx = fprop_context.Current()
         inputs, runs, thetas = self._Prepare(theta, inputs, ctx.training)
-        if not ctx.training:  # Forward only, micro-batched, no re-materialization.
-            return self._Replicated(
-                lambda r, shard: runs[r].Forward(thetas, shard, training=False)[0], inputs)
+        if not ctx.training:
+            return self._Infer(runs, thetas, inputs)
         if not runs[0].schedule.forward_first:
             raise errors.ConfigError(
                 f'{self.path}: schedule {self.p.schedule!r} runs backwards before the last '
@@ -257,8 +256,7 @@ class PipeliningLayer(BaseLayer):
         ctx = fprop_context.Current()
         inputs, runs, thetas = self._Prepare(theta, (inputs,), ctx.training)
         if not ctx.training:
-            outputs = self._Replicated(
-                lambda r, shard: runs[r].Forward(thetas, shard, training=False)[0], inputs)
+            outputs = self._Infer(runs, thetas, inputs)
             value, weight = loss_fn(outputs, loss_inputs)
             return outputs, value, tf.cast(weight, value.dtype)
         outputs, updates, loss, weight = self._TrainWithLoss(runs, thetas, inputs, loss_fn,
@@ -298,6 +296,12 @@ class PipeliningLayer(BaseLayer):
             with tf.name_scope(f'cell_{k}_theta'):
                 thetas.append(executor.AssignNest(assign, k, self._cells[k].Theta(theta)))
         return inputs, runs, thetas
+
+    def _Infer(self, runs: list, thetas: list, inputs):
+        """The outputs of every replica's forward-only schedule: micro-batched, no
+        re-materialization, nothing recorded for a backward."""
+        return self._Replicated(
+            lambda r, shard: runs[r].Forward(thetas, shard, training=False)[0], inputs)
 
     def _ApplyUpdates(self, updates: list) -> None:
         """Hands each cell's layers their training statistics, summed over micro-batches (and
@@ -421,21 +425,17 @@ class PipeliningLayer(BaseLayer):
         @tf.custom_gradient
         def Pipeline(*flat):
             thetas_in, offset = _Unflatten(thetas, flat)
-            pipeline_inputs = tf.nest.pack_sequence_as(inputs, flat[offset:])
-            if num_replicas == 1:
-                shards, loss_shards = [pipeline_inputs], [loss_inputs]
-            else:
-                with tf.device(self._devices[0]):
-                    shards = microbatch.Split(pipeline_inputs, num_replicas, batch_dim)
-                    loss_shards = (microbatch.Split(loss_inputs, num_replicas, batch_dim)
-                                   if loss_inputs is not None else [None] * num_replicas)
             steps = []
-            for r, (shard, loss_shard) in enumerate(zip(shards, loss_shards)):
-                with self._ReplicaScope(r):
-                    steps.append(runs[r].ForwardBackward(thetas_in, shard, loss_fn, loss_shard))
+
+            def Step(r, shard):
+                pipeline_shard, loss_shard = shard
+                steps.append(runs[r].ForwardBackward(thetas_in, pipeline_shard, loss_fn,
+                                                     loss_shard))
+                return steps[-1][0]
+
+            outputs = self._Replicated(
+                Step, (tf.nest.pack_sequence_as(inputs, flat[offset:]), loss_inputs))
             with tf.device(self._devices[-1]):
-                outputs = (steps[0][0] if num_replicas == 1 else
-                           microbatch.Concat([s[0] for s in steps], batch_dim))
                 total = tf.add_n([s[2][0] for s in steps])
                 weight = tf.add_n([s[2][1] for s in steps])
                 loss = tf.math.divide_no_nan(total, weight)
@@ -446,16 +446,14 @@ class PipeliningLayer(BaseLayer):
             results.append((outputs, self._SumOverReplicas([s[1] for s in steps]), weight))
 
             def Grad(d_loss):
+                # Each cell's gradients on its device, then the inputs' on the first.
+                pieces = list(enumerate(d_thetas)) + [(0, tf.nest.flatten(d_inputs))]
                 grads = []
-                for k, cell in enumerate(d_thetas):
+                for k, piece in pieces:
                     with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_grad_scale'):
                         scale = tf.math.divide_no_nan(d_loss, weight)
                         grads += [None if g is None else g * tf.cast(scale, g.dtype)
-                                  for g in cell]
-                with tf.device(self._devices[0]):
-                    scale = tf.math.divide_no_nan(d_loss, weight)
-                    grads += [None if g is None else g * tf.cast(scale, g.dtype)
-                              for g in tf.nest.flatten(d_inputs)]
+                                  for g in piece]
                 return grads
 
             return loss, Grad

@@ -152,7 +152,7 @@ class CellFunctions:
         with tf.device(self.device):
             for layer, args, d_y in zip(self.cell.sequence, layer_inputs, layer_d_outputs):
                 name = layer.p.name
-                layer_theta = tf.nest.map_structure(tf.identity, theta[name])
+                layer_theta = Identity(theta[name])
                 with tf.name_scope(RECOMPUTE_SCOPE), self._Scope(step, first_example, True):
                     outputs = layer.FProp(layer_theta, *args)
                 leaves = tf.nest.flatten(layer_theta)
@@ -162,7 +162,7 @@ class CellFunctions:
                                           unconnected_gradients=tf.UnconnectedGradients.ZERO))
                 d_theta[name] = tf.nest.pack_sequence_as(
                     theta[name], [next(grads) if keep else None for keep in trainable])
-        return tf.nest.flatten(NestedMap(d_theta), expand_composites=False)
+        return tf.nest.flatten(NestedMap(d_theta))
 
     def ForwardSpecs(self, theta, input_spec, step_spec, training: bool = True):
         """TensorSpecs of the (outputs, statistics) of the cell's forward on inputs of
