@@ -71,7 +71,7 @@ class SequenceTask(base_task.BaseTask):
         if not self.p.translation:
             raise ValueError(f'{self.path}: Decode translates; this task is a language model.')
         if self._decode_step is None:
-            self._decode_step = tf.function(self._Predictions)
+            self._decode_step = tf.function(self._Predictions, autograph=False)
         src_ids = tf.convert_to_tensor(src_ids, tf.int32)
         src_paddings = tf.convert_to_tensor(src_paddings, tf.float32)
         batch_size, length = src_ids.shape

@@ -73,7 +73,7 @@ def ClassifyImages(task, task_params, paths: list[str]) -> list[tuple[str, str]]
     std = data.std if 'std' in data else 1.0
     names = image_input.ClassNames(data)
     images = np.stack([LoadImage(p, size, channels, mean, std) for p in paths])
-    predict = tf.function(task.Predict)
+    predict = tf.function(task.Predict, autograph=False)
     results = []
     for batch, count in _Batches(images, data.batch_size):
         probs = predict(tf.constant(batch)).numpy()[:count]

@@ -153,8 +153,8 @@ class EagerProgram:
         self.manager = tf.train.CheckpointManager(
             self.checkpoint, CheckpointDir(logdir), max_to_keep=train.save_max_to_keep)
         self._iterator = None
-        self._train_step = tf.function(self._TrainStep)
-        self._eval_step = tf.function(self._EvalStep)
+        self._train_step = tf.function(self._TrainStep, autograph=False)
+        self._eval_step = tf.function(self._EvalStep, autograph=False)
 
     def Restore(self, training: bool = True, path: str | None = None) -> int:
         """Restores checkpoint `path` (default: the latest, if any); returns the step training
