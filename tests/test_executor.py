@@ -15,6 +15,7 @@ from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import executor
+from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule
 
@@ -73,8 +74,9 @@ class RecordingDense(base_layer.BaseLayer):
 
 
 def MakeCells(num_cells, record=True):
-    return [RecordingDense.Params().Set(name=f'layer_{k}', cell_index=k, record=record)
-            .Instantiate() for k in range(num_cells)]
+    return [cell_lib.Cell([RecordingDense.Params().Set(name=f'layer_{k}', cell_index=k,
+                                                       record=record).Instantiate()], f'cell_{k}')
+            for k in range(num_cells)]
 
 
 def V1Session(graph):
@@ -90,7 +92,7 @@ def MakeSchedule(cells, recomputes, num_micro_batches, batch_dim=0, assign=None)
 
 def Values(cells):
     """Each cell's (w, b) as numpy arrays."""
-    return [(c.vars.w.numpy(), c.vars.b.numpy()) for c in cells]
+    return [(c.sequence[0].vars.w.numpy(), c.sequence[0].vars.b.numpy()) for c in cells]
 
 
 def NumpyChain(params, x, dy):
@@ -184,7 +186,7 @@ class ExecutorValuesTest(tf.test.TestCase, parameterized.TestCase):
             with V1Session(graph) as sess:
                 sess.run(tf.compat.v1.global_variables_initializer())
                 results, params = sess.run(
-                    (fetches, [(c.vars.w, c.vars.b) for c in cells]))
+                    (fetches, [(c.sequence[0].vars.w, c.sequence[0].vars.b) for c in cells]))
         self.assertMatchesOracle(params, x, dy, *results)
 
     def testSplitsAlongBatchDim(self):

@@ -17,6 +17,7 @@ from gpipe_tf.layers import basic
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import sequential
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import recompute
 
 pytestmark = pytest.mark.unit
@@ -68,12 +69,14 @@ class ScaledDense(base_layer.BaseLayer):
 
 
 def MakeCell(name='cell'):
-    return ScaledDense.Params().Set(name=name).Instantiate()
+    """A pipeline cell of one ScaledDense layer (its theta is keyed by the layer's name)."""
+    return cell_lib.Cell([ScaledDense.Params().Set(name=name).Instantiate()], name)
 
 
 def NumpyCell(cell, x, dy):
     """Oracle: (y, [d_b, None, d_w] in tf.nest order of theta, d_x) by hand."""
-    w, b, scale = cell.vars.w.numpy(), cell.vars.b.numpy(), cell.vars.scale.numpy()
+    layer = cell.sequence[0].vars
+    w, b, scale = layer.w.numpy(), layer.b.numpy(), layer.scale.numpy()
     t = np.tanh(x @ w + b)
     g = dy * scale * (1.0 - t ** 2)
     return scale * t, [g.sum(0), None, x.T @ g], g @ w.T
@@ -133,7 +136,7 @@ class CellFunctionsTest(tf.test.TestCase, parameterized.TestCase):
         self.assertLess(test_utils.MaxRelativeError(outputs, y_ref), TOLERANCE)
         self.assertLen(stats, 1)
         self.assertAllClose(stats[0].output_sum, y_ref.sum(), rtol=TOLERANCE)
-        self.assertEqual(functions.update_layers, [cell])
+        self.assertEqual(functions.update_layers, cell.sequence)
         self.assertEqual(functions.trainable, [True, False, True])  # b, scale, w.
         self.assertEqual(EVENTS, ['fwd'])
 
@@ -239,16 +242,21 @@ class CellFunctionsTest(tf.test.TestCase, parameterized.TestCase):
         self.assertLen(recomputed, 3)
         for node in recomputed:
             self.assertIn(d_outputs, AncestorNames(backward, node.name), node.name)
-        # Every op of the backward, recompute and gradients alike, is on the cell's device (the
-        # function's own return identities have none).
+        # The call is on the cell's device, and no op of the body names a device of its own:
+        # the call's device places them all (cells of one structure share the traced body).
+        calls = [op for op in graph.get_operations() if op.type in ('PartitionedCall',
+                                                                   'StatefulPartitionedCall')]
+        self.assertLen(calls, 1)
         want = tf.DeviceSpec.from_string(DEVICE)
+        got = tf.DeviceSpec.from_string(calls[0].device)
+        self.assertEqual((got.device_type, got.device_index),
+                         (want.device_type, want.device_index))
         computed = [node for node in backward.node_def
                     if node.name.startswith((f'{recompute.RECOMPUTE_SCOPE}/', 'gradients/'))]
         self.assertGreater(len(computed), 10)
-        for node in computed:
-            got = tf.DeviceSpec.from_string(node.device)
-            self.assertEqual((got.device_type, got.device_index),
-                             (want.device_type, want.device_index), node.name)
+        # (The test's py_function recorder is pinned to the host by TensorFlow.)
+        self.assertEqual([node.name for node in computed
+                          if node.device and node.op != 'EagerPyFunc'], [])
 
     def testEachFunctionIsTracedOnceAndRunsOncePerCall(self):
         cell = MakeCell()
@@ -292,12 +300,12 @@ class StatelessDropoutTest(tf.test.TestCase):
     KEEP_PROB = 0.5
 
     def _Cell(self):
-        return sequential.SequentialLayer.Params().Set(
+        return cell_lib.Cell([sequential.SequentialLayer.Params().Set(
             name='cell', dtype=tf.float64, sub=[
                 basic.DenseLayer.Params().Set(name='dense', input_dim=DIM, output_dim=DIM,
                                               dtype=tf.float64),
                 basic.DropoutLayer.Params().Set(name='dropout', keep_prob=self.KEEP_PROB,
-                                                dtype=tf.float64)]).Instantiate()
+                                                dtype=tf.float64)]).Instantiate()], 'cell')
 
     def testBackwardUsesTheForwardsMask(self):
         cell = self._Cell()
@@ -307,7 +315,7 @@ class StatelessDropoutTest(tf.test.TestCase):
         y, _ = functions.Forward(theta, tf.constant(x), step, Ids(1))
         d_theta, d_x = functions.Backward(theta, tf.constant(x), step, Ids(1), [tf.constant(dy)])
         # Oracle: the mask read off the forward's output, gradients by hand.
-        w, b = cell.vars.dense.w.numpy(), cell.vars.dense.b.numpy()
+        w, b = cell.vars.cell.dense.w.numpy(), cell.vars.cell.dense.b.numpy()
         h = x @ w + b
         mask = (y.numpy() != 0).astype(np.float64)
         self.assertBetween(mask.mean(), 0.2, 0.8)
@@ -322,6 +330,60 @@ class StatelessDropoutTest(tf.test.TestCase):
             self.assertAllEqual(cell.FProp(theta, tf.constant(x)), y)
         other, _ = functions.Forward(theta, tf.constant(x), step, Ids(2))
         self.assertNotAllEqual(other.numpy() != 0, mask.astype(bool))
+
+
+class SharedTraceTest(tf.test.TestCase):
+    """Cells of one structure share one trace, yet each computes with its own weights, seeds
+    and device."""
+
+    def _Cell(self, name, keep_prob=0.5):
+        dense = basic.DenseLayer.Params().Set(name='dense', input_dim=DIM, output_dim=DIM,
+                                              dtype=tf.float64)
+        dropout = basic.DropoutLayer.Params().Set(name='dropout', keep_prob=keep_prob,
+                                                  dtype=tf.float64)
+        return cell_lib.Cell([sequential.SequentialLayer.Params().Set(
+            name=name, dtype=tf.float64, sub=[dense, dropout]).Instantiate()], name)
+
+    def testEqualCellsShareATraceAndKeepTheirOwnWeightsAndMasks(self):
+        shared = {}
+        cells = [self._Cell(f'layer_{i}') for i in range(3)]
+        functions = [recompute.CellFunctions(c, DEVICES[i], shared=shared)
+                     for i, c in enumerate(cells)]
+        other = recompute.CellFunctions(self._Cell('layer_9', keep_prob=0.7), DEVICE,
+                                        shared=shared)
+        self.assertLen(shared, 2)  # keep_prob differs: a structure of its own.
+        x, dy = RandomArrays(8, shape=(8, DIM))
+        step = Ids(5)
+
+        @tf.function(autograph=False)
+        def Run():
+            return [(fn.Forward(c.theta, tf.constant(x), step, Ids(2)),
+                     fn.Backward(c.theta, tf.constant(x), step, Ids(2), [tf.constant(dy)]))
+                    for fn, c in zip(functions + [other], cells + [other.cell])]
+
+        results = Run()
+        graph = Run.get_concrete_function().graph
+        names = {f.signature.name for f in graph.as_graph_def().library.function}
+        self.assertLen([n for n in names if '_fwd' in n], 2)
+        self.assertLen([n for n in names if '_Backward' in n], 2)
+        calls = [op for op in graph.get_operations() if 'PartitionedCall' in op.type]
+        self.assertCountEqual([tf.DeviceSpec.from_string(op.device).device_index
+                               for op in calls], [0, 0, 1, 1, 2, 2, 3, 3])
+        masks = []
+        for c, ((y, _), (d_theta, d_x)) in zip(cells + [other.cell], results):
+            with fprop_context.Scope(step=5, first_example=2):
+                alone = c.FProp(c.theta, tf.constant(x)).numpy()
+            masks.append(y.numpy() != 0)
+            self.assertAllEqual(alone != 0, masks[-1])
+            self.assertAllClose(alone, y, rtol=TOLERANCE, atol=0)
+            # Gradients by hand from the layer's own weights and the mask its output shows.
+            w = c.sequence[0].vars.dense.w.numpy()
+            keep = 0.7 if c is other.cell else 0.5
+            g = dy * masks[-1] / keep
+            self.assertLess(test_utils.MaxRelativeError(d_theta, [g.sum(0), x.T @ g]),
+                            TOLERANCE)
+            self.assertLess(test_utils.MaxRelativeError(d_x, [g @ w.T]), TOLERANCE)
+        self.assertNotAllEqual(masks[0], masks[1])  # Each layer's own seed.
 
 
 class DifferentiateTest(tf.test.TestCase, parameterized.TestCase):

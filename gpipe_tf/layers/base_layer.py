@@ -248,6 +248,11 @@ class BaseLayer(tf.Module):
         if name in self._layer_children or name in self._layer_vars:
             raise ValueError(f'{self.path}: child or variable {name!r} already exists.')
 
+    def Descendants(self) -> list:
+        """This layer and every layer below it, parents first, children by name: layers built
+        from equal Params list theirs in the same order."""
+        return [self] + [d for child in tf.nest.flatten(self.children) for d in child.Descendants()]
+
     @property
     def children(self) -> NestedMap:
         return NestedMap({k: list(v) if isinstance(v, list) else v
@@ -330,7 +335,11 @@ class BaseLayer(tf.Module):
         micro-batch; draw per example from it (`example_random.Uniform`) so that the values do
         not depend on how the batch is split."""
         ctx = fprop_context.Current()
-        base = tf.constant([PathSeed(self.path, self.p.random_seed), 0], tf.int64)
+        path_seed = (ctx.path_seeds or {}).get(self.path)
+        if path_seed is None:
+            base = tf.constant([PathSeed(self.path, self.p.random_seed), 0], tf.int64)
+        else:
+            base = tf.stack([path_seed, tf.zeros([], tf.int64)])
         return tf.random.experimental.stateless_fold_in(base, tf.cast(ctx.step, tf.int64))
 
 

@@ -23,12 +23,16 @@ class FPropContext:
         scalar int tensor): 0 for a whole batch, m * n for micro-batch m of n examples.
       batch_dim: the inputs' batch dimension, along which `first_example` counts.
       update_collector: where layers' training updates go; None applies them at once.
+      path_seeds: None, or a dict from layer path to a scalar int64 tensor that replaces the
+        seed of that path (`BaseLayer.StepSeed`): one traced cell serves every cell of its
+        structure, and takes the seeds of the cell it computes as an argument.
     """
     training: bool = True
     step: Any = 0
     first_example: Any = 0
     batch_dim: int = 0
     update_collector: Any = None
+    path_seeds: Any = None
 
 
 _STATE = threading.local()

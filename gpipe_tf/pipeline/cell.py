@@ -48,6 +48,11 @@ class Cell:
     def trainable_variables(self) -> list:
         return [v for layer in self._layers for v in layer.trainable_variables]
 
+    @property
+    def theta(self) -> NestedMap:
+        """The current values of `vars`."""
+        return NestedMap({layer.p.name: layer.theta for layer in self._layers})
+
     def Theta(self, theta: NestedMap) -> NestedMap:
         """The cell's part of a pipeline's theta (keyed by layer name)."""
         return NestedMap({name: theta[name] for name in self.names})

@@ -130,8 +130,9 @@ class PipeliningLayer(BaseLayer):
                 cells.append(cell_lib.Cell([self.CreateChild(lp.name, lp) for lp in layers],
                                            f'{self.path}.cell_{k}'))
         self._cells = tuple(cells)
+        traced = {}  # Cells of one structure, and the replicas, share traced functions.
         self._replica_functions = [
-            [recompute.CellFunctions(cell, device, p.batch_dim)
+            [recompute.CellFunctions(cell, device, p.batch_dim, traced)
              for cell, device in zip(self._cells, row)]
             for row in self.plan.mesh]
         self._functions = self._replica_functions[0]

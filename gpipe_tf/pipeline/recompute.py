@@ -2,6 +2,9 @@
 
 Each cell is traced once into a forward function and once into a backward function, and both are
 called once per micro-batch, so the graph grows with M by one call op, not by the cell's layers.
+Cells of one structure (the same layer classes and Params but for their names: a Transformer's
+middle cells, a pipeline's replicas) share their traces, the cell's weights and its layers' seeds
+being arguments: at K=8 equal Transformer cells, the traces are an eighth of what they were.
 
 The backward function recomputes the cell's forward from the cell's input and then differentiates
 it. Its recompute waits on the incoming gradient (a control dependency on `dy`), so it runs during
@@ -42,72 +45,105 @@ def WithFloatLeaves(structure, float_values) -> list:
     return [next(values) if IsFloat(x) else None for x in tf.nest.flatten(structure)]
 
 
-class CellFunctions:
-    """The traced forward and backward functions of one cell on one device.
+def StructureKey(cell) -> tuple:
+    """Cells with equal keys compute the same function of their theta (given per layer, in
+    order), inputs and layers' seeds: the same layer classes, in the same order, built from the
+    same Params but for the layers' names."""
+    return tuple((type(layer).__module__, type(layer).__qualname__,
+                  layer.params.Copy().Set(name='').ToText()) for layer in cell.sequence)
+
+
+class _PathSeeds:
+    """The `FPropContext.path_seeds` of a shared trace: layer path -> its element of `seeds`
+    (sliced when a layer asks)."""
+
+    def __init__(self, layers, seeds):
+        self._index = {layer.path: i for i, layer in enumerate(layers)}
+        self._seeds = seeds
+
+    def get(self, path):  # pylint: disable=invalid-name
+        i = self._index.get(path)
+        return None if i is None else self._seeds[i]
+
+
+class _Traced:
+    """The traced forward and backward functions shared by the cells of one structure
+    (`StructureKey`), on every device and replica: traced once, with the first such cell's
+    layers. A cell's theta (a list with one entry per layer, in order) and its layers' seeds are
+    arguments; no device is set inside, so the call op's device places the body.
 
     Args:
-      cell: the cell (`cell.Cell`); `cell.FProp(theta, *args)`.
-      device: the device string every op of the cell is placed on.
-      batch_dim: the inputs' batch dimension (the layers' per-example randomness counts
-        examples along it).
+      cell: the cell whose layers are traced.
+      batch_dim: the inputs' batch dimension.
     """
 
-    def __init__(self, cell, device: str, batch_dim: int = 0):
+    def __init__(self, cell, batch_dim: int):
         self.cell = cell
-        self.device = device
         self.batch_dim = batch_dim
-        # Per leaf of the cell's theta, whether it is trainable (and so gets a gradient).
+        self.layers = [d for layer in cell.sequence for d in layer.Descendants()]
         self.trainable = [v.trainable for v in tf.nest.flatten(cell.vars)]
-        # Layers that report training updates, in the order they report them; set when the
-        # training forward is first traced.
-        self.update_layers: list | None = None
-        self._forward = {
-            training: tf.function(self._MakeForward(training), autograph=False)
-            for training in (True, False)}
-        self._backward = tf.function(self._Backward, autograph=False)
-        self._backward_input = tf.function(self._BackwardInput, autograph=False)
-        self._backward_weight = tf.function(self._BackwardWeight, autograph=False)
+        # Positions in `layers` of the layers that report training updates, in the order they
+        # report them; set when the training forward is first traced.
+        self.update_positions: list | None = None
+        name = cell.path.replace('.', '_')
+        self.forward = {}
+        for training in (True, False):
+            forward = self._MakeForward(training)
+            forward.__name__ = f'{name}_fwd'
+            self.forward[training] = tf.function(forward, autograph=False)
+        self.backward = tf.function(self._Backward, autograph=False)
+        self.backward_input = tf.function(self._BackwardInput, autograph=False)
+        self.backward_weight = tf.function(self._BackwardWeight, autograph=False)
 
-    def _Scope(self, step, first_example, training, collector=None):
+    def _Theta(self, layer_thetas) -> NestedMap:
+        return NestedMap({layer.p.name: t for layer, t in zip(self.cell.sequence, layer_thetas)})
+
+    def _PerLayer(self, flat) -> list:
+        """A flat list over the leaves of the cell's theta as a list with one entry per layer."""
+        packed = tf.nest.pack_sequence_as(self.cell.vars, list(flat))
+        return [packed[layer.p.name] for layer in self.cell.sequence]
+
+    def _Scope(self, seeds, step, first_example, training, collector=None):
         """The layers' context for one micro-batch; updates go to `collector` (by default one
         that is dropped: a recompute's statistics were already reported by the forward)."""
         return fprop_context.Scope(
             training=training, step=step, first_example=first_example, batch_dim=self.batch_dim,
-            update_collector=(fprop_context.UpdateCollector() if collector is None else collector))
+            update_collector=(fprop_context.UpdateCollector() if collector is None else collector),
+            path_seeds=_PathSeeds(self.layers, seeds))
 
-    def _Run(self, theta, inputs, step, first_example, training):
+    def _Run(self, theta, seeds, inputs, step, first_example, training):
         collector = fprop_context.UpdateCollector()
-        with tf.device(self.device), self._Scope(step, first_example, training, collector):
+        with self._Scope(seeds, step, first_example, training, collector):
             outputs = self.cell.FProp(theta, *base_layer.AsArgs(inputs))
-        layers = [layer for layer, _ in collector.Items()]
-        if training and self.update_layers is None:
-            self.update_layers = layers
+        if training and self.update_positions is None:
+            position = {id(layer): i for i, layer in enumerate(self.layers)}
+            self.update_positions = [position[id(layer)] for layer, _ in collector.Items()]
         stats = [tf.nest.map_structure(tf.stop_gradient, s) for _, s in collector.Items()]
         return outputs, stats
 
     def _MakeForward(self, training: bool):
-        def Forward(theta, inputs, step, first_example):
-            return self._Run(theta, inputs, step, first_example, training)
-        Forward.__name__ = f'{self.cell.path.replace(".", "_")}_fwd'
+        def Forward(layer_thetas, seeds, inputs, step, first_example):
+            return self._Run(self._Theta(layer_thetas), seeds, inputs, step, first_example,
+                             training)
         return Forward
 
-    def _Backward(self, theta, inputs, step, first_example, d_outputs):
+    def _Backward(self, layer_thetas, seeds, inputs, step, first_example, d_outputs):
         """Recomputes the forward once `d_outputs` (gradients of the float outputs) exist, then
         differentiates it.
 
         Returns:
-          (d_theta, d_inputs): flat lists over the leaves of theta and `inputs`, None where a
-          theta leaf is not trainable or an input leaf is not floating point.
+          (d_theta per layer (None where a leaf is not trainable), d_inputs flat over the
+          leaves of `inputs` (None where not floating point)).
         """
-        with tf.device(self.device):
-            with tf.name_scope(RECOMPUTE_SCOPE):
-                with tf.control_dependencies(d_outputs):
-                    theta = Identity(theta)
-                    inputs = Identity(inputs)
-                outputs, _ = self._Run(theta, inputs, step, first_example, training=True)
-            return Differentiate(outputs, theta, inputs, d_outputs, self.trainable)
+        with tf.name_scope(RECOMPUTE_SCOPE):
+            with tf.control_dependencies(d_outputs):
+                theta = Identity(self._Theta(layer_thetas))
+                inputs = Identity(inputs)
+            outputs, _ = self._Run(theta, seeds, inputs, step, first_example, training=True)
+        d_theta, d_inputs = Differentiate(outputs, theta, inputs, d_outputs, self.trainable)
+        return self._PerLayer(d_theta), d_inputs
 
-    def _BackwardInput(self, theta, inputs, step, first_example, d_outputs):
+    def _BackwardInput(self, layer_thetas, seeds, inputs, step, first_example, d_outputs):
         """The input gradient alone (a zero-bubble schedule's I): recomputes the forward layer
         by layer once `d_outputs` exist, then takes each layer's input gradient from its output
         gradient, last layer first.
@@ -118,82 +154,130 @@ class CellFunctions:
           `_BackwardWeight` needs).
         """
         layers = self.cell.sequence
-        with tf.device(self.device):
-            with tf.name_scope(RECOMPUTE_SCOPE):
-                with tf.control_dependencies(d_outputs):
-                    theta = Identity(theta)
-                    args = Identity(base_layer.AsArgs(inputs))
-                layer_inputs, layer_outputs = [], []
-                with self._Scope(step, first_example, training=True):
-                    for layer in layers:
-                        # Fresh sources per layer, so each layer is differentiated alone.
-                        args = Identity(args)
-                        layer_inputs.append(args)
-                        layer_outputs.append(layer.FProp(theta[layer.p.name], *args))
-                        args = base_layer.AsArgs(layer_outputs[-1])
-            d_y = list(d_outputs)
-            layer_d_outputs = [None] * len(layers)
-            for i in reversed(range(len(layers))):
-                layer_d_outputs[i] = d_y
-                d_y = tf.gradients(FloatLeaves(layer_outputs[i]), FloatLeaves(layer_inputs[i]),
-                                   grad_ys=d_y,
-                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return WithFloatLeaves(inputs, d_y), (layer_inputs, layer_d_outputs)
+        with tf.name_scope(RECOMPUTE_SCOPE):
+            with tf.control_dependencies(d_outputs):
+                layer_thetas = Identity(layer_thetas)
+                args = Identity(base_layer.AsArgs(inputs))
+            layer_inputs, layer_outputs = [], []
+            with self._Scope(seeds, step, first_example, training=True):
+                for layer, theta in zip(layers, layer_thetas):
+                    # Fresh sources per layer, so each layer is differentiated alone.
+                    args = Identity(args)
+                    layer_inputs.append(args)
+                    layer_outputs.append(layer.FProp(theta, *args))
+                    args = base_layer.AsArgs(layer_outputs[-1])
+        d_y = list(d_outputs)
+        layer_d_outputs = [None] * len(layers)
+        for i in reversed(range(len(layers))):
+            layer_d_outputs[i] = d_y
+            d_y = tf.gradients(FloatLeaves(layer_outputs[i]), FloatLeaves(layer_inputs[i]),
+                               grad_ys=d_y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return WithFloatLeaves(inputs, d_y), (layer_inputs, layer_d_outputs)
 
-    def _BackwardWeight(self, theta, saved, step, first_example):
+    def _BackwardWeight(self, layer_thetas, seeds, saved, step, first_example):
         """The weight gradient (a zero-bubble schedule's W) from what `_BackwardInput` saved:
         each layer's forward re-run from its input, differentiated w.r.t. its weights alone.
 
         Returns:
-          d_theta, flat over the leaves of theta (None where not trainable).
+          d_theta per layer (None where a leaf is not trainable).
         """
         layer_inputs, layer_d_outputs = saved
-        d_theta = {}
-        with tf.device(self.device):
-            for layer, args, d_y in zip(self.cell.sequence, layer_inputs, layer_d_outputs):
-                name = layer.p.name
-                layer_theta = Identity(theta[name])
-                with tf.name_scope(RECOMPUTE_SCOPE), self._Scope(step, first_example, True):
-                    outputs = layer.FProp(layer_theta, *args)
-                leaves = tf.nest.flatten(layer_theta)
-                trainable = [v.trainable for v in tf.nest.flatten(layer.vars)]
-                sources = [t for t, keep in zip(leaves, trainable) if keep]
-                grads = iter(tf.gradients(FloatLeaves(outputs), sources, grad_ys=d_y,
-                                          unconnected_gradients=tf.UnconnectedGradients.ZERO))
-                d_theta[name] = tf.nest.pack_sequence_as(
-                    theta[name], [next(grads) if keep else None for keep in trainable])
-        return tf.nest.flatten(NestedMap(d_theta))
+        d_theta = []
+        for layer, theta, args, d_y in zip(self.cell.sequence, layer_thetas, layer_inputs,
+                                           layer_d_outputs):
+            theta = Identity(theta)
+            with tf.name_scope(RECOMPUTE_SCOPE), self._Scope(seeds, step, first_example, True):
+                outputs = layer.FProp(theta, *args)
+            trainable = [v.trainable for v in tf.nest.flatten(layer.vars)]
+            sources = [t for t, keep in zip(tf.nest.flatten(theta), trainable) if keep]
+            grads = iter(tf.gradients(FloatLeaves(outputs), sources, grad_ys=d_y,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO))
+            d_theta.append(tf.nest.pack_sequence_as(
+                theta, [next(grads) if keep else None for keep in trainable]))
+        return d_theta
+
+
+class CellFunctions:
+    """The traced forward and backward functions of one cell on one device.
+
+    Args:
+      cell: the cell (`cell.Cell`); `cell.FProp(theta, *args)`.
+      device: the device string every op of the cell is placed on.
+      batch_dim: the inputs' batch dimension (the layers' per-example randomness counts
+        examples along it).
+      shared: a dict, shared by the cells of one pipeline, of the traced functions by cell
+        structure (`StructureKey`): cells of equal structure (a Transformer's middle cells,
+        a pipeline's replicas) are traced once. None traces this cell's own.
+    """
+
+    def __init__(self, cell, device: str, batch_dim: int = 0, shared: dict | None = None):
+        self.cell = cell
+        self.device = device
+        self.batch_dim = batch_dim
+        # Per leaf of the cell's theta, whether it is trainable (and so gets a gradient).
+        self.trainable = [v.trainable for v in tf.nest.flatten(cell.vars)]
+        shared = {} if shared is None else shared
+        key = StructureKey(cell)
+        if key not in shared:
+            shared[key] = _Traced(cell, batch_dim)
+        self._traced = shared[key]
+        self._layers = [d for layer in cell.sequence for d in layer.Descendants()]
+        self._seeds = [base_layer.PathSeed(layer.path, layer.p.random_seed)
+                       for layer in self._layers]
+
+    @property
+    def update_layers(self) -> list | None:
+        """Layers that report training updates, in the order they report them; None until the
+        training forward is first traced."""
+        positions = self._traced.update_positions
+        return None if positions is None else [self._layers[i] for i in positions]
+
+    def _Args(self, theta) -> tuple:
+        """The traced functions' first arguments: theta per layer, and the layers' seeds."""
+        return ([theta[layer.p.name] for layer in self.cell.sequence],
+                tf.constant(self._seeds, tf.int64))
+
+    def _Flat(self, layer_thetas) -> list:
+        """Per-layer values as a flat list over the leaves of this cell's theta."""
+        return tf.nest.flatten(NestedMap(
+            {layer.p.name: t for layer, t in zip(self.cell.sequence, layer_thetas)}))
 
     def ForwardSpecs(self, theta, input_spec, step_spec, training: bool = True):
         """TensorSpecs of the (outputs, statistics) of the cell's forward on inputs of
         `input_spec` (tracing it if it was not)."""
-        concrete = self._forward[training].get_concrete_function(theta, input_spec, step_spec,
-                                                                 step_spec)
+        layer_thetas, seeds = self._Args(theta)
+        concrete = self._traced.forward[training].get_concrete_function(
+            layer_thetas, seeds, input_spec, step_spec, step_spec)
         return tf.nest.map_structure(
             lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype),
             concrete.structured_outputs)
-
-    def BackwardInput(self, theta, inputs, step, first_example, d_outputs):
-        """(flat d_inputs, saved for `BackwardWeight`) for one micro-batch, recomputing its
-        forward."""
-        with tf.device(self.device):
-            return self._backward_input(theta, inputs, step, first_example, d_outputs)
-
-    def BackwardWeight(self, theta, saved, step, first_example):
-        """Flat d_theta for one micro-batch from what `BackwardInput` saved."""
-        with tf.device(self.device):
-            return self._backward_weight(theta, saved, step, first_example)
 
     def Forward(self, theta, inputs, step, first_example, training: bool = True):
         """(outputs, update stats) of the cell on one micro-batch whose first example has index
         `first_example` (scalar int64 tensor) in the mini-batch; one call op on the device."""
         with tf.device(self.device):
-            return self._forward[training](theta, inputs, step, first_example)
+            return self._traced.forward[training](*self._Args(theta), inputs, step,
+                                                  first_example)
 
     def Backward(self, theta, inputs, step, first_example, d_outputs):
         """(flat d_theta, flat d_inputs) for one micro-batch, recomputing the forward."""
         with tf.device(self.device):
-            return self._backward(theta, inputs, step, first_example, d_outputs)
+            d_theta, d_inputs = self._traced.backward(*self._Args(theta), inputs, step,
+                                                      first_example, d_outputs)
+            return self._Flat(d_theta), d_inputs
+
+    def BackwardInput(self, theta, inputs, step, first_example, d_outputs):
+        """(flat d_inputs, saved for `BackwardWeight`) for one micro-batch, recomputing its
+        forward."""
+        with tf.device(self.device):
+            return self._traced.backward_input(*self._Args(theta), inputs, step, first_example,
+                                               d_outputs)
+
+    def BackwardWeight(self, theta, saved, step, first_example):
+        """Flat d_theta for one micro-batch from what `BackwardInput` saved."""
+        with tf.device(self.device):
+            return self._Flat(self._traced.backward_weight(*self._Args(theta), saved, step,
+                                                           first_example))
 
 
 def Differentiate(outputs, theta, inputs, d_outputs, trainable, tape=None):
