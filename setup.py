@@ -13,6 +13,7 @@ setuptools.setup(
     python_requires='>=3.11',
     install_requires=[
         'tensorflow>=2.21,<2.22',
+        'keras>=3',  # gpipe_tf.keras (TensorFlow 2.21 installs it too).
         'absl-py',
         'numpy',
         'tensorboard>=2.21,<2.22',  # tf.summary's implementation; no longer a TF dependency.

@@ -1,0 +1,242 @@
+"""`Pipeline`: a gpipe_tf PipeliningLayer as a Keras 3 layer (TensorFlow backend).
+
+    import keras
+    from gpipe_tf import keras as gpipe_keras
+    from gpipe_tf.layers import basic
+
+    layers = [basic.DenseLayer.Params().Set(input_dim=64, output_dim=64, activation='relu')
+              for _ in range(8)]
+    model = keras.Sequential([
+        keras.Input((64,)),
+        gpipe_keras.Pipeline.FromLayers(layers, num_cells=2, num_micro_batches=4),
+        keras.layers.Dense(10)])
+    model.compile('adam', keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=32)     # batch_size a multiple of M
+
+**Variables.** The PipeliningLayer builds its tf.Variables as everywhere else (cell k's on
+device k, initial values seeded by the layer's path), and the Keras layer tracks each through a
+Keras variable whose storage is that tf.Variable (`weights.Wrap`): trainable ones in
+`trainable_weights`, batch norm's moving statistics in `non_trainable_weights`. There is one copy
+of every weight, so nothing can go out of sync: the Keras optimizer assigns the tf.Variable,
+`FProp` reads it (as theta), batch norm's update assigns it. The other way round, Keras-made
+variables passed to `FProp` as theta, would leave the pipeline's own variables (which
+`Instantiate` builds anyway) as a second copy, and batch norm's `ApplyUpdate`, which assigns the
+layer's own variables, would update the copy Keras does not see.
+
+**Training mode and batch norm.** Keras's `training` becomes `fprop_context`'s, as the trainer
+sets it: `fit` calls the layer with training=True, `evaluate` and `predict` with False. The step
+of the context (which seeds dropout masks, as the trainer's global step does) is the layer's
+`step` weight, the number of training calls so far, saved with the other weights. In training
+the pipeline sums each batch norm layer's statistics over the M micro-batches and assigns the
+moving statistics once per call, an op of the traced step that `tf.function` runs (its automatic
+control dependencies keep stateful ops); in inference it normalises with them and changes no
+weight.
+
+**Saving.** `get_config` carries the Params as Params text, read back by the same safe parser as
+the trainer's `params.txt` (`pipeline_params.FromText`); weights are ordered by layer name, so
+`save_weights` of one partition loads into another. Import `gpipe_tf.keras` before
+`keras.models.load_model`, which finds the class by its registered name `gpipe_tf>Pipeline`.
+
+**Limits.** The batch size must be known when Keras traces a step (the pipeline splits it into
+M micro-batches): batch_size must divide the number of examples, or a dataset be batched with
+drop_remainder=True. XLA (`jit_compile`) compiles a step for one device, and cannot read
+variables that live on others: a pipeline on several devices says `supports_jit = False`, so
+Keras's default `jit_compile='auto'` leaves XLA off and an explicit `jit_compile=True` falls back
+with Keras's warning; a pipeline on one device compiles. Keras's `tf.distribute` strategies are
+not supported: the pipeline places its cells itself (`num_replicas` gives data parallelism).
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+# The XLA context a jit_compile tf.function traces in is not public API; tf.function's own
+# OptionalXlaContext reads it this way.
+from tensorflow.python.ops import control_flow_util  # pylint: disable=g-direct-tensorflow-import
+
+from gpipe_tf import errors
+from gpipe_tf import hyperparams
+from gpipe_tf.keras import pipeline_params
+from gpipe_tf.keras import weights
+from gpipe_tf.layers import fprop_context
+from gpipe_tf.pipeline import pipelining_layer
+
+
+@keras.saving.register_keras_serializable(package='gpipe_tf')
+class Pipeline(keras.layers.Layer):
+    """A GPipe pipeline (`gpipe_tf.PipeliningLayer`) inside a Keras model.
+
+    Args:
+      params: PipeliningLayer Params; their `name` (default: the Keras layer's) names and
+        seeds the variables. See `FromLayers` for a list of layer Params.
+      **kwargs: Keras layer arguments (`name`, `trainable`); the dtype is the Params'.
+
+    Raises:
+      errors.ConfigError: for Params that are not a PipeliningLayer's, a dtype other than the
+        Params', or construction under a tf.distribute strategy; the pipeline's own errors
+        (devices, K, M) are ConfigErrors too.
+    """
+
+    def __init__(self, params, **kwargs):
+        params = pipeline_params.Checked(params)
+        if 'dtype' in kwargs and kwargs['dtype'] is not None:
+            raise errors.ConfigError(
+                f'{pipeline_params.LAYER}: the dtype is the Params\' ({params.dtype.name}); set '
+                f'params.dtype instead of dtype={kwargs["dtype"]!r}.')
+        kwargs.pop('dtype', None)
+        if tf.distribute.has_strategy():
+            raise errors.ConfigError(
+                f'{pipeline_params.LAYER} does not run under a tf.distribute strategy (got '
+                f'{type(tf.distribute.get_strategy()).__name__}): the pipeline places its '
+                'cells on its own devices. Build it outside strategy.scope(); for data '
+                'parallelism set the Params\' num_replicas.')
+        super().__init__(dtype=params.dtype.name, **kwargs)
+        if not params.name:
+            params.name = self.name
+        self._pipeline = params.Instantiate()
+        # An attribute holding Keras variables is how a Keras layer tracks them (weights,
+        # saving, the optimizer); the name scope gives their paths (`pipeline/layer_003.w`).
+        with keras.name_scope(self.name, caller=self):
+            self._pipeline_weights = weights.Wrap(self._pipeline.vars)
+        self._step = self.add_weight(name='step', shape=(), dtype='int64',
+                                     initializer='zeros', trainable=False)
+        self._devices = _DistinctDevices(self._pipeline.mesh)
+        self.supports_jit = len(self._devices) <= 1
+
+    @classmethod
+    def FromLayers(cls, layers, num_cells: int, num_micro_batches: int,
+                   devices: list[str] | None = None, input_shape: list[int] | None = None,
+                   **kwargs) -> 'Pipeline':
+        """The pipeline of `layers` (a list of layer Params) in K = `num_cells` cells over M =
+        `num_micro_batches` micro-batches, on `devices` (None: the logical devices present);
+        with `input_shape` (one mini-batch's, batch included) the cells are balanced by FLOPs,
+        without it by number of layers. `kwargs` are Keras layer arguments.
+
+        Raises:
+          errors.ConfigError: see `pipeline_params.FromLayers` and `Pipeline`.
+        """
+        return cls(pipeline_params.FromLayers(layers, num_cells, num_micro_batches, devices,
+                                              input_shape), **kwargs)
+
+    @property
+    def pipeline(self) -> pipelining_layer.PipeliningLayer:
+        """The PipeliningLayer (its `PartitionReport()`, `devices`, `Layers()`)."""
+        return self._pipeline
+
+    @property
+    def params(self) -> hyperparams.Params:
+        """The pipeline's (frozen) Params."""
+        return self._pipeline.p
+
+    @property
+    def step(self) -> keras.Variable:
+        """The number of training calls so far: the step that seeds the layers' randomness."""
+        return self._step
+
+    # ---- Keras's layer interface ----------------------------------------------------------------
+    def build(self, input_shape) -> None:
+        # The variables exist since __init__; building checks that the input fits the layers.
+        self.compute_output_shape(input_shape)
+
+    def compute_output_shape(self, input_shape) -> tuple:
+        """The output shape for `input_shape`, from the layers' FPropMeta (no TF op runs).
+
+        Raises:
+          errors.ConfigError: if the input does not fit the first layer, or the output is not
+            one tensor.
+        """
+        p = self._pipeline.p
+        shape = tf.TensorShape(input_shape).as_list()
+        if not -len(shape) <= p.batch_dim < len(shape):
+            raise errors.ConfigError(f'{self.name}: the input of shape {tuple(shape)} has no '
+                                     f'batch dimension {p.batch_dim} (Params batch_dim).')
+        batch = shape[p.batch_dim]
+        # FPropMeta needs whole shapes; the batch size does not change the others.
+        shape[p.batch_dim] = batch or 1
+        try:
+            meta = pipelining_layer.PipeliningLayer.FPropMeta(p, tf.TensorShape(shape))
+        except (ValueError, TypeError) as error:
+            raise errors.ConfigError(f'{self.name}: an input of shape {tuple(input_shape)} '
+                                     f'does not fit the pipeline: {error}') from None
+        if not isinstance(meta.out_shapes, tf.TensorShape):
+            raise errors.ConfigError(f'{self.name}: the pipeline\'s output must be one tensor '
+                                     f'in a Keras model; its layers give {meta.out_shapes}.')
+        out = meta.out_shapes.as_list()
+        out[p.batch_dim] = batch
+        return tuple(out)
+
+    @tf.autograph.experimental.do_not_convert
+    def call(self, inputs, training=None):
+        training = _TrainingFlag(training, self.name)
+        self._CheckTraceable(inputs)
+        step = tf.convert_to_tensor(self._step.value)
+        with fprop_context.Scope(training=training, step=step, first_example=0,
+                                 update_collector=None):
+            outputs = self._pipeline.FProp(self._pipeline.theta, inputs)
+        if training:
+            self._step.assign_add(1)
+        return outputs
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), 'params': pipeline_params.ToText(self._pipeline.p)}
+
+    @classmethod
+    def from_config(cls, config: dict) -> 'Pipeline':
+        config = dict(config)
+        params = pipeline_params.FromText(config.pop('params', None))
+        config.pop('dtype', None)  # The Params' dtype.
+        return cls(params, **config)
+
+    # ---- checks -------------------------------------------------------------------------------
+    def _CheckTraceable(self, inputs) -> None:
+        """Raises errors.ConfigError for an input or a compilation the pipeline cannot run."""
+        if not tf.is_tensor(inputs):
+            raise errors.ConfigError(f'{self.name}: a Keras Pipeline takes one tensor; got '
+                                     f'{type(inputs).__name__}.')
+        batch_dim = self._pipeline.p.batch_dim
+        if inputs.shape.rank is None or inputs.shape[batch_dim] is None:
+            raise errors.ConfigError(
+                f'{self.name}: the pipeline splits each batch into micro-batches, so the batch '
+                f'size must be known when the step is traced; got inputs of shape '
+                f'{inputs.shape}. Keras traces the step again with an unknown batch size when '
+                'batches differ in size (the last batch of an epoch, when batch_size does not '
+                'divide the number of examples): use a number of examples that batch_size '
+                'divides, or a tf.data dataset batched with drop_remainder=True.')
+        if len(self._devices) > 1 and control_flow_util.GraphOrParentsInXlaContext(
+                tf.compat.v1.get_default_graph()):
+            raise errors.ConfigError(
+                f'{self.name}: XLA (jit_compile) compiles a step for one device, but this '
+                f'pipeline\'s cells are on {len(self._devices)} devices '
+                f'({", ".join(sorted(self._devices))}), whose variables XLA cannot read there. '
+                'Compile with jit_compile=False (model.compile\'s default, "auto", does), or '
+                'put every cell on one device (Params devices).')
+
+
+def _TrainingFlag(training, name: str) -> bool:
+    """Keras's `training` argument as a Python bool (None: inference)."""
+    if training is None:
+        return False
+    if tf.is_tensor(training):
+        value = tf.get_static_value(training)
+        if value is None:
+            raise errors.ConfigError(
+                f'{name}: training must be known when the step is traced (a Python bool); '
+                f'got the tensor {training!r}. The pipeline builds its backward only in '
+                'training.')
+        return bool(value)
+    return bool(training)
+
+
+def _DistinctDevices(mesh: list[list[str]]) -> set[str]:
+    """The devices of `mesh`, each spelled one way ('/device:CPU:1' is the local
+    '/job:localhost/replica:0/task:0/device:CPU:1'); '' (no device scope) stays ''."""
+    distinct = set()
+    for device in (d for row in mesh for d in row):
+        spec = tf.DeviceSpec.from_string(device)
+        if spec.device_type is None:
+            distinct.add(device)
+            continue
+        if spec.job is None:
+            spec = spec.replace(job='localhost', replica=0, task=0)
+        distinct.add(spec.to_string())
+    return distinct
