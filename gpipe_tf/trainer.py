@@ -8,8 +8,10 @@ Modes: `train`, `eval` (the latest checkpoint on `task.train.eval_dataset`), `tr
 `inspect_params` (prints the Params text and writes `<logdir>/params.txt`), `inspect_model`
 (from Params alone, building nothing: the partition table, per cell its layers, device, FLOPs,
 parameters and estimated activation memory, then the memory plan per device; with `--plot_dir`
-also the plan pictures as PNGs), and `decode` (classify image files / translate sentences, given
-with `--decode_input` or in a file with `--decode_input_file`).
+also the plan pictures as PNGs), `decode` (classify image files / translate sentences, given
+with `--decode_input` or in a file with `--decode_input_file`), and `export` (the latest
+checkpoint as a SavedModel in `<logdir>/export/<step>`, TensorFlow Serving's layout; see
+`gpipe_tf.train.export`).
 Restarting with the same `--logdir` resumes from the newest checkpoint that restores (a damaged
 one is skipped with a warning); a second trainer on the same logdir is refused while the first
 runs. A user's mistake is one line `error: ...` on stderr and exit status 2.
@@ -33,7 +35,8 @@ from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import schedule as schedule_lib
 from gpipe_tf.train import partition_change
 
-MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model', 'decode')
+MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model', 'decode',
+         'export')
 
 
 def DefineFlags(flag_values: flags.FlagValues) -> None:
@@ -708,6 +711,41 @@ def RunDecode(config: Config, p, plan, logdir, lines: list[str]) -> list[str]:
     return results
 
 
+def CheckExport(config: Config, p) -> None:
+    """Checks an export request before any device is set up or model built.
+
+    Raises:
+      errors.UserError: for a TPU or the v1 graph path (a SavedModel is saved from TF2
+        functions), or a task that cannot be exported.
+    """
+    from gpipe_tf.tasks import classifier  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.tasks import sequence  # pylint: disable=g-import-not-at-top
+    if TpuAddress(config) is not None:
+        raise errors.UserError('export runs on this machine\'s devices, not on a TPU: drop --tpu '
+                               'and --run_locally=tpu.')
+    if _GraphMode(config) == 'v1':
+        raise errors.UserError('export saves TF2 functions: drop --graph_mode=v1 and '
+                               '--cluster_spec (export on one machine).')
+    exportable = (issubclass(p.cls, classifier.ClassifierTask) or
+                  (issubclass(p.cls, sequence.SequenceTask) and p.translation))
+    if not exportable:
+        raise errors.UserError(f'export: {config.model} cannot be exported; export serves image '
+                               'classifiers and translation models.')
+
+
+def RunExport(config: Config, p, plan, logdir) -> str:
+    """Exports the newest checkpoint to `<logdir>/export/<step>`; prints the path."""
+    from gpipe_tf.train import export  # pylint: disable=g-import-not-at-top
+    prog, step = _RestoredProgram(config, p, plan, logdir)
+    try:
+        path = export.Export(prog.task, p,
+                             export.VersionDir(os.path.join(logdir, 'export'), step))
+    except FileExistsError as error:
+        raise errors.UserError(str(error)) from None
+    print(f'exported step {step} to {path}', flush=True)
+    return path
+
+
 def CheckPlan(p):
     """The plan of task Params `p`'s pipeline, not yet placed (None for a model that is not
     one): making it checks, before anything is built or written, K against the layers (and the
@@ -766,6 +804,8 @@ def main(config: Config) -> None:
     if config.mode in ('train', 'train_and_eval', 'eval'):
         CheckDataDir(p)
     lines = DecodeRequest(config, p) if config.mode == 'decode' else None
+    if config.mode == 'export':
+        CheckExport(config, p)
     _SetUpDevices(config, p, plan, plan_only=config.mode == 'inspect_model')
     if plan is not None and (config.mode == 'inspect_model' or TpuAddress(config) is None):
         # On the devices just set up (no second partition). A TPU's strategy places the cells
@@ -788,6 +828,8 @@ def main(config: Config) -> None:
                      resume_note=partition_change.Describe(previous, p.ToText()))
     elif config.mode == 'eval':
         RunEval(config, p, plan, logdir)
+    elif config.mode == 'export':
+        RunExport(config, p, plan, logdir)
     else:
         RunDecode(config, p, plan, logdir, lines)
 

@@ -55,7 +55,9 @@ class SequenceTask(base_task.BaseTask):
         return NestedMap(loss=(loss, num_tokens), accuracy=(accuracy, num_tokens),
                          num_tokens=(num_tokens, tf.constant(1.0)))
 
-    def _Predictions(self, src_ids, src_paddings, tgt_ids):
+    def Predictions(self, src_ids, src_paddings, tgt_ids):
+        """Arg-max target tokens [B, T] int32 for every target position in inference mode (the
+        decoder is causal: position t sees tgt_ids up to t)."""
         zeros = tf.zeros(tf.shape(tgt_ids), tf.float32)
         with fprop_context.Scope(training=False):
             outputs = self.model(NestedMap(
@@ -71,7 +73,7 @@ class SequenceTask(base_task.BaseTask):
         if not self.p.translation:
             raise ValueError(f'{self.path}: Decode translates; this task is a language model.')
         if self._decode_step is None:
-            self._decode_step = tf.function(self._Predictions, autograph=False)
+            self._decode_step = tf.function(self.Predictions, autograph=False)
         src_ids = tf.convert_to_tensor(src_ids, tf.int32)
         src_paddings = tf.convert_to_tensor(src_paddings, tf.float32)
         batch_size, length = src_ids.shape
