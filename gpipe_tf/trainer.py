@@ -123,6 +123,9 @@ def DefineFlags(flag_values: flags.FlagValues) -> None:
                         'one sentence per line.', flag_values=flag_values)
     flags.DEFINE_string('target_language', None, 'decode mode, translation: language to '
                         'translate into (e.g. de).', flag_values=flag_values)
+    flags.DEFINE_bool('export_on_one_device', False, 'export mode: every cell on the first '
+                      'device (a server with one accelerator); by default each cell keeps its '
+                      'own device.', flag_values=flag_values)
     flags.DEFINE_bool('verbose', default=False,
                       help='Show TensorFlow\'s own log lines and, for an error, its traceback.',
                       flag_values=flag_values)
@@ -165,6 +168,7 @@ class Config:
     decode_input: tuple[str, ...]
     decode_input_file: str | None
     target_language: str | None
+    export_on_one_device: bool
     verbose: bool
 
     @classmethod
@@ -736,6 +740,9 @@ def CheckExport(config: Config, p) -> None:
 def RunExport(config: Config, p, plan, logdir) -> str:
     """Exports the newest checkpoint to `<logdir>/export/<step>`; prints the path."""
     from gpipe_tf.train import export  # pylint: disable=g-import-not-at-top
+    if config.export_on_one_device:
+        p = p.Copy()
+        p.model.devices = [plan.mesh[0][0]] * (plan.num_devices * p.model.num_replicas)
     prog, step = _RestoredProgram(config, p, plan, logdir)
     try:
         path = export.Export(prog.task, p,

@@ -12,6 +12,7 @@ import textwrap
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.protobuf import saved_model_pb2
 
 from gpipe_tf import model_registry
 from gpipe_tf import test_utils
@@ -43,6 +44,19 @@ _LOADER = textwrap.dedent('''
     print(json.dumps({k: [x.decode('utf-8') for x in v.numpy().ravel()] if v.dtype == tf.string
                       else v.numpy().tolist() for k, v in outputs.items()}))
 ''')
+
+
+def DeviceIndices(export_dir) -> set:
+    """The device indices the SavedModel's ops name (its graph and every function's; the
+    saver's '/device:CPU:*' names none)."""
+    model = saved_model_pb2.SavedModel()
+    with open(os.path.join(export_dir, 'saved_model.pb'), 'rb') as f:
+        model.ParseFromString(f.read())
+    nodes = [n for g in model.meta_graphs for n in g.graph_def.node]
+    nodes += [n for g in model.meta_graphs for f in g.graph_def.library.function
+              for n in f.node_def]
+    indices = {tf.DeviceSpec.from_string(n.device).device_index for n in nodes if n.device}
+    return indices - {None}
 
 
 def Serve(export_dir, signature, inputs, num_devices=len(DEVICES)):
@@ -189,6 +203,17 @@ class TrainerExportTest(ExportTestCase):
         self.assertRegex(run.stdout, r'Result for output key probabilities:')
         self._AssertFails('export: .*export/2 exists; a version is never overwritten',
                           '--mode=export')
+        self.assertEqual(DeviceIndices(path), {0, 1, 2, 3})  # PipelinedMLP's K=4 cells.
+
+    def testOnOneDeviceEveryOpIsOnTheFirstDevice(self):
+        self._Trainer('--max_steps=1')
+        self._Trainer('--mode=export', '--export_on_one_device')
+        path = os.path.join(self.base, 'export', '1')
+        self.assertEqual(DeviceIndices(path), {0})
+        size = model_registry.GetParams('examples.PipelinedMLP', 'Test').input.image_size
+        images = np.random.RandomState(2).rand(5, size, size, 1).astype(np.float32)
+        served = Serve(path, 'predict', {'images': images}, num_devices=1)
+        self.assertEqual(served['probabilities'].shape, (5, 10))
 
     def testTheV1GraphPathIsRefused(self):
         self._AssertFails('export saves TF2 functions', '--mode=export', '--graph_mode=v1')
