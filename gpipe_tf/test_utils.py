@@ -8,6 +8,7 @@ import glob
 import io
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -124,6 +125,18 @@ def Ancestors(op) -> set:
                 seen.add(parent)
                 stack.append(parent)
     return seen
+
+
+_CELL_SCOPE = re.compile(r'^cell_(\d+)_(?:mb_\d+_)?(fwd|bwd|grad_sum|stats|update|theta)(_\d+)?$')
+
+
+def CellScope(name: str) -> tuple:
+    """(cell index, part) of an op from its `cell_<k>_<part>` name scope, or (None, None)."""
+    for part in name.split('/'):
+        match = _CELL_SCOPE.match(part)
+        if match:
+            return int(match.group(1)), match.group(2)
+    return None, None
 
 
 def SquareLoss(outputs) -> tf.Tensor:

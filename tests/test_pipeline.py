@@ -122,7 +122,8 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
         graph = tf.function(layer).get_concrete_function(x).graph
         forward_calls = [op for op in graph.get_operations()
-                         if CellScope(op.name) == (0, 'fwd') and op.type.endswith('PartitionedCall')]
+                         if test_utils.CellScope(op.name) == (0, 'fwd')
+                         and op.type.endswith('PartitionedCall')]
         self.assertLen(forward_calls, BATCH // 4)
 
     def testDevicesMayBeAFunctionOfTheStage(self):
@@ -306,7 +307,7 @@ class PlacementTest(tf.test.TestCase, parameterized.TestCase):
         calls = {(k, kind): 0 for k in range(k_cells) for kind in ('fwd', 'bwd')}
         checked = 0
         for op in graph.get_operations():
-            k, kind = CellScope(op.name)
+            k, kind = test_utils.CellScope(op.name)
             if k is None:
                 continue
             self.assertEqual(tf.DeviceSpec.from_string(op.device), devices[k],
@@ -352,21 +353,9 @@ class PlacementTest(tf.test.TestCase, parameterized.TestCase):
         self.assertGreater(ran, 0)
 
 
-_CELL_SCOPE = re.compile(r'^cell_(\d+)_(?:mb_\d+_)?(fwd|bwd|grad_sum|stats|update|theta)(_\d+)?$')
-
-
-def CellScope(name):
-    """(cell index, part) of an op from its `cell_<k>_<part>` name scope, or (None, None)."""
-    for part in name.split('/'):
-        match = _CELL_SCOPE.match(part)
-        if match:
-            return int(match.group(1)), match.group(2)
-    return None, None
-
-
 def CellOf(name):
     """The cell index an op belongs to, or None."""
-    return CellScope(name)[0]
+    return test_utils.CellScope(name)[0]
 
 
 def FunctionNodes(library, name, seen=None):
