@@ -175,6 +175,57 @@ class MultiHeadAttentionLayer(BaseLayer):
         context = tf.einsum('bhts,bshk->bthk', probs, v)
         return self._Project(theta, 'o', context, heads=False)
 
+    # ---- incremental decoding (inference) -------------------------------------------------------
+    def KeyValueCache(self, theta, key_value) -> NestedMap:
+        """The projected keys and values of `key_value` [B, S, D]: NestedMap(key, value), each
+        [B, S, H, d]. A cross-attention's cache, computed once per source."""
+        return NestedMap(key=self._Project(theta, 'k', key_value),
+                         value=self._Project(theta, 'v', key_value))
+
+    def EmptyCache(self, batch_size: int, length: int, dtype) -> NestedMap:
+        """A self-attention's cache for `length` positions, none decoded yet."""
+        shape = [batch_size, length, self.p.num_heads, self.DimPerHead(self.p)]
+        return NestedMap(key=tf.zeros(shape, dtype), value=tf.zeros(shape, dtype))
+
+    def ExtendStep(self, theta, query, cache: NestedMap, t, paddings=None,
+                   self_attention: bool = True):
+        """Attention of one query position `t` (inference: no dropout), as FProp computes it
+        for that position.
+
+        Args:
+          theta: this layer's variable values.
+          query: [B, 1, D], position t's.
+          cache: NestedMap(key, value) [B, L, H, d]: for self-attention the positions before t
+            (`EmptyCache`, then each step's return); for cross-attention `KeyValueCache`.
+          t: the position (scalar int tensor).
+          paddings: [B, L] float, 1.0 at keys never attended to; or None.
+          self_attention: whether position t's own key and value join the cache (and, with
+            `causal`, positions after t are masked).
+
+        Returns:
+          (output [B, 1, D], the cache with position t's key and value when self_attention).
+        """
+        p = self.p
+        q = self._Project(theta, 'q', query) * (self.DimPerHead(p) ** -0.5)
+        length = cache.key.shape[1] if cache.key.shape[1] is not None else tf.shape(cache.key)[1]
+        if self_attention:
+            at_t = tf.reshape(tf.one_hot(t, length, dtype=query.dtype), [1, -1, 1, 1])
+            cache = NestedMap(
+                key=cache.key * (1 - at_t) + self._Project(theta, 'k', query) * at_t,
+                value=cache.value * (1 - at_t) + self._Project(theta, 'v', query) * at_t)
+        logits = tf.einsum('bthk,bshk->bhts', q, cache.key)
+        invalid = None
+        if paddings is not None:
+            invalid = (paddings > 0.5)[:, tf.newaxis, tf.newaxis, :]
+        if self_attention and p.causal:
+            later = (tf.range(length) > t)[tf.newaxis, tf.newaxis, tf.newaxis, :]
+            invalid = later if invalid is None else tf.logical_or(invalid, later)
+        if invalid is not None:
+            logits = tf.where(invalid, tf.constant(-0.7 * logits.dtype.max, logits.dtype), logits)
+        probs = tf.nn.softmax(logits, axis=-1)
+        context = tf.einsum('bhts,bshk->bthk', probs, cache.value)
+        return self._Project(theta, 'o', context, heads=False), cache
+
     @classmethod
     def FPropMeta(cls, p, query_shape, key_value_shape=None, paddings_shape=None):
         layer = p.name or cls.__name__
@@ -373,6 +424,42 @@ class TransformerLayer(BaseLayer):
         outputs = inputs.copy()
         outputs.vec = x
         return outputs
+
+    def DecodeCache(self, theta, batch_size: int, length: int, encoder_vec=None) -> NestedMap:
+        """The state `ExtendStep` starts from: an empty self-attention cache of `length`
+        positions and, with cross-attention, the encoder's projected keys and values."""
+        cache = NestedMap(self_atten=self.self_atten.EmptyCache(
+            batch_size, length, self.p.dtype if encoder_vec is None else encoder_vec.dtype))
+        if self.p.has_cross_attention:
+            cache.cross_atten = self.cross_atten.KeyValueCache(theta.cross_atten, encoder_vec)
+        return cache
+
+    def ExtendStep(self, theta, vec, cache: NestedMap, t, encoder_paddings=None):
+        """The block at one target position `t` in inference (incremental decoding): what
+        FProp gives at position t of a causal block, from the positions before it (`cache`).
+
+        Args:
+          vec: [B, 1, D], position t's input.
+          cache: `DecodeCache`, then each step's returned cache.
+          t: the position (scalar int tensor).
+          encoder_paddings: [B, S], with cross-attention.
+
+        Returns:
+          (vec [B, 1, D], the cache with position t).
+        """
+        x = vec
+        y = self.self_atten_ln.FProp(theta.self_atten_ln, x)
+        y, self_cache = self.self_atten.ExtendStep(theta.self_atten, y, cache.self_atten, t)
+        x = x + y
+        cache = NestedMap(cache, self_atten=self_cache)
+        if self.p.has_cross_attention:
+            y = self.cross_atten_ln.FProp(theta.cross_atten_ln, x)
+            y, _ = self.cross_atten.ExtendStep(theta.cross_atten, y, cache.cross_atten, t,
+                                               encoder_paddings, self_attention=False)
+            x = x + y
+        y = self.ffn_ln.FProp(theta.ffn_ln, x)
+        y = self.ffn_out.FProp(theta.ffn_out, self.ffn_in.FProp(theta.ffn_in, y))
+        return x + y, cache
 
     @classmethod
     def FPropMeta(cls, p, input_shapes) -> LayerMeta:

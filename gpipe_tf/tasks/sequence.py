@@ -3,8 +3,11 @@ translation (encoder-decoder, one model for many language pairs) and language mo
 
 Metrics are per target token: `loss` (label-smoothed cross-entropy, what is minimised),
 `accuracy` (arg-max token equals the label); `num_tokens` counts the real tokens.
-`Decode` translates greedily: the model is run once per target position on the growing prefix
-(the decoder is causal, so positions after t do not change position t's prediction).
+`Decode` translates greedily and incrementally (`models/transformer/decoding.py`: the source
+encoded once, each decoder layer caching its keys and values, O(T) work per sentence);
+`DecodeByFullForward` is the reference it equals, the whole model run once per target position on
+the growing prefix (the decoder is causal, so positions after t do not change position t's
+prediction; O(T^2) work).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from gpipe_tf.layers import fprop_context
+from gpipe_tf.models.transformer import decoding
 from gpipe_tf.models.transformer import network as transformer_model
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.tasks import base_task
@@ -32,6 +36,8 @@ class SequenceTask(base_task.BaseTask):
     def __init__(self, params):
         super().__init__(params)
         self._decode_step = None
+        self._decoder = None  # The IncrementalDecoder, made on first use.
+        self._greedy = {}  # Traced Decode functions by max_steps.
 
     def _Keys(self):
         if self.p.translation:
@@ -65,10 +71,34 @@ class SequenceTask(base_task.BaseTask):
                 tgt_paddings=zeros, tgt_labels=tf.zeros_like(tgt_ids), tgt_weights=zeros))
         return tf.cast(outputs.predictions, tf.int32)
 
+    def GreedyIds(self, src_ids, src_paddings, max_steps: int | None = None) -> tf.Tensor:
+        """Greedy target ids [B, T] int32 by incremental decoding (graph code: for a
+        tf.function or an exported model); see `Decode`."""
+        if self._decoder is None:
+            self._decoder = decoding.IncrementalDecoder(self.model)
+        return self._decoder.Greedy(self.model.theta, src_ids, src_paddings, self.p.bos_id,
+                                    self.p.eos_id, max_steps)
+
     def Decode(self, src_ids, src_paddings, max_steps: int | None = None) -> np.ndarray:
         """Greedy translations [B, T] (numpy int32) of source batches `src_ids`/`src_paddings`
         ([B, T], B the model's batch size): each row holds the predicted target tokens up to and
-        including the first `eos_id`, then 0. Runs eagerly: one traced forward per position.
+        including the first `eos_id`, then 0. One traced function: the source encoded once, then
+        one position's work per target token (`GreedyIds`).
+        """
+        if not self.p.translation:
+            raise ValueError(f'{self.path}: Decode translates; this task is a language model.')
+        key = str(max_steps)  # (A tf.Module's dict attribute needs string keys to be saved.)
+        if key not in self._greedy:
+            self._greedy[key] = tf.function(
+                lambda ids, paddings: self.GreedyIds(ids, paddings, max_steps), autograph=False)
+        return self._greedy[key](tf.convert_to_tensor(src_ids, tf.int32),
+                                 tf.convert_to_tensor(src_paddings, tf.float32)).numpy()
+
+    def DecodeByFullForward(self, src_ids, src_paddings,
+                            max_steps: int | None = None) -> np.ndarray:
+        """`Decode`'s result the slow way, the reference it is tested against: the whole model
+        run once per target position on the growing prefix. Runs eagerly: one traced forward
+        per position.
         """
         if not self.p.translation:
             raise ValueError(f'{self.path}: Decode translates; this task is a language model.')

@@ -11,7 +11,8 @@ raw input to readable output, so that loading needs TensorFlow alone (not gpipe_
     predict(images: float32 [N, size, size, channels], model-ready) -> the same outputs.
   translation
     serving_default(sentences: string [N], target_language: string [])
-        -> translations [N] string, ids [N, T] int32 (greedy, as `--mode=decode`).
+        -> translations [N] string, ids [N, T] int32 (greedy and incremental, as
+        `--mode=decode`).
 
 N is any number: the functions run the model on batches of its training batch size (the
 pipeline splits each into M micro-batches), the last one padded. The pipeline stays pipelined:
@@ -114,7 +115,8 @@ class ClassifierServable(tf.Module):
 
     def __init__(self, task, task_params):
         super().__init__(name='classifier')
-        self._task = task
+        # A bound method, which the SavedModel does not track: only the variables are saved.
+        self._predict = task.Predict
         # Tracked, so the SavedModel holds them; the functions read them.
         self.model_variables = list(task.variables)
         data = task_params.input
@@ -147,7 +149,7 @@ class ClassifierServable(tf.Module):
         return {'probabilities': probabilities, 'classes': classes, 'labels': labels}
 
     def _Predict(self, images):
-        probabilities = Batched(self._task.Predict, images, self._batch_size,
+        probabilities = Batched(self._predict, images, self._batch_size,
                                 tf.TensorSpec([self._batch_size, None], tf.float32))
         return self._Outputs(probabilities)
 
@@ -161,7 +163,7 @@ class TranslationServable(tf.Module):
 
     def __init__(self, task, task_params):
         super().__init__(name='translation')
-        self._task = task
+        self._greedy_ids = task.GreedyIds  # (See ClassifierServable.)
         self.model_variables = list(task.variables)
         data = task_params.input.Instantiate()
         vocab = data.vocab
@@ -169,7 +171,6 @@ class TranslationServable(tf.Module):
         self._tokens = list(vocab.tokens)
         self._max_length = task_params.input.max_length
         self._batch_size = task_params.input.batch_size
-        self._bos, self._eos = task.p.bos_id, task.p.eos_id
         chars = [t for t in self._tokens if len(t) == 1]
         self._char_table = tf.lookup.StaticHashTable(
             tf.lookup.KeyValueTensorInitializer(
@@ -212,29 +213,6 @@ class TranslationServable(tf.Module):
         real = tf.sequence_mask(ids.row_lengths(), self._max_length)
         return src_ids, 1.0 - tf.cast(real, tf.float32)
 
-    def _Greedy(self, src_ids, src_paddings):
-        """Greedy target ids [B, T], as `SequenceTask.Decode`: each row the predicted tokens up
-        to and including the first </s>, then 0."""
-        batch, length = src_ids.shape
-        tgt_ids = tf.tensor_scatter_nd_update(tf.zeros([batch, length], tf.int32),
-                                              [[b, 0] for b in range(batch)],
-                                              tf.fill([batch], self._bos))
-
-        def Body(t, tgt_ids, decoded, done):
-            predictions = self._task.Predictions(src_ids, src_paddings, tgt_ids)
-            token = tf.where(done, 0, tf.gather(predictions, t, axis=1))
-            decoded += tf.one_hot(t, length, dtype=tf.int32)[tf.newaxis] * token[:, tf.newaxis]
-            # (one_hot of t + 1 = length is all zeros: nothing follows the last position.)
-            tgt_ids += tf.one_hot(t + 1, length, dtype=tf.int32)[tf.newaxis] * token[:, None]
-            return t + 1, tgt_ids, decoded, done | tf.equal(token, self._eos)
-
-        _, _, decoded, _ = tf.while_loop(
-            lambda t, _, __, done: tf.logical_and(t < length,
-                                                  tf.logical_not(tf.reduce_all(done))),
-            Body, (tf.constant(0), tgt_ids, tf.zeros([batch, length], tf.int32),
-                   tf.zeros([batch], tf.bool)))
-        return decoded
-
     def _Text(self, ids):
         """Strings of target ids [N, T], as `CharVocabulary.Decode`: up to the first </s>,
         <pad> and <s> left out, ids beyond the vocabulary read as <unk>."""
@@ -248,7 +226,7 @@ class TranslationServable(tf.Module):
 
     def _Translate(self, sentences, target_language):
         src_ids, src_paddings = self._Encode(sentences, target_language)
-        ids = Batched(self._Greedy, (src_ids, src_paddings), self._batch_size,
+        ids = Batched(self._greedy_ids, (src_ids, src_paddings), self._batch_size,
                       tf.TensorSpec([self._batch_size, self._max_length], tf.int32))
         return {'translations': self._Text(ids), 'ids': ids}
 

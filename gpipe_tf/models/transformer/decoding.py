@@ -1,0 +1,146 @@
+"""Incremental decoding of the encoder-decoder Transformer: O(T) work per sentence.
+
+Greedy decoding by the full forward re-runs the whole model for every target position (O(T^2)
+work; `SequenceTask.Decode`'s old way). Here the source is encoded once, and each decoder layer
+keeps the keys and values of the positions already decoded (`TransformerLayer.ExtendStep`), so
+each new token costs one position's work: the target token's embedding, one query through each
+decoder layer, one row of logits. Each layer runs on its own cell's device, the whole batch at
+a time (the cells take turns: decoding is sequential in the positions, so there is nothing for
+micro-batches to overlap within one step).
+
+What a step computes equals the full forward's value at that position (the decoder is causal):
+`tests/test_decoding.py` checks the tokens against the full forward's greedy decoding.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from gpipe_tf.layers import attention
+from gpipe_tf.layers import fprop_context
+from gpipe_tf.nested_map import NestedMap
+
+
+class IncrementalDecoder:
+    """Encodes a source batch once, then decodes its targets one position at a time.
+
+    Args:
+      model: the translation PipeliningLayer (`network.MtLayers`: embedding, encoder layers,
+        hand_off, decoder layers, softmax).
+
+    Raises:
+      ValueError: for a model of other layers (a language model, say).
+    """
+
+    def __init__(self, model):
+        self._model = model
+        layers = model.Layers()
+        names = [layer.p.name for layer in layers]
+        first = layers[0].p
+        if 'hand_off' not in names or not ('translation' in first and first.translation):
+            raise ValueError(f'{model.path}: incremental decoding needs an encoder-decoder '
+                             f'Transformer (embedding, encoders, hand_off, decoders, softmax); '
+                             f'got layers {names}.')
+        hand_off = names.index('hand_off')
+        self._embedding = layers[0]
+        self._encoder = layers[1:hand_off + 1]  # With the hand-off (the encoder's final LN).
+        self._decoder = layers[hand_off + 1:-1]
+        self._softmax = layers[-1]
+        for layer in self._decoder:
+            if not isinstance(layer, attention.TransformerLayer):
+                raise ValueError(f'{model.path}: decoder layer {layer.p.name} is a '
+                                 f'{type(layer).__name__}, not a TransformerLayer.')
+        self._device = {}
+        for cell_params, device in zip(model.plan.cells, model.devices):
+            for layer_params in cell_params:
+                self._device[layer_params.name] = device
+        for layer in layers:
+            self._device.setdefault(layer.p.name, model.devices[0])  # before_tpl layers.
+
+    def _On(self, layer):
+        return tf.device(self._device[layer.p.name])
+
+    def Encode(self, theta, src_ids, src_paddings) -> NestedMap:
+        """The encoder's output for a source batch: NestedMap(encoder_vec [B, S, D],
+        encoder_paddings [B, S])."""
+        zeros = tf.zeros_like(src_ids)
+        inputs = NestedMap(src_ids=src_ids, src_paddings=src_paddings, tgt_ids=zeros,
+                           tgt_paddings=tf.zeros_like(src_paddings), tgt_labels=zeros,
+                           tgt_weights=tf.zeros_like(src_paddings))
+        with fprop_context.Scope(training=False):
+            with self._On(self._embedding):
+                x = self._embedding.FProp(theta[self._embedding.p.name], inputs)
+            for layer in self._encoder:
+                with self._On(layer):
+                    x = layer.FProp(theta[layer.p.name], x)
+        return NestedMap(encoder_vec=x.encoder_vec, encoder_paddings=x.encoder_paddings)
+
+    def InitialCaches(self, theta, encoded: NestedMap, length: int) -> list:
+        """Per decoder layer, its state before position 0."""
+        batch = encoded.encoder_vec.shape[0]
+        caches = []
+        for layer in self._decoder:
+            with self._On(layer):
+                caches.append(layer.DecodeCache(theta[layer.p.name], batch, length,
+                                                encoded.encoder_vec))
+        return caches
+
+    def _EmbedTarget(self, theta, ids, t, length: int):
+        """Position t's target embedding [B, 1, D] for `ids` [B], as the embedding layer's
+        FProp gives it at t."""
+        from gpipe_tf.models.transformer import network  # pylint: disable=g-import-not-at-top
+        layer = self._embedding
+        p, theta = layer.p, theta[layer.p.name]
+        vec = layer.token_emb.FProp(NestedMap(emb=theta.token_emb.emb), ids[:, tf.newaxis])
+        if p.position_embedding == 'learned':
+            position = layer.position_emb.FProp(NestedMap(emb=theta.position_emb.emb),
+                                                tf.reshape(t, [1]))
+        else:
+            position = network.SinusoidalPositions(length, p.model_dim, vec.dtype)[t][None]
+        return vec + position[tf.newaxis]
+
+    def Step(self, theta, ids, t, caches: list, encoded: NestedMap, length: int):
+        """Logits [B, V] of position t from its input tokens `ids` [B] (the previous position's
+        output, or <s>), and the caches with position t."""
+        with fprop_context.Scope(training=False):
+            with self._On(self._embedding):
+                x = self._EmbedTarget(theta, ids, t, length)
+            new_caches = []
+            for layer, cache in zip(self._decoder, caches):
+                with self._On(layer):
+                    x, cache = layer.ExtendStep(theta[layer.p.name], x, cache, t,
+                                                encoded.encoder_paddings)
+                new_caches.append(cache)
+            softmax = self._softmax
+            with self._On(softmax):
+                theta_s = theta[softmax.p.name]
+                features = softmax.final_ln.FProp(theta_s.final_ln, x)
+                zeros = tf.zeros(tf.shape(ids)[:1], tf.int32)[:, tf.newaxis]
+                out = softmax.softmax.FProp(theta_s.softmax, NestedMap(
+                    features=features, labels=zeros, weights=tf.ones_like(features[..., 0])))
+        return out.logits[:, 0], new_caches
+
+    def Greedy(self, theta, src_ids, src_paddings, bos_id: int, eos_id: int,
+               max_steps: int | None = None):
+        """Greedy target ids [B, T] (T the source length): each row the arg-max tokens up to and
+        including the first `eos_id`, then 0; what `SequenceTask.Decode` gives."""
+        batch, length = src_ids.shape
+        steps = min(max_steps or length, length)
+        encoded = self.Encode(theta, src_ids, src_paddings)
+        caches = self.InitialCaches(theta, encoded, length)
+
+        def Body(t, ids, decoded, done, caches):
+            logits, caches = self.Step(theta, ids, t, caches, encoded, length)
+            token = tf.argmax(logits, axis=-1, output_type=tf.int32)
+            token = tf.where(done, 0, token)
+            decoded += tf.one_hot(t, length, dtype=tf.int32)[tf.newaxis] * token[:, tf.newaxis]
+            return t + 1, token, decoded, done | tf.equal(token, eos_id), caches
+
+        def Continue(t, unused_ids, unused_decoded, done, unused_caches):
+            return tf.logical_and(t < steps, tf.logical_not(tf.reduce_all(done)))
+
+        _, _, decoded, _, _ = tf.while_loop(
+            Continue, Body, (tf.constant(0), tf.fill([batch], tf.cast(bos_id, tf.int32)),
+                             tf.zeros([batch, length], tf.int32), tf.zeros([batch], tf.bool),
+                             caches))
+        return decoded

@@ -1,0 +1,94 @@
+"""Incremental decoding (models/transformer/decoding.py, TransformerLayer.ExtendStep): each step
+gives what the full forward gives at that position, and greedy decoding's tokens equal the full
+forward's, token for token."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gpipe_tf import model_registry
+from gpipe_tf import test_utils
+from gpipe_tf.layers import attention
+from gpipe_tf.layers import fprop_context
+from gpipe_tf.models.transformer import decoding
+from gpipe_tf.nested_map import NestedMap
+
+DEVICES = test_utils.ConfigureVirtualCpus()
+MT = 'mt.multilingual.TransformerTiny'
+
+
+@pytest.mark.unit
+class ExtendStepTest(tf.test.TestCase):
+    """A causal decoder block, position by position, against its FProp on the whole sequence."""
+
+    def testEachPositionEqualsTheFullForward(self):
+        batch, length, source, dim = 3, 5, 4, 8
+        layer = attention.TransformerLayer.Params().Set(
+            name='decoder', model_dim=dim, hidden_dim=16, num_heads=2, causal=True,
+            has_cross_attention=True).Instantiate()
+        rng = np.random.RandomState(0)
+        vec = tf.constant(rng.randn(batch, length, dim), tf.float32)
+        encoder_vec = tf.constant(rng.randn(batch, source, dim), tf.float32)
+        encoder_paddings = tf.constant([[0, 0, 0, 0], [0, 0, 1, 1], [0, 1, 1, 1]], tf.float32)
+        with fprop_context.Scope(training=False):
+            full = layer.FProp(layer.theta, NestedMap(
+                vec=vec, paddings=tf.zeros([batch, length]), encoder_vec=encoder_vec,
+                encoder_paddings=encoder_paddings)).vec
+            cache = layer.DecodeCache(layer.theta, batch, length, encoder_vec)
+            steps = []
+            for t in range(length):
+                y, cache = layer.ExtendStep(layer.theta, vec[:, t:t + 1], cache,
+                                            tf.constant(t), encoder_paddings)
+                steps.append(y)
+        self.assertAllClose(tf.concat(steps, 1), full, rtol=1e-6, atol=1e-6)
+        # The cache holds every position's key, as the full forward projects them.
+        keys = layer.self_atten.KeyValueCache(
+            layer.theta.self_atten, layer.self_atten_ln.FProp(layer.theta.self_atten_ln, vec))
+        self.assertAllClose(cache.self_atten.key, keys.key, rtol=1e-6, atol=1e-6)
+
+
+class GreedyTest(tf.test.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        p = model_registry.GetParams(MT, 'Test')
+        p.input.batch_size = 4
+        p.model.num_micro_batches = 2
+        cls.task = p.Instantiate()
+        batch = next(iter(p.input.Instantiate().EvalDataset()))
+        cls.src_ids, cls.src_paddings = batch['src_ids'], batch['src_paddings']
+
+    def testTokensEqualTheFullForwardsGreedyDecoding(self):
+        for max_steps in (None, 3):
+            want = self.task.DecodeByFullForward(self.src_ids, self.src_paddings, max_steps)
+            got = self.task.Decode(self.src_ids, self.src_paddings, max_steps)
+            self.assertAllEqual(got, want)
+        self.assertGreater(len(set(want[0].tolist())), 1)  # Not one token throughout.
+
+    def testTheStepsRunOnTheCellsDevices(self):
+        graph = tf.function(lambda s, q: self.task.GreedyIds(s, q), autograph=False
+                            ).get_concrete_function(self.src_ids, self.src_paddings).graph
+        body = [f for f in graph.as_graph_def().library.function
+                if 'while_body' in f.signature.name]
+        self.assertLen(body, 1)
+        matmuls = [node for node in body[0].node_def
+                   if node.op in ('MatMul', 'BatchMatMulV2', 'Einsum')]
+        self.assertNotEmpty(matmuls)
+        model = self.task.model
+        decoder_cells = {k for k, cell in enumerate(model.plan.cells)
+                         if any(lp.name.startswith('decoder_') or lp.name == 'softmax'
+                                for lp in cell)}
+        want = {tf.DeviceSpec.from_string(model.devices[k]).device_index for k in decoder_cells}
+        got = {tf.DeviceSpec.from_string(node.device).device_index for node in matmuls}
+        self.assertEqual(got, want)
+        self.assertGreater(len(want), 1)
+
+    def testALanguageModelIsRefused(self):
+        p = model_registry.GetParams('lm.TransformerLTiny', 'Test')
+        with self.assertRaisesRegex(ValueError, 'encoder-decoder'):
+            decoding.IncrementalDecoder(p.Instantiate().model)
+
+
+if __name__ == '__main__':
+    tf.test.main()
