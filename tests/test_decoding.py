@@ -84,6 +84,50 @@ class GreedyTest(tf.test.TestCase):
         self.assertEqual(got, want)
         self.assertGreater(len(want), 1)
 
+    def testBeamOfOneIsGreedyAndItsScoreIsTheTokensLogProbability(self):
+        greedy = self.task.Decode(self.src_ids, self.src_paddings)
+        self.assertAllEqual(self.task.Decode(self.src_ids, self.src_paddings, beam_size=1),
+                            greedy)
+        ids, scores = tf.function(
+            lambda s, q: self.task.BeamIds(s, q, beam_size=1), autograph=False)(
+                self.src_ids, self.src_paddings)
+        self.assertAllEqual(ids, greedy)
+        self.assertAllClose(scores, self._LogProbability(ids), rtol=1e-4)
+
+    def testWiderBeamsFindHypothesesAtLeastAsLikelyByTheirRanking(self):
+        p = self.task.p
+        for beam in (2, 4):
+            ids, scores = tf.function(
+                lambda s, q, beam=beam: self.task.BeamIds(s, q, beam_size=beam),
+                autograph=False)(self.src_ids, self.src_paddings)
+            ids = ids.numpy()
+            # The score is the hypothesis' log-probability under the model.
+            self.assertAllClose(scores, self._LogProbability(ids), rtol=1e-4)
+            for row in ids:  # Laid out as greedy's: ends at its first </s>, then 0.
+                eos = np.flatnonzero(row == p.eos_id)
+                if eos.size:
+                    self.assertAllEqual(row[eos[0] + 1:], 0)
+
+    def _LogProbability(self, ids):
+        """Per row, the sum of log P(token) over its tokens up to and including the first </s>,
+        position by position (each step equals the full forward: the greedy test)."""
+        ids = np.asarray(ids)
+        batch, length = ids.shape
+        tgt = np.concatenate([np.full([batch, 1], self.task.p.bos_id), ids[:, :-1]], 1)
+        decoder = decoding.IncrementalDecoder(self.task.model)
+        theta = self.task.model.theta
+        encoded = decoder.Encode(theta, self.src_ids, self.src_paddings)
+        caches = decoder.InitialCaches(theta, encoded, length)
+        total = np.zeros(batch)
+        alive = np.ones(batch, bool)
+        for t in range(length):
+            logits, caches = decoder.Step(theta, tf.constant(tgt[:, t], tf.int32),
+                                          tf.constant(t), caches, encoded, length)
+            log_probs = tf.nn.log_softmax(logits).numpy()
+            total += np.where(alive, log_probs[np.arange(batch), ids[:, t]], 0.0)
+            alive &= ids[:, t] != self.task.p.eos_id
+        return total
+
     def testALanguageModelIsRefused(self):
         p = model_registry.GetParams('lm.TransformerLTiny', 'Test')
         with self.assertRaisesRegex(ValueError, 'encoder-decoder'):

@@ -156,6 +156,10 @@ class TranslationExportTest(ExportTestCase):
         encoded = data.EncodeSources(self.SENTENCES[:2], self.language)
         self.assertAllEqual(served['ids'][:2],
                             self.task.Decode(encoded.src_ids, encoded.src_paddings))
+        _, scores = tf.function(lambda s, q: self.task.BeamIds(s, q, 1), autograph=False)(
+            encoded.src_ids, encoded.src_paddings)
+        self.assertAllClose(served['scores'][:2], scores, rtol=1e-5)
+        self.assertTrue(np.all(served['scores'] < 0))
 
     def testUnknownLanguageAndTooLongSentenceAreErrorsNamingThem(self):
         export_dir = export.Export(self.task, self.p, os.path.join(self.base, '8'))

@@ -31,6 +31,9 @@ class SequenceTask(base_task.BaseTask):
         p.Define('translation', True, 'Encoder-decoder translation; False: decoder-only LM.')
         p.Define('bos_id', 1, 'Token that starts every target (decoding feeds it first).')
         p.Define('eos_id', 2, 'Token that ends a target (decoding stops there).')
+        p.Define('beam_size', 1, 'Decoding: hypotheses kept per sentence; 1 decodes greedily.')
+        p.Define('length_alpha', 0.6, 'Beam search: log-probabilities are divided by '
+                 '((5 + length) / 6) ** length_alpha to rank hypotheses (GNMT, Lingvo).')
         return p
 
     def __init__(self, params):
@@ -79,18 +82,33 @@ class SequenceTask(base_task.BaseTask):
         return self._decoder.Greedy(self.model.theta, src_ids, src_paddings, self.p.bos_id,
                                     self.p.eos_id, max_steps)
 
-    def Decode(self, src_ids, src_paddings, max_steps: int | None = None) -> np.ndarray:
-        """Greedy translations [B, T] (numpy int32) of source batches `src_ids`/`src_paddings`
-        ([B, T], B the model's batch size): each row holds the predicted target tokens up to and
-        including the first `eos_id`, then 0. One traced function: the source encoded once, then
-        one position's work per target token (`GreedyIds`).
+    def BeamIds(self, src_ids, src_paddings, beam_size: int, max_steps: int | None = None):
+        """(ids [B, T] int32, log-probabilities [B]) of the best of `beam_size` hypotheses
+        (`IncrementalDecoder.Beam`, with the Params' length_alpha); graph code."""
+        if self._decoder is None:
+            self._decoder = decoding.IncrementalDecoder(self.model)
+        return self._decoder.Beam(self.model.theta, src_ids, src_paddings, self.p.bos_id,
+                                  self.p.eos_id, beam_size, self.p.length_alpha, max_steps)
+
+    def Decode(self, src_ids, src_paddings, max_steps: int | None = None,
+               beam_size: int | None = None) -> np.ndarray:
+        """Translations [B, T] (numpy int32) of source batches `src_ids`/`src_paddings` ([B, T],
+        B the model's batch size): each row holds the target tokens up to and including the
+        first `eos_id`, then 0. Greedy (`GreedyIds`) with beam_size 1, else beam search
+        (`BeamIds`); beam_size None: the Params'. One traced function: the source encoded once,
+        then one position's work per target token.
         """
         if not self.p.translation:
             raise ValueError(f'{self.path}: Decode translates; this task is a language model.')
-        key = str(max_steps)  # (A tf.Module's dict attribute needs string keys to be saved.)
+        beam_size = self.p.beam_size if beam_size is None else beam_size
+        # (A tf.Module's dict attribute needs string keys to be saved.)
+        key = f'{max_steps}/{beam_size}'
         if key not in self._greedy:
-            self._greedy[key] = tf.function(
-                lambda ids, paddings: self.GreedyIds(ids, paddings, max_steps), autograph=False)
+            if beam_size == 1:
+                fn = lambda ids, paddings: self.GreedyIds(ids, paddings, max_steps)
+            else:
+                fn = lambda ids, paddings: self.BeamIds(ids, paddings, beam_size, max_steps)[0]
+            self._greedy[key] = tf.function(fn, autograph=False)
         return self._greedy[key](tf.convert_to_tensor(src_ids, tf.int32),
                                  tf.convert_to_tensor(src_paddings, tf.float32)).numpy()
 

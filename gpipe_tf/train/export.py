@@ -11,8 +11,9 @@ raw input to readable output, so that loading needs TensorFlow alone (not gpipe_
     predict(images: float32 [N, size, size, channels], model-ready) -> the same outputs.
   translation
     serving_default(sentences: string [N], target_language: string [])
-        -> translations [N] string, ids [N, T] int32 (greedy and incremental, as
-        `--mode=decode`).
+        -> translations [N] string, ids [N, T] int32, scores [N] float32 (each translation's
+        log-probability): beam search of the task's beam_size (1: greedy), incremental, as
+        `--mode=decode`.
 
 N is any number: the functions run the model on batches of its training batch size (the
 pipeline splits each into M micro-batches), the last one padded. The pipeline stays pipelined:
@@ -163,7 +164,8 @@ class TranslationServable(tf.Module):
 
     def __init__(self, task, task_params):
         super().__init__(name='translation')
-        self._greedy_ids = task.GreedyIds  # (See ClassifierServable.)
+        self._beam_ids = task.BeamIds  # (See ClassifierServable.)
+        self._beam_size = task.p.beam_size
         self.model_variables = list(task.variables)
         data = task_params.input.Instantiate()
         vocab = data.vocab
@@ -226,9 +228,12 @@ class TranslationServable(tf.Module):
 
     def _Translate(self, sentences, target_language):
         src_ids, src_paddings = self._Encode(sentences, target_language)
-        ids = Batched(self._greedy_ids, (src_ids, src_paddings), self._batch_size,
-                      tf.TensorSpec([self._batch_size, self._max_length], tf.int32))
-        return {'translations': self._Text(ids), 'ids': ids}
+        ids, scores = Batched(
+            lambda ids, paddings: self._beam_ids(ids, paddings, self._beam_size),
+            (src_ids, src_paddings), self._batch_size,
+            (tf.TensorSpec([self._batch_size, self._max_length], tf.int32),
+             tf.TensorSpec([self._batch_size], tf.float32)))
+        return {'translations': self._Text(ids), 'ids': ids, 'scores': scores}
 
 
 def VersionDir(base: str, step: int) -> str:

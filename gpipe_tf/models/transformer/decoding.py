@@ -144,3 +144,75 @@ class IncrementalDecoder:
                              tf.zeros([batch, length], tf.int32), tf.zeros([batch], tf.bool),
                              caches))
         return decoded
+
+    def Beam(self, theta, src_ids, src_paddings, bos_id: int, eos_id: int, beam_size: int,
+             length_alpha: float = 0.6, max_steps: int | None = None):
+        """Beam search (Lingvo's and GNMT's recipe) on the incremental decoder.
+
+        Each example keeps `beam_size` hypotheses. At each position every live hypothesis is
+        extended by every token, a finished one (it produced `eos_id`) only by staying as it is;
+        the `beam_size` best candidates by length-normalised log-probability,
+        log P / ((5 + length) / 6) ** length_alpha (length counting </s>), are kept. Decoding
+        stops when every hypothesis has finished or at the last position.
+
+        Returns:
+          (ids [B, T] int32: the best hypothesis per example, laid out as `Greedy`'s (tokens up
+          to and including </s>, then 0); scores [B] float32: its log-probability). With
+          beam_size 1 the ids are `Greedy`'s.
+        """
+        if beam_size < 1:
+            raise ValueError(f'beam_size must be >= 1, got {beam_size}.')
+        batch, length = src_ids.shape
+        steps = min(max_steps or length, length)
+        k = beam_size
+        encoded = self.Encode(theta, src_ids, src_paddings)
+        # Every example's encoder output once per hypothesis: rows b * k .. b * k + k - 1.
+        encoded = tf.nest.map_structure(lambda x: tf.repeat(x, k, axis=0), encoded)
+        caches = self.InitialCaches(theta, encoded, length)
+        neg_inf = tf.constant(-1e9, tf.float32)
+        # Only hypothesis 0 is live at first: the others would repeat it.
+        scores = tf.tile(tf.concat([[0.0], tf.fill([k - 1], neg_inf)], 0)[tf.newaxis],
+                         [batch, 1])
+
+        def Penalty(lengths):
+            return ((5.0 + tf.cast(lengths, tf.float32)) / 6.0) ** length_alpha
+
+        def Body(t, ids, scores, lengths, finished, sequences, caches):
+            logits, caches = self.Step(theta, ids, t, caches, encoded, length)
+            log_probs = tf.reshape(tf.nn.log_softmax(tf.cast(logits, tf.float32)),
+                                   [batch, k, -1])
+            vocab = tf.shape(log_probs)[-1]
+            # A finished hypothesis continues only as itself (token 0, no cost, no length).
+            stay = tf.concat([tf.zeros([batch, k, 1]),
+                              tf.fill([batch, k, vocab - 1], neg_inf)], axis=-1)
+            log_probs = tf.where(finished[..., tf.newaxis], stay, log_probs)
+            totals = scores[..., tf.newaxis] + log_probs  # [B, k, V]
+            new_lengths = lengths[..., tf.newaxis] + tf.cast(
+                tf.logical_not(finished), tf.int32)[..., tf.newaxis]
+            ranked = totals / Penalty(new_lengths)
+            _, top = tf.math.top_k(tf.reshape(ranked, [batch, -1]), k)  # [B, k]
+            parent, token = top // vocab, tf.cast(top % vocab, tf.int32)
+            rows = tf.reshape(parent + tf.range(batch)[:, tf.newaxis] * k, [-1])
+            caches = tf.nest.map_structure(lambda c: tf.gather(c, rows), caches)
+            was_finished = tf.gather(finished, parent, batch_dims=1)
+            sequences = tf.gather(sequences, parent, batch_dims=1)
+            sequences += (tf.one_hot(t, length, dtype=tf.int32)[tf.newaxis, tf.newaxis] *
+                          token[..., tf.newaxis])
+            scores = tf.gather(tf.reshape(totals, [batch, -1]), top, batch_dims=1)
+            lengths = tf.gather(tf.reshape(tf.broadcast_to(new_lengths, totals.shape),
+                                           [batch, -1]), top, batch_dims=1)
+            finished = was_finished | tf.equal(token, eos_id)
+            return (t + 1, tf.reshape(token, [-1]), scores, lengths, finished, sequences,
+                    caches)
+
+        def Continue(t, unused_ids, unused_scores, unused_lengths, finished, *unused):
+            return tf.logical_and(t < steps, tf.logical_not(tf.reduce_all(finished)))
+
+        _, _, scores, lengths, _, sequences, _ = tf.while_loop(
+            Continue, Body,
+            (tf.constant(0), tf.fill([batch * k], tf.cast(bos_id, tf.int32)), scores,
+             tf.zeros([batch, k], tf.int32), tf.zeros([batch, k], tf.bool),
+             tf.zeros([batch, k, length], tf.int32), caches))
+        best = tf.argmax(scores / Penalty(lengths), axis=-1, output_type=tf.int32)
+        return (tf.gather(sequences, best, batch_dims=1),
+                tf.gather(scores, best, batch_dims=1))
