@@ -344,9 +344,9 @@ class SharedTraceTest(tf.test.TestCase):
         return cell_lib.Cell([sequential.SequentialLayer.Params().Set(
             name=name, dtype=tf.float64, sub=[dense, dropout]).Instantiate()], name)
 
-    def testEqualCellsShareATraceAndKeepTheirOwnWeightsAndMasks(self):
+    def _Run(self, keep_prob):
         shared = {}
-        cells = [self._Cell(f'layer_{i}') for i in range(3)]
+        cells = [self._Cell(f'layer_{i}', keep_prob) for i in range(3)]
         functions = [recompute.CellFunctions(c, DEVICES[i], shared=shared)
                      for i, c in enumerate(cells)]
         other = recompute.CellFunctions(self._Cell('layer_9', keep_prob=0.7), DEVICE,
@@ -364,8 +364,6 @@ class SharedTraceTest(tf.test.TestCase):
         results = Run()
         graph = Run.get_concrete_function().graph
         names = {f.signature.name for f in graph.as_graph_def().library.function}
-        self.assertLen([n for n in names if '_fwd' in n], 2)
-        self.assertLen([n for n in names if '_Backward' in n], 2)
         calls = [op for op in graph.get_operations() if 'PartitionedCall' in op.type]
         self.assertCountEqual([tf.DeviceSpec.from_string(op.device).device_index
                                for op in calls], [0, 0, 1, 1, 2, 2, 3, 3])
@@ -378,11 +376,22 @@ class SharedTraceTest(tf.test.TestCase):
             self.assertAllClose(alone, y, rtol=TOLERANCE, atol=0)
             # Gradients by hand from the layer's own weights and the mask its output shows.
             w = c.sequence[0].vars.dense.w.numpy()
-            keep = 0.7 if c is other.cell else 0.5
+            keep = 0.7 if c is other.cell else keep_prob
             g = dy * masks[-1] / keep
             self.assertLess(test_utils.MaxRelativeError(d_theta, [g.sum(0), x.T @ g]),
                             TOLERANCE)
             self.assertLess(test_utils.MaxRelativeError(d_x, [g @ w.T]), TOLERANCE)
+        return names, masks
+
+    def testEqualCellsWithoutRandomnessShareATraceAndKeepTheirOwnWeights(self):
+        names, _ = self._Run(keep_prob=1.0)
+        self.assertLen([n for n in names if '_fwd' in n], 2)
+        self.assertLen([n for n in names if '_Backward' in n], 2)
+
+    def testCellsThatDrawRandomNumbersTraceTheirOwnWithTheirOwnSeeds(self):
+        names, masks = self._Run(keep_prob=0.5)
+        self.assertLen([n for n in names if '_fwd' in n], 4)
+        self.assertLen([n for n in names if '_Backward' in n], 4)
         self.assertNotAllEqual(masks[0], masks[1])  # Each layer's own seed.
 
 

@@ -3,8 +3,11 @@
 Each cell is traced once into a forward function and once into a backward function, and both are
 called once per micro-batch, so the graph grows with M by one call op, not by the cell's layers.
 Cells of one structure (the same layer classes and Params but for their names: a Transformer's
-middle cells, a pipeline's replicas) share their traces, the cell's weights and its layers' seeds
-being arguments: at K=8 equal Transformer cells, the traces are an eighth of what they were.
+middle cells, a pipeline's replicas) share their traces, the cell's weights being arguments,
+unless a trace draws random numbers (dropout): a layer's seed is a constant of its path, so such
+a cell traces its own. At K=8 equal Transformer cells without dropout, the traces are an eighth
+of what they were. (Passing the seeds as an argument instead was measured to cost the
+re-materialization its memory savings in a tf.function: tests/test_memory.py.)
 
 The backward function recomputes the cell's forward from the cell's input and then differentiates
 it. Its recompute waits on the incoming gradient (a control dependency on `dy`), so it runs during
@@ -53,24 +56,24 @@ def StructureKey(cell) -> tuple:
                   layer.params.Copy().Set(name='').ToText()) for layer in cell.sequence)
 
 
-class _PathSeeds:
-    """The `FPropContext.path_seeds` of a shared trace: layer path -> its element of `seeds`
-    (sliced when a layer asks)."""
+class _SeedUse:
+    """The `FPropContext.path_seeds` of a trace: notes that a layer asked for its seed (the
+    trace then holds the seeds of its own cell's paths) and gives none instead of it."""
 
-    def __init__(self, layers, seeds):
-        self._index = {layer.path: i for i, layer in enumerate(layers)}
-        self._seeds = seeds
+    def __init__(self):
+        self.used = False
 
-    def get(self, path):  # pylint: disable=invalid-name
-        i = self._index.get(path)
-        return None if i is None else self._seeds[i]
+    def get(self, unused_path):  # pylint: disable=invalid-name
+        self.used = True
+        return None
 
 
 class _Traced:
     """The traced forward and backward functions shared by the cells of one structure
     (`StructureKey`), on every device and replica: traced once, with the first such cell's
-    layers. A cell's theta (a list with one entry per layer, in order) and its layers' seeds are
-    arguments; no device is set inside, so the call op's device places the body.
+    layers. A cell's theta (a list with one entry per layer, in order) is an argument; no device
+    is set inside, so the call op's device places the body. A function whose trace drew random
+    numbers holds its cell's seeds and serves that cell alone (`seeded`).
 
     Args:
       cell: the cell whose layers are traced.
@@ -85,6 +88,10 @@ class _Traced:
         # Positions in `layers` of the layers that report training updates, in the order they
         # report them; set when the training forward is first traced.
         self.update_positions: list | None = None
+        # Per function ('fwd_True', 'fwd_False', 'bwd', 'bwd_input', 'bwd_weight'): traced, and
+        # whose trace asked for seeds.
+        self.traced = set()
+        self._seed_use = {}
         name = cell.path.replace('.', '_')
         self.forward = {}
         for training in (True, False):
@@ -103,13 +110,24 @@ class _Traced:
         packed = tf.nest.pack_sequence_as(self.cell.vars, list(flat))
         return [packed[layer.p.name] for layer in self.cell.sequence]
 
+    def Seeded(self, kind: str) -> bool:
+        """Whether function `kind`'s trace drew random numbers (and so holds its cell's
+        seeds)."""
+        return kind in self._seed_use and self._seed_use[kind].used
+
+    def _Start(self, kind: str) -> None:
+        """Called as the trace of function `kind` begins."""
+        self.traced.add(kind)
+        self._seed_use[kind] = _SeedUse()
+        self._kind = kind
+
     def _Scope(self, seeds, step, first_example, training, collector=None):
         """The layers' context for one micro-batch; updates go to `collector` (by default one
         that is dropped: a recompute's statistics were already reported by the forward)."""
         return fprop_context.Scope(
             training=training, step=step, first_example=first_example, batch_dim=self.batch_dim,
             update_collector=(fprop_context.UpdateCollector() if collector is None else collector),
-            path_seeds=_PathSeeds(self.layers, seeds))
+            path_seeds=self._seed_use[self._kind])
 
     def _Run(self, theta, seeds, inputs, step, first_example, training):
         collector = fprop_context.UpdateCollector()
@@ -123,6 +141,7 @@ class _Traced:
 
     def _MakeForward(self, training: bool):
         def Forward(layer_thetas, seeds, inputs, step, first_example):
+            self._Start(f'fwd_{training}')
             return self._Run(self._Theta(layer_thetas), seeds, inputs, step, first_example,
                              training)
         return Forward
@@ -135,6 +154,7 @@ class _Traced:
           (d_theta per layer (None where a leaf is not trainable), d_inputs flat over the
           leaves of `inputs` (None where not floating point)).
         """
+        self._Start('bwd')
         with tf.name_scope(RECOMPUTE_SCOPE):
             with tf.control_dependencies(d_outputs):
                 theta = Identity(self._Theta(layer_thetas))
@@ -153,6 +173,7 @@ class _Traced:
           per layer its input arguments and the gradients of its float outputs, what
           `_BackwardWeight` needs).
         """
+        self._Start('bwd_input')
         layers = self.cell.sequence
         with tf.name_scope(RECOMPUTE_SCOPE):
             with tf.control_dependencies(d_outputs):
@@ -181,6 +202,7 @@ class _Traced:
         Returns:
           d_theta per layer (None where a leaf is not trainable).
         """
+        self._Start('bwd_weight')
         layer_inputs, layer_d_outputs = saved
         d_theta = []
         for layer, theta, args, d_y in zip(self.cell.sequence, layer_thetas, layer_inputs,
@@ -220,22 +242,31 @@ class CellFunctions:
         key = StructureKey(cell)
         if key not in shared:
             shared[key] = _Traced(cell, batch_dim)
-        self._traced = shared[key]
+        self._shared = shared[key]
+        self._own = None  # This cell's own trace, for functions whose shared one is seeded.
         self._layers = [d for layer in cell.sequence for d in layer.Descendants()]
-        self._seeds = [base_layer.PathSeed(layer.path, layer.p.random_seed)
-                       for layer in self._layers]
+
+    def _For(self, kind: str) -> _Traced:
+        """The traced functions to run function `kind` with: the shared ones, unless their
+        trace drew random numbers with another cell's seeds (or is not made yet)."""
+        shared = self._shared
+        if shared.cell is self.cell or (kind in shared.traced and not shared.Seeded(kind)):
+            return shared
+        if self._own is None:
+            self._own = _Traced(self.cell, self.batch_dim)
+        return self._own
 
     @property
     def update_layers(self) -> list | None:
         """Layers that report training updates, in the order they report them; None until the
         training forward is first traced."""
-        positions = self._traced.update_positions
+        positions = self._For('fwd_True').update_positions
         return None if positions is None else [self._layers[i] for i in positions]
 
     def _Args(self, theta) -> tuple:
-        """The traced functions' first arguments: theta per layer, and the layers' seeds."""
-        return ([theta[layer.p.name] for layer in self.cell.sequence],
-                tf.constant(self._seeds, tf.int64))
+        """The traced functions' first arguments: theta per layer, and no seeds (a trace that
+        draws random numbers holds its cell's: see the module docstring)."""
+        return [theta[layer.p.name] for layer in self.cell.sequence], None
 
     def _Flat(self, layer_thetas) -> list:
         """Per-layer values as a flat list over the leaves of this cell's theta."""
@@ -246,7 +277,7 @@ class CellFunctions:
         """TensorSpecs of the (outputs, statistics) of the cell's forward on inputs of
         `input_spec` (tracing it if it was not)."""
         layer_thetas, seeds = self._Args(theta)
-        concrete = self._traced.forward[training].get_concrete_function(
+        concrete = self._For(f'fwd_{training}').forward[training].get_concrete_function(
             layer_thetas, seeds, input_spec, step_spec, step_spec)
         return tf.nest.map_structure(
             lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype),
@@ -256,28 +287,28 @@ class CellFunctions:
         """(outputs, update stats) of the cell on one micro-batch whose first example has index
         `first_example` (scalar int64 tensor) in the mini-batch; one call op on the device."""
         with tf.device(self.device):
-            return self._traced.forward[training](*self._Args(theta), inputs, step,
-                                                  first_example)
+            return self._For(f'fwd_{training}').forward[training](
+                *self._Args(theta), inputs, step, first_example)
 
     def Backward(self, theta, inputs, step, first_example, d_outputs):
         """(flat d_theta, flat d_inputs) for one micro-batch, recomputing the forward."""
         with tf.device(self.device):
-            d_theta, d_inputs = self._traced.backward(*self._Args(theta), inputs, step,
-                                                      first_example, d_outputs)
+            d_theta, d_inputs = self._For('bwd').backward(*self._Args(theta), inputs, step,
+                                                          first_example, d_outputs)
             return self._Flat(d_theta), d_inputs
 
     def BackwardInput(self, theta, inputs, step, first_example, d_outputs):
         """(flat d_inputs, saved for `BackwardWeight`) for one micro-batch, recomputing its
         forward."""
         with tf.device(self.device):
-            return self._traced.backward_input(*self._Args(theta), inputs, step, first_example,
-                                               d_outputs)
+            return self._For('bwd_input').backward_input(*self._Args(theta), inputs, step,
+                                                         first_example, d_outputs)
 
     def BackwardWeight(self, theta, saved, step, first_example):
         """Flat d_theta for one micro-batch from what `BackwardInput` saved."""
         with tf.device(self.device):
-            return self._Flat(self._traced.backward_weight(*self._Args(theta), saved, step,
-                                                           first_example))
+            return self._Flat(self._For('bwd_weight').backward_weight(
+                *self._Args(theta), saved, step, first_example))
 
 
 def Differentiate(outputs, theta, inputs, d_outputs, trainable, tape=None):
