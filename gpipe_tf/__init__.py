@@ -11,6 +11,7 @@ __version__ = '0.1.0'
 
 _EXPORTS = {
     'BaseLayer': 'gpipe_tf.layers.base_layer',
+    'DynamicLossScale': 'gpipe_tf.loss_scale',
     'FPropScope': ('gpipe_tf.layers.fprop_context', 'Scope'),
     'GetParams': 'gpipe_tf.model_registry',
     'InstantiableParams': 'gpipe_tf.hyperparams',

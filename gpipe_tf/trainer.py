@@ -80,6 +80,11 @@ def DefineFlags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer('worker_replicas', None, 'Override R, the replicas of the pipeline (data '
                          'parallelism: each runs on 1/R of the batch; gradients are summed).',
                          flag_values=flag_values)
+    flags.DEFINE_enum('fprop_dtype', None, ['bfloat16', 'float16', 'float32'],
+                      'Mixed precision: the dtype the model computes in (its Params\' '
+                      'fprop_dtype); variables stay float32 and the loss is computed in '
+                      'float32. float16 adds dynamic loss scaling (train.loss_scale). Default: '
+                      'the Params\'.', flag_values=flag_values)
     flags.DEFINE_enum('graph_mode', 'tf_function', ['tf_function', 'v1'], 'Run the training step '
                       'in a tf.function, or in a tf.compat.v1 graph with a Session.',
                       flag_values=flag_values)
@@ -154,6 +159,7 @@ class Config:
     schedule: str | None
     virtual_stages: int | None
     worker_replicas: int | None
+    fprop_dtype: str | None
     graph_mode: str
     graph_mode_given: bool  # --graph_mode was on the command line (a cluster refuses tf_function).
     cluster_spec: str | None
@@ -252,6 +258,12 @@ def _TaskParams(config: Config, dataset: str):
             p.Set(**{key: value})  # The field's own check names it: `must be >= 1, got 0`.
         except ValueError as error:
             raise ValueError(f'--{flag}: {error}') from None
+    if config.fprop_dtype is not None:
+        from gpipe_tf.layers import precision  # pylint: disable=g-import-not-at-top
+        if 'fprop_dtype' not in p.model:
+            raise ValueError(f'--fprop_dtype: the model of {model} ({p.model.cls.__name__}) '
+                             'has no fprop_dtype (it is not a gpipe_tf layer).')
+        p.model.fprop_dtype = precision.FPROP_DTYPES[config.fprop_dtype]
     if config.data_dir is not None:
         if 'data_dir' not in p.input:
             raise ValueError(f'--data_dir: the input of {model} ({p.input.cls.__name__}) reads '
@@ -594,9 +606,11 @@ def RunTrain(config: Config, p, plan, logdir, with_eval: bool, resume_note: str 
           flush=True)
     prog = _Program(config, p, plan, logdir)
     print(f'built in {time.time() - start:.0f} s', flush=True)
+    fprop_dtype = prog.task.model.p.fprop_dtype
+    computing = '' if fprop_dtype is None else f', computing in {fprop_dtype.name}'
     print(f'training {config.model} in {logdir}: {_Where(config, prog)}, '
-          f'M={NumMicroBatches(p, plan)}, batch {p.input.batch_size}, {_GraphMode(config)}',
-          flush=True)
+          f'M={NumMicroBatches(p, plan)}, batch {p.input.batch_size}, {_GraphMode(config)}'
+          f'{computing}', flush=True)
     metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params, plan=plan,
                          resume_note=resume_note)
     # Greedy decoding runs eagerly, outside a TPU strategy's replicas.

@@ -32,6 +32,15 @@ moving statistics once per call, an op of the traced step that `tf.function` run
 control dependencies keep stateful ops); in inference it normalises with them and changes no
 weight.
 
+**Mixed precision.** Under Keras's `mixed_bfloat16` policy (`keras.mixed_precision.
+set_global_policy('mixed_bfloat16')`, or `dtype='mixed_bfloat16'` on the layer) the pipeline's
+Params get `fprop_dtype=tf.bfloat16`: its variables stay float32, every cell computes in
+bfloat16 (weights cast as they are read, activations crossing cells in bfloat16), and the
+weight gradients are summed over micro-batches in float32. The output is bfloat16, as Keras's
+own layers' under that policy; Keras's losses compute in float32. `mixed_float16` gives
+float16, and `model.compile` then wraps the optimizer in Keras's LossScaleOptimizer. Params
+that set fprop_dtype themselves keep it under the global policy.
+
 **Saving.** `get_config` carries the Params as Params text, read back by the same safe parser as
 the trainer's `params.txt` (`pipeline_params.FromText`); weights are ordered by layer name, so
 `save_weights` of one partition loads into another. Import `gpipe_tf.keras` before
@@ -69,28 +78,27 @@ class Pipeline(keras.layers.Layer):
     Args:
       params: PipeliningLayer Params; their `name` (default: the Keras layer's) names and
         seeds the variables. See `FromLayers` for a list of layer Params.
-      **kwargs: Keras layer arguments (`name`, `trainable`); the dtype is the Params'.
+      **kwargs: Keras layer arguments (`name`, `trainable`, `dtype`). A dtype policy (or, by
+        default, Keras's global one) that is mixed, 'mixed_bfloat16' or 'mixed_float16',
+        sets the Params' fprop_dtype; its variable dtype must be the Params' dtype.
 
     Raises:
-      errors.ConfigError: for Params that are not a PipeliningLayer's, a dtype other than the
-        Params', or construction under a tf.distribute strategy; the pipeline's own errors
+      errors.ConfigError: for Params that are not a PipeliningLayer's, a dtype policy whose
+        variable dtype is not the Params' dtype or whose compute dtype contradicts their
+        fprop_dtype, or construction under a tf.distribute strategy; the pipeline's own errors
         (devices, K, M) are ConfigErrors too.
     """
 
     def __init__(self, params, **kwargs):
         params = pipeline_params.Checked(params)
-        if 'dtype' in kwargs and kwargs['dtype'] is not None:
-            raise errors.ConfigError(
-                f'{pipeline_params.LAYER}: the dtype is the Params\' ({params.dtype.name}); set '
-                f'params.dtype instead of dtype={kwargs["dtype"]!r}.')
-        kwargs.pop('dtype', None)
+        policy = pipeline_params.ApplyDtypePolicy(params, kwargs.pop('dtype', None))
         if tf.distribute.has_strategy():
             raise errors.ConfigError(
                 f'{pipeline_params.LAYER} does not run under a tf.distribute strategy (got '
                 f'{type(tf.distribute.get_strategy()).__name__}): the pipeline places its '
                 'cells on its own devices. Build it outside strategy.scope(); for data '
                 'parallelism set the Params\' num_replicas.')
-        super().__init__(dtype=params.dtype.name, **kwargs)
+        super().__init__(dtype=policy, **kwargs)
         if not params.name:
             params.name = self.name
         self._pipeline = params.Instantiate()
@@ -184,8 +192,7 @@ class Pipeline(keras.layers.Layer):
     def from_config(cls, config: dict) -> 'Pipeline':
         config = dict(config)
         params = pipeline_params.FromText(config.pop('params', None))
-        config.pop('dtype', None)  # The Params' dtype.
-        return cls(params, **config)
+        return cls(params, **config)  # The dtype policy saved agrees with the Params'.
 
     # ---- checks -------------------------------------------------------------------------------
     def _CheckTraceable(self, inputs) -> None:

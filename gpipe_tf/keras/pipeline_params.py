@@ -8,6 +8,9 @@ own classes and functions, so loading a `.keras` file runs no code that its conf
 
 from __future__ import annotations
 
+import keras
+import tensorflow as tf
+
 from gpipe_tf import errors
 from gpipe_tf import hyperparams
 from gpipe_tf.layers import base_layer
@@ -53,6 +56,47 @@ def Checked(params) -> hyperparams.Params:
             'the pipeline, but a Keras model computes it after the layer: use '
             'schedule="gpipe" (the default).')
     return params.Copy()
+
+
+def ApplyDtypePolicy(params: hyperparams.Params, dtype) -> keras.DTypePolicy:
+    """Sets `params.fprop_dtype` from a Keras dtype policy; returns the Keras layer's policy.
+
+    Args:
+      params: PipeliningLayer Params (changed in place).
+      dtype: the Keras layer's `dtype` argument (a policy, its name or its config), or None for
+        Keras's global policy. A mixed policy ('mixed_bfloat16') sets fprop_dtype to its
+        compute dtype; the global policy applies only when it is mixed with the Params' dtype
+        for variables, and not over a fprop_dtype the Params set.
+
+    Raises:
+      errors.ConfigError: for a `dtype` whose variable dtype is not the Params' dtype, or whose
+        compute dtype contradicts the Params' fprop_dtype.
+    """
+    variables = tf.as_dtype(params.dtype)
+    given = dtype is not None
+    try:
+        policy = keras.dtype_policies.get(dtype) if given else keras.config.dtype_policy()
+    except (ValueError, TypeError) as error:
+        raise errors.ConfigError(f'{LAYER}: dtype={dtype!r} is not a Keras dtype policy '
+                                 f'({error}).') from None
+    if given and tf.as_dtype(policy.variable_dtype) != variables:
+        raise errors.ConfigError(
+            f'{LAYER}: the variables\' dtype is the Params\' ({variables.name}); set '
+            f'params.dtype instead of dtype={dtype!r} (policy {policy.name}, variables in '
+            f'{policy.variable_dtype}).')
+    compute = tf.as_dtype(policy.compute_dtype)
+    mixed = tf.as_dtype(policy.variable_dtype) == variables and compute != variables
+    current = None if params.fprop_dtype is None else tf.as_dtype(params.fprop_dtype)
+    if given and current is not None and current != compute:
+        raise errors.ConfigError(
+            f'{LAYER}: the Params compute in {current.name} (fprop_dtype) but dtype={dtype!r} '
+            f'computes in {compute.name}; give one of them.')
+    if mixed and current is None:
+        params.fprop_dtype = current = compute
+    # Keras names the policies of float32 variables computing in bfloat16 or float16.
+    if variables == tf.float32 and current in (tf.bfloat16, tf.float16):
+        return keras.DTypePolicy(f'mixed_{current.name}')
+    return keras.DTypePolicy(variables.name)
 
 
 def FromLayers(layers, num_cells: int, num_micro_batches: int,

@@ -64,6 +64,8 @@ class MultiHeadAttentionLayer(BaseLayer):
     output.
     """
 
+    THETA_METHODS = ('ExtendStep', 'KeyValueCache')  # In fprop_dtype, as FProp.
+
     @classmethod
     def Params(cls):
         p = super().Params()
@@ -254,7 +256,7 @@ class MultiHeadAttentionLayer(BaseLayer):
         out = tf.TensorShape([batch, t, d_model])
         kept = [tf.TensorShape([batch, t, n]), tf.TensorShape([batch, s, n]),
                 tf.TensorShape([batch, s, n]), probs, tf.TensorShape([batch, t, n]), out]
-        activation_bytes = base_layer.OutputBytes(kept, p.dtype) + dropout.activation_bytes
+        activation_bytes = base_layer.ActivationBytes(kept, p) + dropout.activation_bytes
         return LayerMeta(out, flops, num_params, activation_bytes)
 
 
@@ -279,6 +281,8 @@ class TransformerLayer(BaseLayer):
     `ffn_init_scale` multiplies the scale of the FFN weights' initialisation (the GPipe paper
     scales the FFN layers' initialisation down by the number of layers for trainability).
     """
+
+    THETA_METHODS = ('ExtendStep', 'DecodeCache')  # In fprop_dtype, as FProp.
 
     @classmethod
     def Params(cls):
@@ -429,7 +433,8 @@ class TransformerLayer(BaseLayer):
         """The state `ExtendStep` starts from: an empty self-attention cache of `length`
         positions and, with cross-attention, the encoder's projected keys and values."""
         cache = NestedMap(self_atten=self.self_atten.EmptyCache(
-            batch_size, length, self.p.dtype if encoder_vec is None else encoder_vec.dtype))
+            batch_size, length,
+            base_layer.FPropDtype(self.p) if encoder_vec is None else encoder_vec.dtype))
         if self.p.has_cross_attention:
             cache.cross_atten = self.cross_atten.KeyValueCache(theta.cross_atten, encoder_vec)
         return cache
@@ -498,4 +503,4 @@ class TransformerLayer(BaseLayer):
             sum(m.flops for m in metas) + num_residuals * vec.num_elements(),
             sum(m.num_params for m in metas),
             sum(m.activation_bytes for m in metas) +
-            num_residuals * base_layer.OutputBytes(vec, p.dtype))
+            num_residuals * base_layer.ActivationBytes(vec, p))

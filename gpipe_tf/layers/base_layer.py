@@ -12,6 +12,7 @@ partitioner and the paper-size parameter tables use it without building a single
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import zlib
 from typing import Any
@@ -21,6 +22,7 @@ import tensorflow as tf
 
 from gpipe_tf import hyperparams
 from gpipe_tf.layers import fprop_context
+from gpipe_tf.layers import precision
 from gpipe_tf.nested_map import NestedMap
 
 
@@ -145,8 +147,18 @@ def FlattenShapes(shapes) -> list[tf.TensorShape]:
 
 
 def OutputBytes(shapes, dtype: tf.DType) -> int:
-    """Bytes of activations of `shapes` (TensorShape, or NestedMap/tuple of them)."""
+    """Bytes of activations of `shapes` (TensorShape, or NestedMap/tuple of them) in `dtype`:
+    a layer's are in `FPropDtype(p)`."""
     return sum(int(s.num_elements()) for s in FlattenShapes(shapes)) * tf.as_dtype(dtype).size
+
+
+FPropDtype = precision.FPropDtype
+
+
+def ActivationBytes(shapes, p) -> int:
+    """Bytes of activations of `shapes` made by a layer of Params `p`: in the dtype it computes
+    in (`FPropDtype`), so half of float32's with bfloat16 or float16."""
+    return OutputBytes(shapes, FPropDtype(p))
 
 
 def AsArgs(outputs) -> tuple:
@@ -171,11 +183,53 @@ def _ParentStack() -> list:
 _ENTRY_POINTS = ('FProp', 'FPropLoss', '__call__')
 
 
+def _InFPropDtype(method):
+    """`method` (FProp, or another of `THETA_METHODS`) run on its layer's weights and float
+    inputs cast to the layer's fprop_dtype (`BaseLayer.ToFPropDtype`); as it is without a
+    fprop_dtype."""
+
+    @functools.wraps(method)
+    def Method(self, theta, *inputs, **kwargs):
+        if self.p.fprop_dtype is not None:
+            theta, inputs = self.ToFPropDtype(theta, inputs)
+            kwargs = precision.CastFloats(kwargs, tf.as_dtype(self.p.fprop_dtype))
+        return method(self, theta, *inputs, **kwargs)
+
+    return Method
+
+
+def _InMetaScope(fprop_meta):
+    """`fprop_meta` (an FPropMeta's function) with the children Params it makes inheriting its
+    Params' fprop_dtype (`precision.MetaScope`)."""
+
+    @functools.wraps(fprop_meta)
+    def FPropMeta(cls, p, *input_shapes):
+        with precision.MetaScope(p):
+            return fprop_meta(cls, p, *input_shapes)
+
+    return FPropMeta
+
+
 class BaseLayer(tf.Module):
     """Base class of all layers. Subclasses define `Params`, `__init__`, `FProp`, `FPropMeta`."""
 
+    # Whether FProp reads this layer's weights in fprop_dtype (`ToFPropDtype`). Normalization
+    # layers read theirs in dtype: per-channel factors, combined with float32 statistics.
+    WEIGHTS_IN_FPROP_DTYPE = True
+    # Methods other than FProp that compute from (theta, *inputs), and so read them in
+    # fprop_dtype too (an incremental decoder's step, say).
+    THETA_METHODS = ()
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        # The one place weights and inputs are cast to the compute dtype: each FProp (and
+        # THETA_METHODS), as the layer reads them; inside a pipeline's cells, so gradients
+        # come back in dtype.
+        for name in ('FProp',) + tuple(cls.THETA_METHODS):
+            if name in cls.__dict__:
+                setattr(cls, name, _InFPropDtype(cls.__dict__[name]))
+        if 'FPropMeta' in cls.__dict__:
+            cls.FPropMeta = classmethod(_InMetaScope(cls.__dict__['FPropMeta'].__func__))
         for name in _ENTRY_POINTS:
             if name in cls.__dict__:
                 setattr(cls, name, tf.autograph.experimental.do_not_convert(cls.__dict__[name]))
@@ -184,7 +238,16 @@ class BaseLayer(tf.Module):
     def Params(cls) -> hyperparams.InstantiableParams:
         p = hyperparams.InstantiableParams(cls)
         p.Define('name', '', 'Name of this layer; also its variable scope.')
-        p.Define('dtype', tf.float32, 'Data type of variables and activations.')
+        p.Define('dtype', tf.float32, 'Data type of variables (and of activations, unless '
+                 'fprop_dtype is set).')
+        p.Define('fprop_dtype', None,
+                 'Data type the layer computes in (mixed precision: tf.bfloat16 or tf.float16): '
+                 'its weights are cast to it as FProp reads them, its float inputs too, while '
+                 'variables stay dtype. None: the parent\'s (children inherit it unless they set '
+                 'their own), else dtype.',
+                 check=hyperparams.Check(precision.IsFPropDtype,
+                                         'None or a floating point dtype (tf.bfloat16, '
+                                         'tf.float16)'))
         p.Define('params_init', WeightInit.Xavier(1.0), 'Default initialisation of weights.')
         p.Define('random_seed', None,
                  'Seed for initialisation and randomness (dropout); None means 0. Values are '
@@ -237,6 +300,8 @@ class BaseLayer(tf.Module):
         p.name = name
         if p.random_seed is None:
             p.random_seed = self.p.random_seed
+        if p.fprop_dtype is None:
+            p.fprop_dtype = self.p.fprop_dtype
         stack = _ParentStack()
         stack.append(self)
         try:
@@ -300,6 +365,24 @@ class BaseLayer(tf.Module):
     def FProp(self, theta: NestedMap, *inputs):
         """Forward computation from explicit `theta`. Subclasses override."""
         raise NotImplementedError(f'{type(self).__name__}.FProp')
+
+    def ToFPropDtype(self, theta: NestedMap, inputs: tuple) -> tuple[NestedMap, tuple]:
+        """(theta with this layer's own weights, inputs with their float tensors) cast to
+        fprop_dtype: what FProp computes with when fprop_dtype is set.
+
+        Weights are the trainable float variables (none where WEIGHTS_IN_FPROP_DTYPE is
+        False); children's are cast by the children (each to its own fprop_dtype), and state
+        that is not trained (batch norm's moving statistics) stays in dtype.
+        """
+        dtype = tf.as_dtype(self.p.fprop_dtype)
+        own = [name for name, var in self._layer_vars.items()
+               if self.WEIGHTS_IN_FPROP_DTYPE and var.trainable and var.dtype.is_floating and
+               name in theta and theta[name].dtype != dtype]
+        if own:
+            theta = NestedMap(theta)
+            for name in own:
+                theta[name] = tf.cast(theta[name], dtype)
+        return theta, precision.CastFloats(inputs, dtype)
 
     @tf.autograph.experimental.do_not_convert
     def __call__(self, *inputs):

@@ -84,7 +84,7 @@ class DenseLayer(BaseLayer):
         flops = 2 * rows * p.input_dim * p.output_dim
         flops += out.num_elements() * (int(p.has_bias) + ACTIVATIONS[p.activation][1])
         return LayerMeta(out, flops, p.input_dim * p.output_dim + p.output_dim * p.has_bias,
-                         base_layer.OutputBytes(out, p.dtype))
+                         base_layer.ActivationBytes(out, p))
 
 
 class ActivationLayer(BaseLayer):
@@ -107,7 +107,7 @@ class ActivationLayer(BaseLayer):
     def FPropMeta(cls, p, x_shape):
         out = tf.TensorShape(x_shape)
         return LayerMeta(out, out.num_elements() * ACTIVATIONS[p.activation][1], 0,
-                         base_layer.OutputBytes(out, p.dtype))
+                         base_layer.ActivationBytes(out, p))
 
 
 class IdentityLayer(BaseLayer):
@@ -164,4 +164,4 @@ class DropoutLayer(BaseLayer):
     @classmethod
     def FPropMeta(cls, p, x_shape):
         out = tf.TensorShape(x_shape)
-        return LayerMeta(out, 3 * out.num_elements(), 0, base_layer.OutputBytes(out, p.dtype))
+        return LayerMeta(out, 3 * out.num_elements(), 0, base_layer.ActivationBytes(out, p))

@@ -139,7 +139,7 @@ class _WindowConvLayer(BaseLayer):
         flops = 2 * outputs * window_fan_in
         flops += outputs * (int(p.has_bias) + basic.ACTIVATIONS[p.activation][1])
         num_params = kh * kw * cin * p.filter_shape[3] + out_c * int(p.has_bias)
-        return LayerMeta(out, flops, num_params, base_layer.OutputBytes(out, p.dtype))
+        return LayerMeta(out, flops, num_params, base_layer.ActivationBytes(out, p))
 
 
 class Conv2DLayer(_WindowConvLayer):

@@ -52,4 +52,4 @@ class EmbeddingLayer(BaseLayer):
         out = ids_shape.concatenate([p.embedding_dim])
         flops = out.num_elements() if p.scale_sqrt_depth else 0
         return LayerMeta(out, flops, p.vocab_size * p.embedding_dim,
-                         base_layer.OutputBytes(out, p.dtype))
+                         base_layer.ActivationBytes(out, p))

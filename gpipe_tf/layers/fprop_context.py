@@ -26,6 +26,9 @@ class FPropContext:
       path_seeds: None, or a dict from layer path to a scalar int64 tensor that replaces the
         seed of that path (`BaseLayer.StepSeed`): one traced cell serves every cell of its
         structure, and takes the seeds of the cell it computes as an argument.
+      loss_scale: None, or the scalar float32 tensor the training loss is multiplied by before
+        its gradients (dynamic loss scaling, float16): a pipeline that computes its loss
+        inside (`FPropLoss`) scales the gradient entering its backward by it.
     """
     training: bool = True
     step: Any = 0
@@ -33,6 +36,7 @@ class FPropContext:
     batch_dim: int = 0
     update_collector: Any = None
     path_seeds: Any = None
+    loss_scale: Any = None
 
 
 _STATE = threading.local()

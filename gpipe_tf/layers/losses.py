@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import basic
+from gpipe_tf.layers import precision
 from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta, WeightParams
 from gpipe_tf.nested_map import NestedMap
 
@@ -25,6 +26,9 @@ class SoftmaxCrossEntropyLayer(BaseLayer):
             all weights are 1 (0 when all weights are 0),
         total_weight=[]: sum(weights), to combine the losses of several batches,
         accuracy=[]: weighted fraction of examples whose arg-max logit is the label).
+
+    Under a bfloat16 or float16 fprop_dtype the projection computes in it, the softmax and the
+    outputs in float32.
 
     Label smoothing trains against targets (1 - s) * one_hot + s / num_classes. With
     `logits_clip` = c the logits are clipped to [-c, c], the trainability fix of GPipe §5 (a
@@ -83,11 +87,14 @@ class SoftmaxCrossEntropyLayer(BaseLayer):
         if not labels.dtype.is_integer:
             raise ValueError(
                     f'{self.path}: expected integer labels, got dtype {labels.dtype.name}.')
-        if weights is None:
-            weights = tf.ones(tf.shape(labels), features.dtype)
         logits = tf.tensordot(features, theta.w, axes=[[features.shape.rank - 1], [0]])
         if p.has_bias:
             logits += theta.b
+        # The softmax and the loss in float32 when the projection computed in bfloat16 or
+        # float16 (mixed precision).
+        logits = precision.AtLeastFloat32(logits)
+        weights = (tf.ones(tf.shape(labels), logits.dtype) if weights is None else
+                   tf.cast(weights, logits.dtype))
         if p.logits_clip is not None:
             logits = tf.clip_by_value(logits, -p.logits_clip, p.logits_clip)
         targets = tf.one_hot(labels, p.num_classes, dtype=logits.dtype)
@@ -122,4 +129,5 @@ class SoftmaxCrossEntropyLayer(BaseLayer):
         flops = 2 * rows * p.input_dim * p.num_classes + logits * int(p.has_bias)
         flops += logits * (_XENT_FLOPS_PER_LOGIT + int(p.logits_clip is not None))
         num_params = p.input_dim * p.num_classes + p.num_classes * int(p.has_bias)
-        return LayerMeta(out, flops, num_params, base_layer.OutputBytes(out, p.dtype))
+        loss_dtype = precision.AtLeastFloat32Dtype(base_layer.FPropDtype(p))
+        return LayerMeta(out, flops, num_params, base_layer.OutputBytes(out, loss_dtype))

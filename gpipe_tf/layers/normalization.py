@@ -1,4 +1,10 @@
-"""Normalization layers: batch norm (with GPipe's micro-batch semantics) and layer norm."""
+"""Normalization layers: batch norm (with GPipe's micro-batch semantics) and layer norm.
+
+Under a narrower fprop_dtype (mixed precision) both compute their statistics (batch norm's
+mean and variance, layer norm's moments) and their per-channel factors in dtype, float32, from
+their weights as they are (not rounded to fprop_dtype), and normalise the activations in their
+dtype.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +29,14 @@ def _CheckRank2(shape, layer: str, dim: int) -> tf.TensorShape:
     return shape
 
 
+def _Normalize(x, mean, variance, offset, scale, epsilon):
+    """`(x - mean) / sqrt(variance + epsilon) * scale + offset` in x's dtype, its per-channel
+    factors computed in the statistics' (`tf.nn.batch_normalization` casts them to x's)."""
+    dtype = mean.dtype
+    return tf.nn.batch_normalization(x, mean, variance, tf.cast(offset, dtype),
+                                     tf.cast(scale, dtype), epsilon)
+
+
 class BatchNormLayer(BaseLayer):
     """Batch normalization over all axes but the last (channels), as in GPipe.
 
@@ -34,6 +48,8 @@ class BatchNormLayer(BaseLayer):
     (biased) variance, exactly as one forward on the whole mini-batch would; outside a pipeline
     the update is applied at once. Evaluation normalises with the moving statistics.
     """
+
+    WEIGHTS_IN_FPROP_DTYPE = False  # Combined with the statistics in dtype (`_Normalize`).
 
     @classmethod
     def Params(cls):
@@ -62,15 +78,18 @@ class BatchNormLayer(BaseLayer):
         p = self.p
         _CheckRank2(x.shape, self.path, p.dim)
         if fprop_context.Current().training:
-            mean, variance = tf.nn.moments(x, axes=list(range(x.shape.rank - 1)))
-            count = tf.cast(tf.reduce_prod(tf.shape(x, out_type=tf.int64)[:-1]), x.dtype)
+            # Statistics in dtype (float32 under a bfloat16 or float16 fprop_dtype), and so
+            # their sums over micro-batches and the moving averages.
+            mean, variance = tf.nn.moments(tf.cast(x, p.dtype),
+                                           axes=list(range(x.shape.rank - 1)))
+            count = tf.cast(tf.reduce_prod(tf.shape(x, out_type=tf.int64)[:-1]), p.dtype)
             self.AddUpdate(NestedMap(
                     count=tf.stop_gradient(count),
                     sum=tf.stop_gradient(mean * count),
                     sum_sq=tf.stop_gradient((variance + tf.square(mean)) * count)))
         else:
             mean, variance = theta.moving_mean, theta.moving_variance
-        return tf.nn.batch_normalization(x, mean, variance, theta.beta, theta.gamma, p.epsilon)
+        return _Normalize(x, mean, variance, theta.beta, theta.gamma, p.epsilon)
 
     def ApplyUpdate(self, stats: NestedMap):
         """Moves the moving statistics one step towards the mean and variance of `stats`.
@@ -96,11 +115,13 @@ class BatchNormLayer(BaseLayer):
     def FPropMeta(cls, p, x_shape):
         out = _CheckRank2(x_shape, p.name or cls.__name__, p.dim)
         return LayerMeta(out, _NORM_FLOPS_PER_ELEMENT * out.num_elements(), 4 * p.dim,
-                         base_layer.OutputBytes(out, p.dtype))
+                         base_layer.ActivationBytes(out, p))
 
 
 class LayerNormLayer(BaseLayer):
     """Layer normalization over the last dimension, then `* scale + bias`."""
+
+    WEIGHTS_IN_FPROP_DTYPE = False  # Combined with the moments in dtype (`_Normalize`).
 
     @classmethod
     def Params(cls):
@@ -121,12 +142,12 @@ class LayerNormLayer(BaseLayer):
     def FProp(self, theta, x):
         p = self.p
         basic.LastDim(x.shape, self.path, p.input_dim)
-        mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
-        return tf.nn.batch_normalization(x, mean, variance, theta.bias, theta.scale, p.epsilon)
+        mean, variance = tf.nn.moments(tf.cast(x, p.dtype), axes=[-1], keepdims=True)
+        return _Normalize(x, mean, variance, theta.bias, theta.scale, p.epsilon)
 
     @classmethod
     def FPropMeta(cls, p, x_shape):
         basic.LastDim(x_shape, p.name or cls.__name__, p.input_dim)
         out = tf.TensorShape(x_shape)
         return LayerMeta(out, _NORM_FLOPS_PER_ELEMENT * out.num_elements(), 2 * p.input_dim,
-                         base_layer.OutputBytes(out, p.dtype))
+                         base_layer.ActivationBytes(out, p))

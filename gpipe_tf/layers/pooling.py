@@ -69,7 +69,7 @@ class Pooling2DLayer(BaseLayer):
         except ValueError as e:
             raise ValueError(f'{layer}: {e}') from None
         flops = out.num_elements() * (kh * kw + int(p.pooling_type == 'AVG'))
-        return LayerMeta(out, flops, 0, base_layer.OutputBytes(out, p.dtype))
+        return LayerMeta(out, flops, 0, base_layer.ActivationBytes(out, p))
 
 
 class GlobalPoolingLayer(BaseLayer):
@@ -100,4 +100,4 @@ class GlobalPoolingLayer(BaseLayer):
         n, h, w, c = conv.ImageShape(x_shape, layer)
         out = tf.TensorShape([n, 1, 1, c] if p.keepdims else [n, c])
         flops = n * h * w * c + n * c * int(p.pooling_type == 'AVG')
-        return LayerMeta(out, flops, 0, base_layer.OutputBytes(out, p.dtype))
+        return LayerMeta(out, flops, 0, base_layer.ActivationBytes(out, p))

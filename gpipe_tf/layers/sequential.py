@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import precision
 from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
 
 
@@ -45,7 +46,9 @@ def Meta(p, *input_shapes) -> LayerMeta:
     """`p.cls.FPropMeta(p, *input_shapes)`, computed once per distinct Params and shapes."""
     text = ''.join(line for line in p.ToText().splitlines(keepends=True)
                    if not line.startswith('name : '))
-    key = (p.cls, text, repr(input_shapes))
+    # A Params without a fprop_dtype computes in the one its enclosing FPropMeta passes down.
+    inherited = None if p.fprop_dtype is not None else precision.InheritedFPropDtype()
+    key = (p.cls, text, repr(input_shapes), repr(inherited))
     meta = _METAS.get(key)
     if meta is None:
         meta = p.cls.FPropMeta(p, *input_shapes)

@@ -26,6 +26,10 @@ walking each stage's actions in the order its device runs them (`pipeline/schedu
 
 With v virtual stages per device, a device holds the sum of its stages' peaks.
 `activation_bytes` is the layers' own FPropMeta estimate of what their backward keeps alive.
+
+Mixed precision (`fprop_dtype`): parameters, gradients and slots are counted in `dtype`
+(float32), activations and the tensors crossing cells in fprop_dtype (half with bfloat16), and a
+running backward holds the cell's weights cast to fprop_dtype.
 """
 
 from __future__ import annotations
@@ -79,7 +83,8 @@ class CellMemory:
         the last cell, the pipeline's output), and after a split backward's I, what its W needs.
       working_activations: what the running backward of one micro-batch adds: the larger of
         its recomputed activations (re-materializing cells) and its weight gradients, which
-        replace them layer by layer, plus two activation gradients.
+        replace them layer by layer, plus two activation gradients (and, with a fprop_dtype,
+        the cell's weights cast to it).
       recompute: whether the cell re-materializes its forward.
       before_backward: bytes it holds once the forwards before its first backward are done.
       after_backward: bytes it holds once all its actions are done (weights, gradients, slots).
@@ -122,6 +127,8 @@ class MemoryPlan:
     slots_per_param: int
     input_bytes: int  # The pipeline's input, one mini-batch (part of cell 0's stored activations).
     schedule: schedule_lib.Schedule | None = None
+    # Whether the pipeline casts its input to fprop_dtype: cell 0 then keeps the cast copy.
+    input_cast: bool = False
 
     @property
     def num_cells(self) -> int:
@@ -182,8 +189,10 @@ class MemoryPlan:
     def step_bytes(self) -> int:
         """`shared_peak_bytes` less what exists before a step starts (the variables, and the
         input batch when the cells keep it as it is): what one step allocates at its peak."""
-        # With M > 1 the cells keep split copies of the input, not the input itself.
-        existing_input = self.input_bytes if self.num_micro_batches == 1 else 0
+        # With M > 1 the cells keep split copies of the input, not the input itself; with a
+        # fprop_dtype, a cast copy.
+        existing_input = (self.input_bytes if self.num_micro_batches == 1 and
+                          not self.input_cast else 0)
         return self.shared_peak_bytes - sum(c.params for c in self.cells) - existing_input
 
     @property
@@ -292,7 +301,10 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1) -> MemoryPl
                        pipeline_plan.batch_size)
     sched = pipeline_plan.schedule or pipeline_plan.Schedule(m)
     shapes = plan_lib.InputShapes(p)
+    # Weights in dtype; activations and the tensors crossing cells in the dtype the layers
+    # compute in (half of float32's with a bfloat16 or float16 fprop_dtype).
     bytes_per = tf.as_dtype(p.dtype).size
+    activation_dtype = base_layer.FPropDtype(p)
     before_params = 0
     if p.before_tpl:
         before_meta, _ = sequential.ChainMeta(p.before_tpl, *shapes)
@@ -302,9 +314,9 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1) -> MemoryPl
     plan = []
     for k, layers in enumerate(cells):
         meta, layer_metas = sequential.ChainMeta(layers, *shapes)
-        input_bytes = base_layer.OutputBytes(shapes, p.dtype)
-        output_bytes = base_layer.OutputBytes(meta.out_shapes, p.dtype)
-        layer_outputs = [base_layer.OutputBytes(layer.out_shapes, p.dtype)
+        input_bytes = base_layer.OutputBytes(shapes, activation_dtype)
+        output_bytes = base_layer.OutputBytes(meta.out_shapes, activation_dtype)
+        layer_outputs = [base_layer.OutputBytes(layer.out_shapes, activation_dtype)
                          for layer in layer_metas]
         if k == 0:
             pipeline_input_bytes = input_bytes
@@ -323,6 +335,9 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1) -> MemoryPl
             # The backward holds an activation's gradient and the gradient it computes from
             # it: two of the largest boundary between the cell's layers.
             transient=2 * max([input_bytes] + layer_outputs) // m,
+            # Its weights cast to fprop_dtype, as its layers read them.
+            weight_copy=(params * activation_dtype.size // bytes_per
+                         if activation_dtype != tf.as_dtype(p.dtype) else 0),
             # A split backward's I keeps each layer's input and its output's gradient for W.
             window=(input_bytes + sum(layer_outputs[:-1]) + sum(layer_outputs)) // m,
             output=output_bytes if k == num - 1 else 0,
@@ -331,7 +346,7 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1) -> MemoryPl
             a for a in sched.actions[sched.DeviceOf(k)] if a.stage == k]))
     return MemoryPlan(cells=plan, num_micro_batches=m, batch_size=batch,
                       slots_per_param=slots_per_param, input_bytes=pipeline_input_bytes,
-                      schedule=sched)
+                      schedule=sched, input_cast=p.fprop_dtype is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +359,7 @@ class _MicroBatchBytes:
     input: int  # Its input, while its backward runs.
     activations: int  # Its activations, recomputed or kept, while its backward runs.
     transient: int  # Two activation gradients, while its backward runs.
+    weight_copy: int  # Its weights in fprop_dtype, while its backward runs (0 without one).
     window: int  # From a split backward's I to its W.
     output: int  # The pipeline's output for the mini-batch: the last cell's, else 0.
     whole_batch_loss: bool  # Whether the loss reads the whole batch's output at once.
@@ -384,7 +400,7 @@ def _CellMemory(cell: int, remat: bool, sizes: _MicroBatchBytes, actions: list) 
             # freed: it holds the larger of the two. A split I computes no weight gradient.
             fused_first = action.kind == schedule_lib.BACKWARD and not has_gradients
             working = (max(sizes.activations, sizes.params) if fused_first
-                       else sizes.activations) + sizes.transient
+                       else sizes.activations) + sizes.transient + sizes.weight_copy
             start = Point(working, running=True)
             backwards.append(start)
         elif action.kind == schedule_lib.WEIGHT_GRAD:

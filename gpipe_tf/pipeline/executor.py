@@ -68,16 +68,18 @@ def MicroBatchSize(micro_batch, batch_dim: int):
     return size
 
 
-def MicroBatchLoss(loss_fn, outputs, loss_inputs):
+def MicroBatchLoss(loss_fn, outputs, loss_inputs, loss_scale=None):
     """The loss of one micro-batch inside the pipeline.
 
     Args:
       loss_fn: (outputs, loss_inputs) -> (value, weight), a mean over `weight` items.
       outputs, loss_inputs: the micro-batch's.
+      loss_scale: None, or a scalar the gradient is taken of the loss times (dynamic loss
+        scaling: the backward, in float16, then runs on gradients that large).
 
     Returns:
-      (value * weight, weight, the gradient of value * weight w.r.t. the float leaves of
-      `outputs`).
+      (value * weight, weight, the gradient of value * weight (times loss_scale) w.r.t. the
+      float leaves of `outputs`, in their dtypes).
     """
     ys = recompute.FloatLeaves(outputs)
     with tf.GradientTape(watch_accessed_variables=False) as tape:
@@ -85,7 +87,8 @@ def MicroBatchLoss(loss_fn, outputs, loss_inputs):
         value, weight = loss_fn(recompute.Identity(outputs), loss_inputs)
         weight = tf.stop_gradient(tf.cast(weight, value.dtype))
         total = value * weight
-    return total, weight, tape.gradient(total, ys,
+        scaled = total if loss_scale is None else total * tf.cast(loss_scale, total.dtype)
+    return total, weight, tape.gradient(scaled, ys,
                                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
 
@@ -209,7 +212,8 @@ class UnrolledSchedule:
         self._Run([a for a in self._schedule.order if a.kind != F])
         return self._Gradients()
 
-    def ForwardBackward(self, thetas: list, inputs, loss_fn, loss_inputs=None):
+    def ForwardBackward(self, thetas: list, inputs, loss_fn, loss_inputs=None,
+                        loss_scale=None):
         """Runs every action of the schedule, the loss per micro-batch on the last stage.
 
         Args:
@@ -220,12 +224,14 @@ class UnrolledSchedule:
             micro-batches, sum(value * weight) / sum(weight).
           loss_inputs: a nest split into micro-batches along batch_dim like the inputs and
             given to loss_fn with each micro-batch's outputs (labels, weights); or None.
+          loss_scale: None, or a scalar the gradients are taken of the loss times
+          (`MicroBatchLoss`).
 
         Returns:
           (outputs on the last device, per cell its layers' summed statistics,
           (sum over micro-batches of value * weight, sum of weight),
-          per cell the flat gradients of sum(value * weight) w.r.t. its theta,
-          the gradient of the same w.r.t. the inputs).
+          per cell the flat gradients of sum(value * weight) (times loss_scale) w.r.t. its
+          theta, the gradient of the same w.r.t. the inputs).
         """
         self._Start(thetas, inputs, training=True)
         m_count = self._num_micro_batches
@@ -233,6 +239,7 @@ class UnrolledSchedule:
             self._loss_inputs = (microbatch.Split(loss_inputs, m_count, self._batch_dim)
                                  if loss_inputs is not None else [None] * m_count)
         self._loss_fn = loss_fn
+        self._loss_scale = loss_scale
         self._Run(self._schedule.order)
         with tf.device(self._devices[-1]), tf.name_scope('loss_sum'):
             total = tf.add_n([v for v, _ in self._losses])
@@ -260,6 +267,7 @@ class UnrolledSchedule:
         self._saved = self._Grid()  # Per (cell, micro-batch), what I keeps for W.
         self._last = [[] for _ in range(self._schedule.num_devices)]
         self._loss_fn = None  # Set by ForwardBackward: the loss per micro-batch.
+        self._loss_scale = None  # Set by ForwardBackward.
         self._loss_inputs = [None] * m_count
         self._losses = [None] * m_count  # Per micro-batch (value * weight, weight).
         # Cells that keep their activations are recorded on a tape for their backward (eager
@@ -311,7 +319,8 @@ class UnrolledSchedule:
 
     def _Loss(self, m, outputs):
         """Records micro-batch m's (value * weight, weight); returns its outputs' gradient."""
-        total, weight, d_y = MicroBatchLoss(self._loss_fn, outputs, self._loss_inputs[m])
+        total, weight, d_y = MicroBatchLoss(self._loss_fn, outputs, self._loss_inputs[m],
+                                            self._loss_scale)
         self._losses[m] = (total, weight)
         return d_y
 
@@ -329,7 +338,10 @@ class UnrolledSchedule:
     def _Sum(self, k, m, d_theta):
         # A running sum in schedule order, freed as it goes, instead of one add_n that keeps
         # all M gradients alive. Sparse gradients (an embedding's gather) are made dense:
-        # summed over micro-batches they mostly are.
+        # summed over micro-batches they mostly are. The sum is in the variables' dtype
+        # (float32) under any fprop_dtype: a cell casts its weights inside its traced
+        # function (`BaseLayer.ToFPropDtype`), so each micro-batch's gradient comes back
+        # through that cast in the dtype of theta.
         with tf.device(self._devices[k]), tf.name_scope(OpScope(k, m, 'grad_sum')):
             d_theta = [None if g is None else tf.convert_to_tensor(g) for g in d_theta]
             self._d_thetas[k] = d_theta if self._d_thetas[k] is None else [

@@ -75,11 +75,13 @@ class LoopedSchedule:
         self._Loop((B,))
         return self._Gradients()
 
-    def ForwardBackward(self, thetas: list, inputs, loss_fn, loss_inputs=None):
+    def ForwardBackward(self, thetas: list, inputs, loss_fn, loss_inputs=None,
+                        loss_scale=None):
         """As `UnrolledSchedule.ForwardBackward`."""
         self._Start(thetas, inputs, training=True)
         m_count = self._num_micro_batches
         self._loss_fn = loss_fn
+        self._loss_scale = loss_scale
         with tf.device(self._devices[-1]):
             # Stacked [M, micro-batch...], for a micro-batch's by its index in the loop.
             self._loss_inputs = (None if loss_inputs is None else tf.nest.map_structure(
@@ -100,6 +102,7 @@ class LoopedSchedule:
         self._training = training
         self._thetas = list(thetas)
         self._loss_fn = None
+        self._loss_scale = None
         self._loss = None  # ForwardBackward's [sum of value * weight, sum of weight].
         with tf.device(self._devices[0]):
             parts = microbatch.Split(inputs, m_count, batch_dim)
@@ -199,6 +202,8 @@ class LoopedSchedule:
         return sum(int(t.shape.num_elements()) for t in self._Trainable(s))
 
     def _GradientDtype(self, s):
+        # The weights' dtype (float32 under any fprop_dtype: cells cast their weights inside,
+        # so each micro-batch's gradient comes back in the dtype of theta).
         dtypes = {t.dtype for t in self._Trainable(s)}
         if len(dtypes) > 1:
             raise ValueError(f'cell {s} has weights of several dtypes {sorted(map(str, dtypes))}'
@@ -306,7 +311,8 @@ class LoopedSchedule:
     def _Loss(self, outputs, m):
         loss_inputs = (None if self._loss_inputs is None else
                        tf.nest.map_structure(lambda x: tf.gather(x, m), self._loss_inputs))
-        total, weight, d_y = executor.MicroBatchLoss(self._loss_fn, outputs, loss_inputs)
+        total, weight, d_y = executor.MicroBatchLoss(self._loss_fn, outputs, loss_inputs,
+                                                     self._loss_scale)
         return tf.cast(total, tf.float32), tf.cast(weight, tf.float32), d_y
 
     # ---- results ----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from absl import logging
 from gpipe_tf import errors
 from gpipe_tf import hyperparams
 from gpipe_tf.layers import fprop_context
+from gpipe_tf.layers import precision
 from gpipe_tf.layers import sequential
 from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
 from gpipe_tf.nested_map import NestedMap
@@ -153,7 +154,8 @@ class PipeliningLayer(BaseLayer):
         export on one device, say)."""
         plan = plan_lib.MakePlan(p, place=False)
         return sequential.SequentialLayer.Params().Set(
-            name=p.name, dtype=p.dtype, params_init=p.params_init.Copy(),
+            name=p.name, dtype=p.dtype, fprop_dtype=p.fprop_dtype,
+            params_init=p.params_init.Copy(),
             random_seed=p.random_seed,
             sub=plan.before + [lp for layers in plan.cells for lp in layers])
 
@@ -239,7 +241,8 @@ class PipeliningLayer(BaseLayer):
     def FPropLoss(self, theta, inputs, loss_fn, loss_inputs=None):
         """The pipeline with its loss computed per micro-batch on the last stage, as soon as
         each micro-batch's forward is done: what every schedule can run (1f1b, interleaved and
-        zero-bubble need it).
+        zero-bubble need it). With a `fprop_context` loss_scale (float16), the backward runs on
+        the gradients of the loss times it; the loss's gradients come out as usual.
 
         Args:
           theta: the layer's theta.
@@ -265,11 +268,19 @@ class PipeliningLayer(BaseLayer):
         self._ApplyUpdates(updates)
         return tf.nest.map_structure(tf.stop_gradient, outputs), loss, weight
 
+    def ToFPropDtype(self, theta, inputs):
+        """The pipeline's inputs are cast to fprop_dtype on the first device (`_Prepare`, for
+        FProp and FPropLoss alike); its layers cast their weights themselves."""
+        return theta, inputs
+
     def _Prepare(self, theta, inputs, training: bool):
         """Runs the before_tpl layers; returns (the pipeline's input, per replica its
         `executor.UnrolledSchedule` for this batch, per cell its theta)."""
         p = self.p
         with tf.device(self._devices[0]), fprop_context.Scope(batch_dim=p.batch_dim):
+            if p.fprop_dtype is not None:
+                # Before the split: cell 0 keeps its micro-batches in fprop_dtype too.
+                inputs = precision.CastFloats(inputs, tf.as_dtype(p.fprop_dtype))
             inputs = sequential.Apply(self._before, theta, *inputs)
         batch_size = microbatch.BatchSize(inputs, p.batch_dim)
         if batch_size is None:
@@ -421,6 +432,9 @@ class PipeliningLayer(BaseLayer):
           (outputs, per cell its training statistics, loss, weight).
         """
         num_replicas, batch_dim = self.p.num_replicas, self.p.batch_dim
+        loss_scale = fprop_context.Current().loss_scale
+        if loss_scale is not None:
+            loss_scale = tf.cast(loss_scale, tf.float32)
         results = []
 
         @tf.custom_gradient
@@ -431,7 +445,7 @@ class PipeliningLayer(BaseLayer):
             def Step(r, shard):
                 pipeline_shard, loss_shard = shard
                 steps.append(runs[r].ForwardBackward(thetas_in, pipeline_shard, loss_fn,
-                                                     loss_shard))
+                                                     loss_shard, loss_scale))
                 return steps[-1][0]
 
             outputs = self._Replicated(
@@ -447,12 +461,14 @@ class PipeliningLayer(BaseLayer):
             results.append((outputs, self._SumOverReplicas([s[1] for s in steps]), weight))
 
             def Grad(d_loss):
-                # Each cell's gradients on its device, then the inputs' on the first.
+                # Each cell's gradients on its device, then the inputs' on the first. They
+                # were computed for the loss times loss_scale.
                 pieces = list(enumerate(d_thetas)) + [(0, tf.nest.flatten(d_inputs))]
                 grads = []
                 for k, piece in pieces:
                     with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_grad_scale'):
-                        scale = tf.math.divide_no_nan(d_loss, weight)
+                        scale = tf.math.divide_no_nan(
+                            d_loss, weight if loss_scale is None else weight * loss_scale)
                         grads += [None if g is None else g * tf.cast(scale, g.dtype)
                                   for g in piece]
                 return grads

@@ -38,7 +38,8 @@ class Plan:
     Attributes:
       params: the PipeliningLayer Params the plan is of.
       cells: per cell (stage), its layers' Params (named: by their own name, else
-        `layer_<index>`); v K of them with v virtual stages per device.
+        `layer_<index>`; with the pipeline's fprop_dtype unless they set one); v K of them
+        with v virtual stages per device.
       metas: per cell, its FPropMeta on one mini-batch; None without input_shapes.
       recompute: per cell, whether its forward is re-materialized in the backward.
       batch_size: N, the examples of one mini-batch (from input_shapes; None without them).
@@ -238,7 +239,7 @@ def Cells(p) -> tuple[list[list], list[LayerMeta] | None]:
 
 def BeforeLayers(p) -> list:
     """The before_tpl layers' Params, named (their own name, else `layer_<index>`)."""
-    return [lp.Copy().Set(name=LayerName(lp, i)) for i, lp in enumerate(p.before_tpl)]
+    return [_Named(p, lp, i) for i, lp in enumerate(p.before_tpl)]
 
 
 def _CheckUniqueNames(p, layers: list) -> None:
@@ -255,6 +256,16 @@ def _CheckUniqueNames(p, layers: list) -> None:
 def LayerName(p, index: int) -> str:
     """The name of the layer at `index`: its own, or `layer_<index>`."""
     return p.name or f'layer_{index:03d}'
+
+
+def _Named(p, lp, index: int):
+    """A copy of layer Params `lp` at `index` of pipeline Params `p`, as the pipeline builds
+    it: named (`LayerName`), and computing in the pipeline's fprop_dtype unless it sets its
+    own (what CreateChild gives it), so its costs count its activations at that size."""
+    lp = lp.Copy().Set(name=LayerName(lp, index))
+    if lp.fprop_dtype is None:
+        lp.fprop_dtype = p.fprop_dtype
+    return lp
 
 
 def _ToShapes(shapes):
@@ -279,11 +290,10 @@ def _CellLayerParams(p) -> list[list]:
         cells = [list(c) if isinstance(c, (list, tuple)) else [c] for c in p.cell_tpl]
         index, named = 0, []
         for cell in cells:
-            named.append([lp.Copy().Set(name=LayerName(lp, index + i))
-                          for i, lp in enumerate(cell)])
+            named.append([_Named(p, lp, index + i) for i, lp in enumerate(cell)])
             index += len(cell)
         return named
-    layers = [lp.Copy().Set(name=LayerName(lp, i)) for i, lp in enumerate(p.layer_tpl)]
+    layers = [_Named(p, lp, i) for i, lp in enumerate(p.layer_tpl)]
     boundaries = _Boundaries(p, layers)
     return [layers[boundaries[k]:boundaries[k + 1]] for k in range(len(boundaries) - 1)]
 

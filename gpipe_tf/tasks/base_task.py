@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from gpipe_tf import hyperparams
 from gpipe_tf import learning_rate
+from gpipe_tf import loss_scale
 from gpipe_tf import optimizer
 from gpipe_tf.layers import base_layer
 from gpipe_tf.nested_map import NestedMap
@@ -51,6 +52,9 @@ def TrainParams() -> hyperparams.Params:
     p.Define('eval_dataset', 'Test', 'Dataset evaluated in eval and train_and_eval modes.')
     p.Define('progress_interval_seconds', 5.0, 'Seconds between console progress lines (0: one '
              'line per step).', check=hyperparams.Number(at_least=0))
+    p.Define('loss_scale', loss_scale.DynamicLossScale.Params(),
+             'Dynamic loss scaling (gpipe_tf.loss_scale), used when a layer of the model '
+             'computes in float16 (fprop_dtype).')
     p.Define('plot_pipeline', True, 'Once per run, write pictures of the pipeline to '
              'TensorBoard (train/pipeline/*): its planned cell costs, timeline and memory, and '
              'the timeline of one traced step.')

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from gpipe_tf.layers import precision
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.tasks import base_task
 
@@ -28,6 +29,8 @@ class ClassifierTask(base_task.BaseTask):
         return NestedMap(images=images, labels=batch.labels)
 
     def _Outputs(self, batch, outputs) -> NestedMap:
+        # A model computing in bfloat16 or float16 (fprop_dtype): the loss in float32.
+        outputs = precision.AtLeastFloat32(outputs)
         if isinstance(outputs, NestedMap):
             return outputs
         labels = tf.cast(batch.labels, tf.int32)

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from gpipe_tf.layers import fprop_context
+from gpipe_tf.layers import precision
 from gpipe_tf.models.transformer import decoding
 from gpipe_tf.models.transformer import network as transformer_model
 from gpipe_tf.nested_map import NestedMap
@@ -58,6 +59,8 @@ class SequenceTask(base_task.BaseTask):
         return NestedMap({k: batch[k] for k in self._Keys()})
 
     def ComputeMetrics(self, batch, outputs):
+        # A model computing in bfloat16 or float16 (fprop_dtype): the metrics in float32.
+        outputs = precision.AtLeastFloat32(outputs)
         weights = outputs.weight * tf.cast(batch.weights, outputs.weight.dtype)[:, None]
         loss, num_tokens = base_task.WeightedMean(outputs.per_example_loss, weights)
         accuracy, _ = base_task.WeightedMean(outputs.correct, weights)

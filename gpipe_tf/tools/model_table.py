@@ -60,8 +60,8 @@ def Row(key: str) -> ModelRow:
                          f'{p.cls.__name__}.')
     plan = plan_lib.MakePlan(p, place=False)
     metas, m = plan.metas, plan.num_micro_batches
-    cell_inputs = [base_layer.OutputBytes(plan_lib.InputShapes(p), p.dtype)]
-    cell_inputs += [base_layer.OutputBytes(meta.out_shapes, p.dtype) for meta in metas[:-1]]
+    cell_inputs = [base_layer.ActivationBytes(plan_lib.InputShapes(p), p)]
+    cell_inputs += [base_layer.ActivationBytes(meta.out_shapes, p) for meta in metas[:-1]]
     flops = [meta.flops for meta in metas]
     num_params = sum(meta.num_params for meta in metas)
     return ModelRow(

@@ -5,9 +5,10 @@ Both expose the same small interface to the loop in `gpipe_tf.train.loop`:
 `Restore() -> step`, `Step() -> {metric: float}`, `Save()`, `Evaluate(input) -> {metric: float}`,
 `LearningRate() -> float`, and `TracedStep() -> ({metric: float}, StepTrace)`: the very step
 `Step()` would run, with its op events recorded (for the measured timeline). Checkpoints are
-`tf.train.Checkpoint`s of (task, optimizer, global_step) under `<logdir>/train`, kept by a
-`tf.train.CheckpointManager`. The training data restarts at the restored step (see
-`gpipe_tf.input.base_input`), so a resumed run sees the same batches as an uninterrupted one.
+`tf.train.Checkpoint`s of (task, optimizer, global_step, and float16's loss scale) under
+`<logdir>/train`, kept by a `tf.train.CheckpointManager`. The training data restarts at the
+restored step (see `gpipe_tf.input.base_input`), so a resumed run sees the same batches as an
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ def _CheckRestoredShapes(session, path: str) -> None:
                                   f'{variable.shape.as_list()} in the model')
 
 
+def _LossScaleEntry(loss_scale) -> dict:
+    """The checkpoint's entry for the dynamic loss scale (float16), so a resumed run keeps its
+    scale; none without one, so other checkpoints are as they were."""
+    return {} if loss_scale is None else {'loss_scale': loss_scale}
+
+
 def _Floats(metrics) -> dict:
     return {k: float(np.asarray(v)) for k, v in metrics.items()}
 
@@ -148,8 +155,10 @@ class EagerProgram:
         self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
         self._learning_rate = update.LearningRateFn(train, self.global_step)
         self.optimizer = train.optimizer.Instantiate().Create(self._learning_rate)
+        self.loss_scale = update.LossScaleFor(self.task)
         self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.optimizer,
-                                              global_step=self.global_step)
+                                              global_step=self.global_step,
+                                              **_LossScaleEntry(self.loss_scale))
         self.manager = tf.train.CheckpointManager(
             self.checkpoint, CheckpointDir(logdir), max_to_keep=train.save_max_to_keep)
         self._iterator = None
@@ -184,13 +193,15 @@ class EagerProgram:
 
     def _TrainMetrics(self, batch):
         """One update; returns its metrics as (value, weight) pairs."""
+        step_scale = self.loss_scale.ForStep() if self.loss_scale else None
         with tf.GradientTape() as tape:
             with fprop_context.Scope(training=True, step=self.global_step,
-                                     first_example=self._FirstExample()):
+                                     first_example=self._FirstExample(),
+                                     loss_scale=step_scale and step_scale.value):
                 metrics = self.task.FPropTower(batch)
             _, metrics = update.Update(
                 self.task, self.optimizer, self.global_step, metrics,
-                lambda loss, variables: tape.gradient(loss, variables))
+                lambda loss, variables: tape.gradient(loss, variables), step_scale)
         return metrics
 
     def _TrainStep(self, batch):
@@ -332,19 +343,23 @@ class GraphProgram:
                                            name='global_step')
             self._learning_rate = update.LearningRateFn(train, self.global_step)()
             self.optimizer = train.optimizer.Instantiate().Create(self._learning_rate)
+            self.loss_scale = update.LossScaleFor(self.task)
             self.checkpoint = tf.compat.v1.train.Checkpoint(
-                task=self.task, optimizer=self.optimizer, global_step=self.global_step)
+                task=self.task, optimizer=self.optimizer, global_step=self.global_step,
+                **_LossScaleEntry(self.loss_scale))
             self._start_step = LatestStep(logdir)
             dataset = task_params.input.Instantiate().TrainDataset(start_step=self._start_step)
             batch = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
-            with fprop_context.Scope(training=True, step=self.global_step):
+            step_scale = self.loss_scale.ForStep() if self.loss_scale else None
+            with fprop_context.Scope(training=True, step=self.global_step,
+                                     loss_scale=step_scale and step_scale.value):
                 metrics = self.task.FPropTower(NestedMap(batch))
             train_op, metrics = update.Update(
                 self.task, self.optimizer, self.global_step, metrics,
                 # No colocate_gradients_with_ops: the pipeline's custom gradient places each
                 # cell's backward on its device, and colocating with the one gradient op of
                 # the whole pipeline would contradict that.
-                lambda loss, variables: tf.compat.v1.gradients(loss, variables))
+                lambda loss, variables: tf.compat.v1.gradients(loss, variables), step_scale)
             updates = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
             self._train_op = tf.group([train_op] + updates)
             self._metrics = {k: v[0] for k, v in metrics.items()}

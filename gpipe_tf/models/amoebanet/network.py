@@ -144,7 +144,7 @@ class _ShapeDataflow:
 
     def _Elementwise(self, shape, flops_per_element: int) -> None:
         self.flops += flops_per_element * shape.num_elements()
-        self.activation_bytes += base_layer.OutputBytes(shape, self._p.dtype)
+        self.activation_bytes += base_layer.ActivationBytes(shape, self._p)
 
     def Apply(self, name: str, x):
         child = self._children[name].Copy().Set(name=f'{self._layer}.{name}')
@@ -434,7 +434,9 @@ class AmoebaHeadLayer(BaseLayer):
         xent = self.softmax.FProp(theta.softmax, NestedMap(features=x, labels=inputs.labels))
         per_example_loss = xent.per_example_loss
         if 'aux_per_example_loss' in inputs and fprop_context.Current().training:
-            per_example_loss += self.p.aux_loss_weight * inputs.aux_per_example_loss
+            # The aux loss crossed the cells after it in fprop_dtype; the sum is the loss's.
+            per_example_loss += self.p.aux_loss_weight * tf.cast(inputs.aux_per_example_loss,
+                                                                 per_example_loss.dtype)
         predictions = tf.argmax(xent.logits, axis=-1, output_type=inputs.labels.dtype)
         return NestedMap(
             logits=xent.logits, per_example_loss=per_example_loss,

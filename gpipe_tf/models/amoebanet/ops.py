@@ -236,5 +236,5 @@ class FactorizedReductionLayer(BaseLayer):
         bn = children['bn'].cls.FPropMeta(children['bn'], out)
         relu_flops = tf.TensorShape(x_shape).num_elements()
         return SumMetas(out, [path, path, bn], relu_flops,
-                         base_layer.OutputBytes(x_shape, p.dtype))
+                         base_layer.ActivationBytes(x_shape, p))
 

@@ -96,7 +96,9 @@ class IncrementalDecoder:
             position = layer.position_emb.FProp(NestedMap(emb=theta.position_emb.emb),
                                                 tf.reshape(t, [1]))
         else:
-            position = network.SinusoidalPositions(length, p.model_dim, vec.dtype)[t][None]
+            # As the embedding layer's FProp: computed in dtype, then cast.
+            position = tf.cast(network.SinusoidalPositions(length, p.model_dim, p.dtype)[t][None],
+                               vec.dtype)
         return vec + position[tf.newaxis]
 
     def Step(self, theta, ids, t, caches: list, encoded: NestedMap, length: int):

@@ -183,7 +183,8 @@ class TransformerEmbeddingLayer(BaseLayer):
             positions = self.position_emb.FProp(
                 NestedMap(emb=theta.position_emb.emb), tf.range(length))
         else:
-            positions = SinusoidalPositions(length, p.model_dim, vec.dtype)
+            # Computed in dtype: bfloat16 would round the larger angles to whole radians.
+            positions = tf.cast(SinusoidalPositions(length, p.model_dim, p.dtype), vec.dtype)
         dropout = f'{name}_dropout'
         return getattr(self, dropout).FProp(theta[dropout], vec + positions[tf.newaxis])
 
@@ -222,7 +223,7 @@ class TransformerEmbeddingLayer(BaseLayer):
             meta = token.cls.FPropMeta(token, ids)
             vec = meta.out_shapes
             metas += [LayerMeta(vec, meta.flops + vec.num_elements(), 0,
-                                2 * base_layer.OutputBytes(vec, p.dtype)),
+                                2 * base_layer.ActivationBytes(vec, p)),
                       _DropoutMeta(children[f'{name}_dropout'], vec)]
             out[name] = vec
         if p.translation:
@@ -348,7 +349,7 @@ class TransformerSoftmaxLayer(BaseLayer):
         out = NestedMap(per_example_loss=examples, weight=shapes.weights, correct=examples,
                         predictions=examples)
         argmax = LayerMeta(out, _ARGMAX_FLOPS_PER_LOGIT * examples.num_elements() * p.vocab_size,
-                           0, base_layer.OutputBytes(examples, p.dtype))
+                           0, base_layer.ActivationBytes(examples, p))
         return _SumMetas(out, [ln_meta, softmax_meta, argmax])
 
 
