@@ -9,6 +9,8 @@ measurement runs in a process of its own:
   trace    tracing the train step (get_concrete_function)
   first    the first step: graph optimization, placement, executor set-up and the step
   step     the median of 3 further steps
+  peak     what one step allocates at its peak over what was allocated before it, all 8 devices
+           together (the BFC allocator's statistics: TF_CPU_ALLOCATOR_USE_BFC=true)
 
     python benchmarks/schedule_build.py [--runs=looped:gpipe:8,unrolled:gpipe:32,...]
         [--out=benchmarks/results/schedule_build.json]
@@ -81,9 +83,10 @@ def Measure(executor: str, kind: str, m: int) -> dict:
         begin = time.perf_counter()
         Step(inputs).numpy()
         times.append(time.perf_counter() - begin)
+    peak = test_utils.PeakBytesOf(lambda: Step(inputs).numpy())
     return dict(executor=executor, schedule=kind, k=K, v=virtual, m=m, batch=batch,
                 layer_s=built - start, trace_s=traced - built, first_step_s=first - traced,
-                build_and_first_s=first - start, step_s=sorted(times)[1])
+                build_and_first_s=first - start, step_s=sorted(times)[1], peak_bytes=peak)
 
 
 def Main() -> None:
@@ -100,10 +103,11 @@ def Main() -> None:
         return
     rows = []
     print(f'{"executor":9s} {"schedule":17s} {"M":>4s} {"layer":>6s} {"trace":>6s} '
-          f'{"first":>7s} {"total":>7s} {"step":>6s}  (seconds)', flush=True)
+          f'{"first":>7s} {"total":>7s} {"step":>6s}  (seconds) {"peak MB":>8s}', flush=True)
     for run in args.runs.split(','):
         result = subprocess.run([sys.executable, __file__, f'--one={run}'], capture_output=True,
-                                text=True, check=False)
+                                text=True, check=False,
+                                env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true'))
         lines = [l for l in result.stdout.splitlines() if l.startswith('RESULT ')]
         if result.returncode or not lines:
             print(f'{run}: failed (exit {result.returncode}):\n{result.stderr[-2000:]}',
@@ -113,7 +117,7 @@ def Main() -> None:
         rows.append(row)
         print(f'{row["executor"]:9s} {row["schedule"]:17s} {row["m"]:4d} {row["layer_s"]:6.1f} '
               f'{row["trace_s"]:6.1f} {row["first_step_s"]:7.1f} {row["build_and_first_s"]:7.1f} '
-              f'{row["step_s"]:6.2f}', flush=True)
+              f'{row["step_s"]:6.2f}            {row["peak_bytes"] / 2**20:8.0f}', flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, 'w', encoding='utf-8') as f:
         json.dump(rows, f, indent=1)
