@@ -17,34 +17,48 @@ DEVICES = test_utils.ConfigureVirtualCpus()
 MT = 'mt.multilingual.TransformerTiny'
 
 
+def StepsAndFullForward(fprop_dtype=None):
+    """A causal decoder block with cross-attention: (its outputs position by position by
+    ExtendStep, concatenated; its FProp on the whole sequence; the last cache; the block; its
+    input)."""
+    batch, length, source, dim = 3, 5, 4, 8
+    layer = attention.TransformerLayer.Params().Set(
+        name='decoder', model_dim=dim, hidden_dim=16, num_heads=2, causal=True,
+        has_cross_attention=True, fprop_dtype=fprop_dtype).Instantiate()
+    vec = tf.random.stateless_normal([batch, length, dim], [1, 1])
+    encoder_vec = tf.random.stateless_normal([batch, source, dim], [1, 2])
+    encoder_paddings = tf.constant([[0, 0, 0, 0], [0, 0, 1, 1], [0, 1, 1, 1]], tf.float32)
+    with fprop_context.Scope(training=False):
+        full = layer.FProp(layer.theta, NestedMap(
+            vec=vec, paddings=tf.zeros([batch, length]), encoder_vec=encoder_vec,
+            encoder_paddings=encoder_paddings)).vec
+        cache = layer.DecodeCache(layer.theta, batch, length, encoder_vec)
+        steps = []
+        for t in range(length):
+            y, cache = layer.ExtendStep(layer.theta, vec[:, t:t + 1], cache, tf.constant(t),
+                                        encoder_paddings)
+            steps.append(y)
+    return tf.concat(steps, 1), full, cache, layer, vec
+
+
 @pytest.mark.unit
 class ExtendStepTest(tf.test.TestCase):
     """A causal decoder block, position by position, against its FProp on the whole sequence."""
 
     def testEachPositionEqualsTheFullForward(self):
-        batch, length, source, dim = 3, 5, 4, 8
-        layer = attention.TransformerLayer.Params().Set(
-            name='decoder', model_dim=dim, hidden_dim=16, num_heads=2, causal=True,
-            has_cross_attention=True).Instantiate()
-        rng = np.random.RandomState(0)
-        vec = tf.constant(rng.randn(batch, length, dim), tf.float32)
-        encoder_vec = tf.constant(rng.randn(batch, source, dim), tf.float32)
-        encoder_paddings = tf.constant([[0, 0, 0, 0], [0, 0, 1, 1], [0, 1, 1, 1]], tf.float32)
-        with fprop_context.Scope(training=False):
-            full = layer.FProp(layer.theta, NestedMap(
-                vec=vec, paddings=tf.zeros([batch, length]), encoder_vec=encoder_vec,
-                encoder_paddings=encoder_paddings)).vec
-            cache = layer.DecodeCache(layer.theta, batch, length, encoder_vec)
-            steps = []
-            for t in range(length):
-                y, cache = layer.ExtendStep(layer.theta, vec[:, t:t + 1], cache,
-                                            tf.constant(t), encoder_paddings)
-                steps.append(y)
-        self.assertAllClose(tf.concat(steps, 1), full, rtol=1e-6, atol=1e-6)
+        steps, full, cache, layer, vec = StepsAndFullForward()
+        self.assertAllClose(steps, full, rtol=1e-6, atol=1e-6)
         # The cache holds every position's key, as the full forward projects them.
         keys = layer.self_atten.KeyValueCache(
             layer.theta.self_atten, layer.self_atten_ln.FProp(layer.theta.self_atten_ln, vec))
         self.assertAllClose(cache.self_atten.key, keys.key, rtol=1e-6, atol=1e-6)
+
+    def testBfloat16StepsComputeInBfloat16(self):
+        steps, full, cache, _, _ = StepsAndFullForward(tf.bfloat16)
+        self.assertEqual(cache.self_atten.key.dtype, tf.bfloat16)
+        self.assertEqual((steps.dtype, full.dtype), (tf.bfloat16, tf.bfloat16))
+        # One position at a time rounds like the whole sequence but for the order of sums.
+        self.assertLess(test_utils.MaxRelativeError(steps, full), 2e-2)
 
 
 class GreedyTest(tf.test.TestCase):

@@ -22,12 +22,10 @@ from absl.testing import parameterized
 from gpipe_tf import model_registry
 from gpipe_tf import optimizer
 from gpipe_tf import test_utils
-from gpipe_tf.layers import attention
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import normalization
-from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.perf import memory
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.train import update
@@ -386,36 +384,6 @@ class LossScaleTest(tf.test.TestCase, parameterized.TestCase):
         scaled = Grads(tf.float16, 2.0 ** 24)
         self.assertLess(test_utils.MaxRelativeError(scaled, want), 1e-2)
         self.assertGreater(test_utils.MaxRelativeError(unscaled, want), 0.5)
-
-
-@pytest.mark.unit
-class DecodingTest(tf.test.TestCase):
-    """Incremental decoding computes in fprop_dtype too: a bfloat16 decoder block's steps give
-    its bfloat16 FProp at each position."""
-
-    def testExtendStepEqualsTheBfloat16FullForward(self):
-        batch, length, source, dim = 3, 5, 4, 8
-        layer = attention.TransformerLayer.Params().Set(
-            name='decoder', model_dim=dim, hidden_dim=16, num_heads=2, causal=True,
-            has_cross_attention=True, fprop_dtype=tf.bfloat16).Instantiate()
-        vec = tf.random.stateless_normal([batch, length, dim], [1, 1])
-        encoder_vec = tf.random.stateless_normal([batch, source, dim], [1, 2])
-        encoder_paddings = tf.constant([[0, 0, 0, 0], [0, 0, 1, 1], [0, 1, 1, 1]], tf.float32)
-        with fprop_context.Scope(training=False):
-            full = layer.FProp(layer.theta, NestedMap(
-                vec=vec, paddings=tf.zeros([batch, length]), encoder_vec=encoder_vec,
-                encoder_paddings=encoder_paddings)).vec
-            cache = layer.DecodeCache(layer.theta, batch, length, encoder_vec)
-            self.assertEqual(cache.self_atten.key.dtype, tf.bfloat16)
-            steps = []
-            for t in range(length):
-                y, cache = layer.ExtendStep(layer.theta, vec[:, t:t + 1], cache,
-                                            tf.constant(t), encoder_paddings)
-                steps.append(y)
-        self.assertEqual(full.dtype, tf.bfloat16)
-        self.assertEqual(steps[0].dtype, tf.bfloat16)
-        # One position at a time rounds like the whole sequence but for the order of sums.
-        self.assertLess(test_utils.MaxRelativeError(tf.concat(steps, 1), full), 2e-2)
 
 
 @pytest.mark.unit
