@@ -418,11 +418,9 @@ class BaseLayer(tf.Module):
         micro-batch; draw per example from it (`example_random.Uniform`) so that the values do
         not depend on how the batch is split."""
         ctx = fprop_context.Current()
-        path_seed = (ctx.path_seeds or {}).get(self.path)
-        if path_seed is None:
-            base = tf.constant([PathSeed(self.path, self.p.random_seed), 0], tf.int64)
-        else:
-            base = tf.stack([path_seed, tf.zeros([], tf.int64)])
+        if ctx.seed_observer is not None:
+            ctx.seed_observer()
+        base = tf.constant([PathSeed(self.path, self.p.random_seed), 0], tf.int64)
         return tf.random.experimental.stateless_fold_in(base, tf.cast(ctx.step, tf.int64))
 
 

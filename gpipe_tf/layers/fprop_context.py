@@ -23,9 +23,9 @@ class FPropContext:
         scalar int tensor): 0 for a whole batch, m * n for micro-batch m of n examples.
       batch_dim: the inputs' batch dimension, along which `first_example` counts.
       update_collector: where layers' training updates go; None applies them at once.
-      path_seeds: None, or a dict from layer path to a scalar int64 tensor that replaces the
-        seed of that path (`BaseLayer.StepSeed`): one traced cell serves every cell of its
-        structure, and takes the seeds of the cell it computes as an argument.
+      seed_observer: None, or a function called (without arguments) whenever a layer draws its
+        seed (`BaseLayer.StepSeed`): a traced cell learns that its trace holds its own layers'
+        seeds, and so cannot serve other cells of its structure.
       loss_scale: None, or the scalar float32 tensor the training loss is multiplied by before
         its gradients (dynamic loss scaling, float16): a pipeline that computes its loss
         inside (`FPropLoss`) scales the gradient entering its backward by it.
@@ -35,7 +35,7 @@ class FPropContext:
     first_example: Any = 0
     batch_dim: int = 0
     update_collector: Any = None
-    path_seeds: Any = None
+    seed_observer: Any = None
     loss_scale: Any = None
 
 

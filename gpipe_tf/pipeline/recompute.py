@@ -50,22 +50,10 @@ def WithFloatLeaves(structure, float_values) -> list:
 
 def StructureKey(cell) -> tuple:
     """Cells with equal keys compute the same function of their theta (given per layer, in
-    order), inputs and layers' seeds: the same layer classes, in the same order, built from the
-    same Params but for the layers' names."""
+    order) and inputs, but for their layers' seeds: the same layer classes, in the same order,
+    built from the same Params but for the layers' names."""
     return tuple((type(layer).__module__, type(layer).__qualname__,
                   layer.params.Copy().Set(name='').ToText()) for layer in cell.sequence)
-
-
-class _SeedUse:
-    """The `FPropContext.path_seeds` of a trace: notes that a layer asked for its seed (the
-    trace then holds the seeds of its own cell's paths) and gives none instead of it."""
-
-    def __init__(self):
-        self.used = False
-
-    def get(self, unused_path):  # pylint: disable=invalid-name
-        self.used = True
-        return None
 
 
 class _Traced:
@@ -73,7 +61,7 @@ class _Traced:
     (`StructureKey`), on every device and replica: traced once, with the first such cell's
     layers. A cell's theta (a list with one entry per layer, in order) is an argument; no device
     is set inside, so the call op's device places the body. A function whose trace drew random
-    numbers holds its cell's seeds and serves that cell alone (`seeded`).
+    numbers holds its cell's seeds and serves that cell alone (`Shareable`).
 
     Args:
       cell: the cell whose layers are traced.
@@ -88,10 +76,9 @@ class _Traced:
         # Positions in `layers` of the layers that report training updates, in the order they
         # report them; set when the training forward is first traced.
         self.update_positions: list | None = None
-        # Per function ('fwd_True', 'fwd_False', 'bwd', 'bwd_input', 'bwd_weight'): traced, and
-        # whose trace asked for seeds.
-        self.traced = set()
-        self._seed_use = {}
+        # Per function traced ('fwd_True', 'fwd_False', 'bwd', 'bwd_input', 'bwd_weight'),
+        # whether its trace drew a layer's seed.
+        self._seeded = {}
         name = cell.path.replace('.', '_')
         self.forward = {}
         for training in (True, False):
@@ -110,28 +97,30 @@ class _Traced:
         packed = tf.nest.pack_sequence_as(self.cell.vars, list(flat))
         return [packed[layer.p.name] for layer in self.cell.sequence]
 
-    def Seeded(self, kind: str) -> bool:
-        """Whether function `kind`'s trace drew random numbers (and so holds its cell's
-        seeds)."""
-        return kind in self._seed_use and self._seed_use[kind].used
+    def Shareable(self, kind: str) -> bool:
+        """Whether function `kind` is traced and serves other cells of this structure: its
+        trace drew no random numbers (which would hold this cell's seeds)."""
+        return self._seeded.get(kind) is False
 
     def _Start(self, kind: str) -> None:
         """Called as the trace of function `kind` begins."""
-        self.traced.add(kind)
-        self._seed_use[kind] = _SeedUse()
+        self._seeded[kind] = False
         self._kind = kind
 
-    def _Scope(self, seeds, step, first_example, training, collector=None):
+    def _Seeded(self) -> None:
+        self._seeded[self._kind] = True
+
+    def _Scope(self, step, first_example, training, collector=None):
         """The layers' context for one micro-batch; updates go to `collector` (by default one
         that is dropped: a recompute's statistics were already reported by the forward)."""
         return fprop_context.Scope(
             training=training, step=step, first_example=first_example, batch_dim=self.batch_dim,
             update_collector=(fprop_context.UpdateCollector() if collector is None else collector),
-            path_seeds=self._seed_use[self._kind])
+            seed_observer=self._Seeded)
 
-    def _Run(self, theta, seeds, inputs, step, first_example, training):
+    def _Run(self, theta, inputs, step, first_example, training):
         collector = fprop_context.UpdateCollector()
-        with self._Scope(seeds, step, first_example, training, collector):
+        with self._Scope(step, first_example, training, collector):
             outputs = self.cell.FProp(theta, *base_layer.AsArgs(inputs))
         if training and self.update_positions is None:
             position = {id(layer): i for i, layer in enumerate(self.layers)}
@@ -140,13 +129,12 @@ class _Traced:
         return outputs, stats
 
     def _MakeForward(self, training: bool):
-        def Forward(layer_thetas, seeds, inputs, step, first_example):
+        def Forward(layer_thetas, inputs, step, first_example):
             self._Start(f'fwd_{training}')
-            return self._Run(self._Theta(layer_thetas), seeds, inputs, step, first_example,
-                             training)
+            return self._Run(self._Theta(layer_thetas), inputs, step, first_example, training)
         return Forward
 
-    def _Backward(self, layer_thetas, seeds, inputs, step, first_example, d_outputs):
+    def _Backward(self, layer_thetas, inputs, step, first_example, d_outputs):
         """Recomputes the forward once `d_outputs` (gradients of the float outputs) exist, then
         differentiates it.
 
@@ -159,11 +147,11 @@ class _Traced:
             with tf.control_dependencies(d_outputs):
                 theta = Identity(self._Theta(layer_thetas))
                 inputs = Identity(inputs)
-            outputs, _ = self._Run(theta, seeds, inputs, step, first_example, training=True)
+            outputs, _ = self._Run(theta, inputs, step, first_example, training=True)
         d_theta, d_inputs = Differentiate(outputs, theta, inputs, d_outputs, self.trainable)
         return self._PerLayer(d_theta), d_inputs
 
-    def _BackwardInput(self, layer_thetas, seeds, inputs, step, first_example, d_outputs):
+    def _BackwardInput(self, layer_thetas, inputs, step, first_example, d_outputs):
         """The input gradient alone (a zero-bubble schedule's I): recomputes the forward layer
         by layer once `d_outputs` exist, then takes each layer's input gradient from its output
         gradient, last layer first.
@@ -180,7 +168,7 @@ class _Traced:
                 layer_thetas = Identity(layer_thetas)
                 args = Identity(base_layer.AsArgs(inputs))
             layer_inputs, layer_outputs = [], []
-            with self._Scope(seeds, step, first_example, training=True):
+            with self._Scope(step, first_example, training=True):
                 for layer, theta in zip(layers, layer_thetas):
                     # Fresh sources per layer, so each layer is differentiated alone.
                     args = Identity(args)
@@ -195,7 +183,7 @@ class _Traced:
                                grad_ys=d_y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return WithFloatLeaves(inputs, d_y), (layer_inputs, layer_d_outputs)
 
-    def _BackwardWeight(self, layer_thetas, seeds, saved, step, first_example):
+    def _BackwardWeight(self, layer_thetas, saved, step, first_example):
         """The weight gradient (a zero-bubble schedule's W) from what `_BackwardInput` saved:
         each layer's forward re-run from its input, differentiated w.r.t. its weights alone.
 
@@ -208,7 +196,7 @@ class _Traced:
         for layer, theta, args, d_y in zip(self.cell.sequence, layer_thetas, layer_inputs,
                                            layer_d_outputs):
             theta = Identity(theta)
-            with tf.name_scope(RECOMPUTE_SCOPE), self._Scope(seeds, step, first_example, True):
+            with tf.name_scope(RECOMPUTE_SCOPE), self._Scope(step, first_example, True):
                 outputs = layer.FProp(theta, *args)
             trainable = [v.trainable for v in tf.nest.flatten(layer.vars)]
             sources = [t for t, keep in zip(tf.nest.flatten(theta), trainable) if keep]
@@ -250,7 +238,7 @@ class CellFunctions:
         """The traced functions to run function `kind` with: the shared ones, unless their
         trace drew random numbers with another cell's seeds (or is not made yet)."""
         shared = self._shared
-        if shared.cell is self.cell or (kind in shared.traced and not shared.Seeded(kind)):
+        if shared.cell is self.cell or shared.Shareable(kind):
             return shared
         if self._own is None:
             self._own = _Traced(self.cell, self.batch_dim)
@@ -263,10 +251,9 @@ class CellFunctions:
         positions = self._For('fwd_True').update_positions
         return None if positions is None else [self._layers[i] for i in positions]
 
-    def _Args(self, theta) -> tuple:
-        """The traced functions' first arguments: theta per layer, and no seeds (a trace that
-        draws random numbers holds its cell's: see the module docstring)."""
-        return [theta[layer.p.name] for layer in self.cell.sequence], None
+    def _LayerThetas(self, theta) -> list:
+        """The traced functions' first argument: this cell's theta, one entry per layer."""
+        return [theta[layer.p.name] for layer in self.cell.sequence]
 
     def _Flat(self, layer_thetas) -> list:
         """Per-layer values as a flat list over the leaves of this cell's theta."""
@@ -276,9 +263,8 @@ class CellFunctions:
     def ForwardSpecs(self, theta, input_spec, step_spec, training: bool = True):
         """TensorSpecs of the (outputs, statistics) of the cell's forward on inputs of
         `input_spec` (tracing it if it was not)."""
-        layer_thetas, seeds = self._Args(theta)
         concrete = self._For(f'fwd_{training}').forward[training].get_concrete_function(
-            layer_thetas, seeds, input_spec, step_spec, step_spec)
+            self._LayerThetas(theta), input_spec, step_spec, step_spec)
         return tf.nest.map_structure(
             lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype),
             concrete.structured_outputs)
@@ -288,12 +274,12 @@ class CellFunctions:
         `first_example` (scalar int64 tensor) in the mini-batch; one call op on the device."""
         with tf.device(self.device):
             return self._For(f'fwd_{training}').forward[training](
-                *self._Args(theta), inputs, step, first_example)
+                self._LayerThetas(theta), inputs, step, first_example)
 
     def Backward(self, theta, inputs, step, first_example, d_outputs):
         """(flat d_theta, flat d_inputs) for one micro-batch, recomputing the forward."""
         with tf.device(self.device):
-            d_theta, d_inputs = self._For('bwd').backward(*self._Args(theta), inputs, step,
+            d_theta, d_inputs = self._For('bwd').backward(self._LayerThetas(theta), inputs, step,
                                                           first_example, d_outputs)
             return self._Flat(d_theta), d_inputs
 
@@ -301,14 +287,14 @@ class CellFunctions:
         """(flat d_inputs, saved for `BackwardWeight`) for one micro-batch, recomputing its
         forward."""
         with tf.device(self.device):
-            return self._For('bwd_input').backward_input(*self._Args(theta), inputs, step,
+            return self._For('bwd_input').backward_input(self._LayerThetas(theta), inputs, step,
                                                          first_example, d_outputs)
 
     def BackwardWeight(self, theta, saved, step, first_example):
         """Flat d_theta for one micro-batch from what `BackwardInput` saved."""
         with tf.device(self.device):
             return self._Flat(self._For('bwd_weight').backward_weight(
-                *self._Args(theta), saved, step, first_example))
+                self._LayerThetas(theta), saved, step, first_example))
 
 
 def Differentiate(outputs, theta, inputs, d_outputs, trainable, tape=None):
