@@ -96,6 +96,15 @@ def NamedWeights(model, name):
     return [w for w in model.weights if w.path.endswith(name)]
 
 
+def FittedModel():
+    """(a compiled model, x, y) after one epoch of two steps on (x, y): two steps, so that the
+    moving statistics are not the initial ones."""
+    model = Compile(MakeModel())
+    x, y = Data(2 * BATCH)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    return model, x, y
+
+
 class TempDirTest(tf.test.TestCase):
 
     def setUp(self):
@@ -220,10 +229,7 @@ class InferenceTest(tf.test.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.model = Compile(MakeModel())
-        cls.x, cls.y = Data(2 * BATCH)
-        # Two steps, so that the moving statistics are not the initial ones.
-        cls.model.fit(cls.x, cls.y, batch_size=BATCH, epochs=1, verbose=0)
+        cls.model, cls.x, cls.y = FittedModel()
 
     def testPredictRunsInInferenceMode(self):
         want = Inference(self.model, self.x)
@@ -363,9 +369,7 @@ class SaveLoadTest(TempDirTest):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.model = Compile(MakeModel())
-        cls.x, cls.y = Data(2 * BATCH)
-        cls.model.fit(cls.x, cls.y, batch_size=BATCH, epochs=1, verbose=0)
+        cls.model, cls.x, cls.y = FittedModel()
         cls.predictions = cls.model.predict(cls.x, batch_size=BATCH, verbose=0)
 
     def Predict(self, model):

@@ -6,6 +6,8 @@ micro-batches) and run in inference mode.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import tensorflow as tf
 
@@ -45,34 +47,54 @@ def _CannotDecode(task_name: str) -> ValueError:
                       'translation tasks can).')
 
 
-def LoadImage(path: str, image_size: int, num_channels: int, mean: float, std: float):
-    """An image file (PNG, JPEG, GIF, BMP) as the model's input: [size, size, channels] float32,
-    scaled to [0, 1] and normalised like the training data.
+class ImageSpec(NamedTuple):
+    """What a classifier's input images are: size x size x channels, normalised by mean, std."""
+    size: int
+    channels: int
+    mean: float
+    std: float
+
+    @classmethod
+    def Of(cls, task_params) -> 'ImageSpec':
+        """The spec of task Params' input (its input Params, else the model's input shapes)."""
+        data = task_params.input
+        shapes = task_params.model.input_shapes
+        return cls(size=data.image_size if 'image_size' in data else shapes['images'][1],
+                   channels=data.num_channels if 'num_channels' in data else
+                   shapes['images'][3],
+                   mean=float(data.mean) if 'mean' in data else 0.0,
+                   std=float(data.std) if 'std' in data else 1.0)
+
+    def Normalize(self, pixels):
+        """uint8 pixels [..., height, width, channels] of any size as the model's input: scaled
+        to [0, 1], resized to size x size and normalised like the training data."""
+        pixels = tf.image.resize(tf.cast(pixels, tf.float32) / 255.0, [self.size, self.size])
+        return (pixels - self.mean) / self.std
+
+
+def LoadImage(path: str, spec: ImageSpec):
+    """An image file (PNG, JPEG, GIF, BMP) as the model's input: [size, size, channels] float32
+    (`ImageSpec.Normalize`).
 
     Raises:
       FileNotFoundError: for a missing file; ValueError: for a file that is not an image.
     """
     _RequireImageFile(path)
     try:
-        pixels = tf.io.decode_image(tf.io.read_file(path), channels=num_channels,
+        pixels = tf.io.decode_image(tf.io.read_file(path), channels=spec.channels,
                                     expand_animations=False)
     except tf.errors.InvalidArgumentError as e:
         raise ValueError(f'decode: {path!r} is not a PNG, JPEG, GIF or BMP image '
                          f'({e.message}).') from None
-    pixels = tf.image.resize(tf.cast(pixels, tf.float32) / 255.0, [image_size, image_size])
-    return ((pixels - mean) / std).numpy()
+    return spec.Normalize(pixels).numpy()
 
 
 def ClassifyImages(task, task_params, paths: list[str]) -> list[tuple[str, str]]:
     """(path, 'label (probability)') for each image file."""
     data = task_params.input
-    shapes = task_params.model.input_shapes
-    size = data.image_size if 'image_size' in data else shapes['images'][1]
-    channels = data.num_channels if 'num_channels' in data else shapes['images'][3]
-    mean = data.mean if 'mean' in data else 0.0
-    std = data.std if 'std' in data else 1.0
+    spec = ImageSpec.Of(task_params)
     names = image_input.ClassNames(data)
-    images = np.stack([LoadImage(p, size, channels, mean, std) for p in paths])
+    images = np.stack([LoadImage(p, spec) for p in paths])
     predict = tf.function(task.Predict, autograph=False)
     results = []
     for batch, count in _Batches(images, data.batch_size):

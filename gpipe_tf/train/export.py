@@ -37,6 +37,7 @@ from gpipe_tf.input import image as image_input
 from gpipe_tf.input import vocabulary
 from gpipe_tf.tasks import classifier
 from gpipe_tf.tasks import sequence
+from gpipe_tf.train import decode
 
 
 class ExportError(ValueError):
@@ -121,21 +122,17 @@ class ClassifierServable(tf.Module):
         # Tracked, so the SavedModel holds them; the functions read them.
         self.model_variables = list(task.variables)
         data = task_params.input
-        shapes = task_params.model.input_shapes
-        self._size = data.image_size if 'image_size' in data else shapes['images'][1]
-        self._channels = data.num_channels if 'num_channels' in data else shapes['images'][3]
-        self._mean = float(data.mean) if 'mean' in data else 0.0
-        self._std = float(data.std) if 'std' in data else 1.0
+        self._spec = spec = decode.ImageSpec.Of(task_params)
         self._batch_size = data.batch_size
         names = image_input.ClassNames(data)
         self._names = list(names) if names else None
         self.predict = tf.function(
             self._Predict, autograph=False, input_signature=[
-                tf.TensorSpec([None, self._size, self._size, self._channels], tf.float32,
+                tf.TensorSpec([None, spec.size, spec.size, spec.channels], tf.float32,
                               name='images')])
         self.classify = tf.function(
             self._Classify, autograph=False, input_signature=[
-                tf.TensorSpec([None, None, None, self._channels], tf.uint8, name='images')])
+                tf.TensorSpec([None, None, None, spec.channels], tf.uint8, name='images')])
 
     def Signatures(self) -> dict:
         return {'serving_default': self.classify.get_concrete_function(),
@@ -155,8 +152,7 @@ class ClassifierServable(tf.Module):
         return self._Outputs(probabilities)
 
     def _Classify(self, images):
-        pixels = tf.image.resize(tf.cast(images, tf.float32) / 255.0, [self._size, self._size])
-        return self._Predict((pixels - self._mean) / self._std)
+        return self._Predict(self._spec.Normalize(images))
 
 
 class TranslationServable(tf.Module):

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from gpipe_tf.layers import attention
 from gpipe_tf.layers import fprop_context
+from gpipe_tf.models.transformer import network
 from gpipe_tf.nested_map import NestedMap
 
 
@@ -88,7 +89,6 @@ class IncrementalDecoder:
     def _EmbedTarget(self, theta, ids, t, length: int):
         """Position t's target embedding [B, 1, D] for `ids` [B], as the embedding layer's
         FProp gives it at t."""
-        from gpipe_tf.models.transformer import network  # pylint: disable=g-import-not-at-top
         layer = self._embedding
         p, theta = layer.p, theta[layer.p.name]
         vec = layer.token_emb.FProp(NestedMap(emb=theta.token_emb.emb), ids[:, tf.newaxis])
