@@ -22,12 +22,14 @@ from gpipe_tf.train import export
 DEVICES = test_utils.ConfigureVirtualCpus()
 
 # Loads a SavedModel and runs one of its signatures in a fresh process that cannot import
-# gpipe_tf (-I: no PYTHONPATH, no script directory or working directory on sys.path).
+# gpipe_tf: a None entry in sys.modules makes any `import gpipe_tf[.x]` an ImportError, even
+# where the package is installed (CI's `pip install -e .`); -I drops PYTHONPATH and the
+# working directory from sys.path.
 _LOADER = textwrap.dedent('''
-    import importlib.util, json, sys
+    import json, sys
+    sys.modules['gpipe_tf'] = None
     import numpy as np
     import tensorflow as tf
-    assert importlib.util.find_spec('gpipe_tf') is None, 'gpipe_tf is importable'
     export_dir, signature, num_devices, inputs_file = sys.argv[1:5]
     if int(num_devices) > 1:
         tf.config.set_logical_device_configuration(

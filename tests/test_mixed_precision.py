@@ -491,6 +491,25 @@ class TrainerTest(tf.test.TestCase):
         self.assertEqual(Saved(), [2.0 ** 18, 5])
         self.assertEqual(sorted(self.Losses()), list(range(1, 36)))
 
+    def testAFloat32CheckpointResumesInFloat16(self):
+        # The float32 run's checkpoint has no loss scale; float16 starts one at 2^15, in either
+        # program (the v1 graph one initialises what the checkpoint lacks).
+        self.Train()
+        for mode in ('v1', 'tf_function'):
+            logdir = os.path.join(self.logdir, mode)
+            shutil.copytree(os.path.join(self.logdir, 'train'), os.path.join(logdir, 'train'))
+            test_utils.TrainerInProcess(
+                f'--model={MLP}', f'--logdir={logdir}', '--max_steps=32',
+                '--fprop_dtype=float16', f'--graph_mode={mode}',
+                '--model_params_override=train.plot_pipeline : False')
+            reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(
+                os.path.join(logdir, 'train')))
+            self.assertEqual(reader.get_tensor('global_step/.ATTRIBUTES/VARIABLE_VALUE'), 32)
+            self.assertEqual(
+                reader.get_tensor('loss_scale/scale/.ATTRIBUTES/VARIABLE_VALUE'), 2.0 ** 15)
+            self.assertEqual(
+                reader.get_tensor('loss_scale/good_steps/.ATTRIBUTES/VARIABLE_VALUE'), 2)
+
     def testABadValueIsOneLine(self):
         result = test_utils.TrainerInProcess(f'--model={MLP}', '--fprop_dtype=int8',
                                              f'--logdir={self.logdir}', check=False)

@@ -61,14 +61,21 @@ def _RestoreMatched(checkpoint, path: str):
     the checkpoint.
 
     A checkpoint that keys the pipeline's layers by cell (written before they were keyed by
-    name) is read through its converted copy (`legacy_checkpoints`).
+    name) is read through its converted copy (`legacy_checkpoints`). One without a loss scale
+    restores into a model with one, whose scale keeps its initial value.
 
     Raises:
       CheckpointMismatchError: if the checkpoint holds other variables than the model's.
     """
+    readable = legacy_checkpoints.Readable(path)
+    if hasattr(checkpoint, 'loss_scale') and not any(
+            name.startswith('loss_scale/') for name, _ in tf.train.list_variables(readable)):
+        # Written without a loss scale (float32 or bfloat16 training) and resumed in float16:
+        # the scale starts from its initial value.
+        checkpoint = type(checkpoint)(task=checkpoint.task, optimizer=checkpoint.optimizer,
+                                      global_step=checkpoint.global_step)
     try:
-        return checkpoint.restore(
-            legacy_checkpoints.Readable(path)).assert_existing_objects_matched()
+        return checkpoint.restore(readable).assert_existing_objects_matched()
     except (AssertionError, ValueError) as error:  # ValueError: a variable of another shape.
         raise _Mismatch(path, checkpoints.FirstLine(error)) from None
 
