@@ -163,6 +163,47 @@ class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(weight, tf.reduce_sum(loss_inputs.weights))
 
 
+class ForwardOnlyScheduleTest(tf.test.TestCase, parameterized.TestCase):
+    """Inference (eval, decode, an exported model) runs the forward-only schedule: the
+    training schedule's forwards, nothing recorded for a backward."""
+
+    @parameterized.named_parameters(*UNROLLED[:4], *LOOPED[:3])
+    def testOutputsEqualTheLayersInInferenceMode(self, kind, k, v, m, r, unroll):
+        # Batch norm's moving statistics and dropout make inference differ from training.
+        layer = Pipeline(kind, k, v, m, r, batch_norm=True, unroll=unroll).Instantiate()
+        for var in layer.variables:
+            if 'moving' in var.name:
+                var.assign(tf.random.stateless_uniform(var.shape, [5, len(var.name)],
+                                                       0.5, 1.5))
+        x, _ = Data()
+        step = tf.function(lambda x: layer(x))
+        with fprop_context.Scope(training=False):
+            outputs = step(x)
+            reference = test_utils.Unpartitioned(layer, x)
+        with fprop_context.Scope(training=True, step=5):
+            training = test_utils.Unpartitioned(layer, x, m, step=5)
+        self.assertLess(test_utils.MaxRelativeError(outputs, reference), RTOL)
+        self.assertGreater(test_utils.MaxRelativeError(training, reference), 1e-2)
+        # No backward: the graph has no gradient and no backward cell function.
+        with fprop_context.Scope(training=False):
+            graph = step.get_concrete_function(x).graph
+        names = [op.name for op in graph.get_operations()]
+        functions = [f.signature.name for f in graph.as_graph_def().library.function]
+        self.assertEmpty([n for n in names + functions if re.search(r'bwd|[Gg]radient', n)])
+        if unroll:
+            sched = schedule_lib.Make(kind, k, m, v, training=False)
+            calls = [n for n in names if re.match(r'cell_\d+_mb_\d+_fwd/', n)]
+            self.assertLen(calls, len(sched.order))
+
+    def testBatchNormStatisticsDoNotChange(self):
+        layer = Pipeline('1f1b', 3, 1, 4, 1, batch_norm=True).Instantiate()
+        before = [v.numpy() for v in layer.variables]
+        with fprop_context.Scope(training=False):
+            layer(Data()[0])
+        for b, v in zip(before, layer.variables):
+            self.assertAllEqual(b, v.numpy(), msg=v.name)
+
+
 class LoopedGraphSizeTest(tf.test.TestCase):
 
     def testLoopedGraphCallsTheCellsAsOftenAtEveryM(self):

@@ -287,6 +287,19 @@ class SchedulesTest(parameterized.TestCase):
         for (cell, m), (start, _) in _Spans(timeline, 'input_grad').items():
             self.assertEqual(start, _Spans(timeline, 'recompute')[(cell, m)][1])
 
+    @parameterized.product(kind=['gpipe', '1f1b', 'zero_bubble'],
+                           k_m=[(1, 3), (2, 1), (4, 8), (3, 7)])
+    def testForwardOnlyRunsTheForwardsAlone(self, kind, k_m):
+        # Inference: M forwards per stage, the last one ending (M + K - 1) f after the start,
+        # plus a hop per boundary; the bubble is GPipe's.
+        k, m = k_m
+        sched = schedule.Make(kind, k, m, training=False)
+        timeline = simulator.Simulate(_Uniform(k, transfer=0.5), m, True, sched)
+        self.assertCountEqual(_Actions(timeline),
+                              [('F', s, b) for s in range(k) for b in range(m)])
+        self.assertEqual(timeline.makespan, (m + k - 1) * 1.0 + (k - 1) * 0.5)
+        self.assertAlmostEqual(timeline.bubble, 1 - m * k / (k * timeline.makespan))
+
     def testOneFOneBComputesTheLossPerMicroBatch(self):
         # K=2, M=2, f=1, b=2. Device 0: F0 F1 B0 B1; device 1: F0 B0 F1 B1. B(1, 0) starts
         # right after F(1, 0), not after the last forward as GPipe's does.

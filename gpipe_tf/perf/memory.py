@@ -191,7 +191,9 @@ class MemoryPlan:
         input batch when the cells keep it as it is): what one step allocates at its peak."""
         # With M > 1 the cells keep split copies of the input, not the input itself; with a
         # fprop_dtype, a cast copy.
-        existing_input = (self.input_bytes if self.num_micro_batches == 1 and
+        # In inference the cells keep no input: the one that exists is not in the plan.
+        training = self.schedule is None or self.schedule.training
+        existing_input = (self.input_bytes if training and self.num_micro_batches == 1 and
                           not self.input_cast else 0)
         return self.shared_peak_bytes - sum(c.params for c in self.cells) - existing_input
 
@@ -228,6 +230,8 @@ class MemoryPlan:
         counts = f'K={k}' + (f' v={self.num_cells // k}' if k < self.num_cells else '')
         if self.schedule is not None and self.schedule.kind != 'gpipe':
             counts += f' schedule={self.schedule.kind}'
+        if self.schedule is not None and not self.schedule.training:
+            counts += ' inference'
         lines.append(f'{counts} M={self.num_micro_batches} batch={self.batch_size}: '
                      f'peak per device {units.MiB(self.peak_device_bytes)} MiB, all devices in one '
                      f'memory {units.MiB(self.shared_peak_bytes)} MiB')
@@ -269,7 +273,7 @@ def _Configure(p, num_cells, num_micro_batches, batch_size, recompute):
 
 def PlanMemory(p, slots_per_param: int = 1, num_cells: int | None = None,
                num_micro_batches: int | None = None, batch_size: int | None = None,
-               recompute: str | None = None) -> MemoryPlan:
+               recompute: str | None = None, training: bool = True) -> MemoryPlan:
     """The memory plan of PipeliningLayer Params `p`; no variable is built, no TF op run.
 
     Args:
@@ -277,18 +281,28 @@ def PlanMemory(p, slots_per_param: int = 1, num_cells: int | None = None,
       slots_per_param: optimizer slots per parameter (`SlotsPerParam`).
       num_cells, num_micro_batches, batch_size, recompute: overrides of p's K, M, mini-batch
         size and recompute mode.
+      training: False plans inference (`FromPlan`).
 
     Raises:
       ValueError: for Params without input_shapes, or a K, M or batch that do not fit them.
     """
     p = _Configure(p, num_cells, num_micro_batches, batch_size, recompute)
-    return FromPlan(plan_lib.MakePlan(p, place=False), slots_per_param)
+    return FromPlan(plan_lib.MakePlan(p, place=False), slots_per_param, training)
 
 
-def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1) -> MemoryPlan:
+def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1,
+             training: bool = True) -> MemoryPlan:
     """The memory plan of a pipeline's plan (`pipeline.plan.MakePlan`): its cells, M,
     re-materialization and schedule as made there, so a caller holding the plan does not
     partition again.
+
+    With `training` False, the plan of inference under the forward-only schedule (eval,
+    decode, an exported model): each cell holds its weights (no gradients, no optimizer
+    slots), nothing is kept for a backward, and a running forward holds one micro-batch's
+    working set (two of its largest activations, and its weights cast to fprop_dtype); cell 0
+    holds the split inputs not yet run, the last cell gathers the pipeline's outputs and joins
+    them. With balanced cells: nothing holds a forward-only pipeline's first cells back, so a
+    slow cell has micro-batches waiting at its input (up to M).
 
     Raises:
       ValueError: for a plan of Params without input_shapes.
@@ -299,7 +313,10 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1) -> MemoryPl
                          'mini-batch of inputs).')
     cells, m, batch = (pipeline_plan.cells, pipeline_plan.num_micro_batches,
                        pipeline_plan.batch_size)
-    sched = pipeline_plan.schedule or pipeline_plan.Schedule(m)
+    sched = (pipeline_plan.schedule if training and pipeline_plan.schedule
+             else pipeline_plan.Schedule(m, training))
+    if not training:
+        slots_per_param = 0
     shapes = plan_lib.InputShapes(p)
     # Weights in dtype; activations and the tensors crossing cells in the dtype the layers
     # compute in (half of float32's with a bfloat16 or float16 fprop_dtype).
@@ -323,21 +340,31 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1) -> MemoryPl
         shapes = base_layer.AsArgs(meta.out_shapes)
         remat = pipeline_plan.recompute[k]
         params = (meta.num_params + (before_params if k == 0 else 0)) * bytes_per
+        # The backward holds an activation's gradient and the gradient it computes from it,
+        # an inference forward an activation and the next: two of the largest boundary
+        # between the cell's layers.
+        transient = 2 * max([input_bytes] + layer_outputs) // m
+        # Its weights cast to fprop_dtype, as its layers read them.
+        weight_copy = (params * activation_dtype.size // bytes_per
+                       if activation_dtype != tf.as_dtype(p.dtype) else 0)
         sizes = _MicroBatchBytes(
             params=params, slots=slots_per_param * params, num_micro_batches=m,
             # What the forward keeps for the backward: the cell's input, and every layer's
             # output unless re-materializing (less the cell's own output, which is the next
-            # cell's input, or the pipeline's output: counted there).
+            # cell's input, or the pipeline's output: counted there). Inference keeps none.
             kept=(input_bytes + (0 if remat else max(meta.activation_bytes - output_bytes, 0)))
-            // m,
+            // m if training else 0,
             input=input_bytes // m,
             activations=meta.activation_bytes // m,  # Recomputed or kept.
-            # The backward holds an activation's gradient and the gradient it computes from
-            # it: two of the largest boundary between the cell's layers.
-            transient=2 * max([input_bytes] + layer_outputs) // m,
-            # Its weights cast to fprop_dtype, as its layers read them.
-            weight_copy=(params * activation_dtype.size // bytes_per
-                         if activation_dtype != tf.as_dtype(p.dtype) else 0),
+            transient=transient,
+            weight_copy=weight_copy,
+            # A training forward's working set is smaller than its backward's: not counted.
+            forward_working=0 if training else transient + weight_copy,
+            # Inference keeps no input for a backward; the first cell's micro-batches that
+            # have not run yet still hold their split copies, and the last cell's outputs are
+            # joined into the mini-batch's at the end (both with M > 1).
+            pending_input=input_bytes // m if not training and k == 0 and m > 1 else 0,
+            joins_output=not training and k == num - 1 and m > 1,
             # A split backward's I keeps each layer's input and its output's gradient for W.
             window=(input_bytes + sum(layer_outputs[:-1]) + sum(layer_outputs)) // m,
             output=output_bytes if k == num - 1 else 0,
@@ -360,6 +387,9 @@ class _MicroBatchBytes:
     activations: int  # Its activations, recomputed or kept, while its backward runs.
     transient: int  # Two activation gradients, while its backward runs.
     weight_copy: int  # Its weights in fprop_dtype, while its backward runs (0 without one).
+    forward_working: int  # What a running forward holds (counted in inference only).
+    pending_input: int  # Inference: a micro-batch's input until its forward (cell 0).
+    joins_output: bool  # Inference: whether the outputs are joined after the last forward.
     window: int  # From a split backward's I to its W.
     output: int  # The pipeline's output for the mini-batch: the last cell's, else 0.
     whole_batch_loss: bool  # Whether the loss reads the whole batch's output at once.
@@ -386,6 +416,11 @@ def _CellMemory(cell: int, remat: bool, sizes: _MicroBatchBytes, actions: list) 
         waiting_kept = waiting - 1 if running else waiting
         stored = (waiting_kept * sizes.kept + (sizes.input if running else 0)
                   + window * sizes.window + Output())
+        if sizes.pending_input:  # The running forward's input is in its working set.
+            stored += (sizes.num_micro_batches - forwarded - (1 if working else 0)
+                       ) * sizes.pending_input
+        if sizes.joins_output and forwarded == sizes.num_micro_batches:
+            stored += sizes.output
         return (sizes.params if gradients else 0), stored, working
 
     base = sizes.params + sizes.slots
@@ -406,7 +441,7 @@ def _CellMemory(cell: int, remat: bool, sizes: _MicroBatchBytes, actions: list) 
         elif action.kind == schedule_lib.WEIGHT_GRAD:
             start = Point(gradients=True)  # The first W allocates the sum as it goes.
         else:
-            start = Point()
+            start = Point(sizes.forward_working if action.kind == schedule_lib.FORWARD else 0)
         if action.kind == schedule_lib.FORWARD:
             waiting += 1
             forwarded += 1
