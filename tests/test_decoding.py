@@ -98,6 +98,38 @@ class GreedyTest(tf.test.TestCase):
         self.assertEqual(got, want)
         self.assertGreater(len(want), 1)
 
+    def _Run(self, num_micro_batches, beam_size=None):
+        """(greedy ids or beam (ids, scores), the while loop body's MatMul/Einsum count) of an
+        IncrementalDecoder of M = `num_micro_batches` in a tf.function."""
+        decoder = decoding.IncrementalDecoder(self.task.model, num_micro_batches)
+        p, theta = self.task.p, self.task.model.theta
+        if beam_size:
+            fn = lambda s, q: decoder.Beam(theta, s, q, p.bos_id, p.eos_id, beam_size)
+        else:
+            fn = lambda s, q: decoder.Greedy(theta, s, q, p.bos_id, p.eos_id)
+        fn = tf.function(fn, autograph=False)
+        graph = fn.get_concrete_function(self.src_ids, self.src_paddings).graph
+        body = [f for f in graph.as_graph_def().library.function
+                if 'while_body' in f.signature.name][0]
+        matmuls = sum(n.op in ('MatMul', 'BatchMatMulV2', 'Einsum') for n in body.node_def)
+        return fn(self.src_ids, self.src_paddings), matmuls
+
+    def testMicroBatchesEachDecodeTheirExamplesWithTheirOwnCaches(self):
+        # Batch 4 as 1, 2 (the model's M) or 3 micro-batches (of 1, 1 and 2 examples): the
+        # same tokens and scores; each micro-batch's step has its own calls of every layer.
+        greedy, matmuls = self._Run(1)
+        beam, _ = self._Run(1, beam_size=2)
+        for m in (2, 3):
+            got, got_matmuls = self._Run(m)
+            self.assertAllEqual(got, greedy)
+            self.assertEqual(got_matmuls, m * matmuls)
+            got_ids, got_scores = self._Run(m, beam_size=2)[0]
+            self.assertAllEqual(got_ids, beam[0])
+            self.assertAllClose(got_scores, beam[1], rtol=1e-5)
+        self.assertEqual(self._Run(None)[1], 2 * matmuls)  # The model's M by default.
+        with self.assertRaisesRegex(ValueError, 'num_micro_batches must be >= 1, got 0'):
+            decoding.IncrementalDecoder(self.task.model, 0)
+
     def testBeamOfOneIsGreedyAndItsScoreIsTheTokensLogProbability(self):
         greedy = self.task.Decode(self.src_ids, self.src_paddings)
         self.assertAllEqual(self.task.Decode(self.src_ids, self.src_paddings, beam_size=1),

@@ -4,9 +4,13 @@ Greedy decoding by the full forward re-runs the whole model for every target pos
 work; `SequenceTask.Decode`'s old way). Here the source is encoded once, and each decoder layer
 keeps the keys and values of the positions already decoded (`TransformerLayer.ExtendStep`), so
 each new token costs one position's work: the target token's embedding, one query through each
-decoder layer, one row of logits. Each layer runs on its own cell's device, the whole batch at
-a time (the cells take turns: decoding is sequential in the positions, so there is nothing for
-micro-batches to overlap within one step).
+decoder layer, one row of logits. Each layer runs on its own cell's device.
+
+Pipelined: a batch is decoded as M micro-batches of whole examples (the pipeline's M, at most
+one per example; one on a single device), each with its own caches. Within a position, cell k
+extends micro-batch m while cell k + 1 extends micro-batch m - 1, as the forward-only schedule
+runs them: the micro-batches' computations are independent, so TensorFlow's executor overlaps
+them across the cells' devices. The source is encoded the same way.
 
 What a step computes equals the full forward's value at that position (the decoder is causal):
 `tests/test_decoding.py` checks the tokens against the full forward's greedy decoding.
@@ -28,13 +32,21 @@ class IncrementalDecoder:
     Args:
       model: the translation PipeliningLayer (`network.MtLayers`: embedding, encoder layers,
         hand_off, decoder layers, softmax).
+      num_micro_batches: M for `Greedy` and `Beam` (at most one per example); None: the
+        model's M, or 1 where all its cells share one device.
 
     Raises:
       ValueError: for a model of other layers (a language model, say).
     """
 
-    def __init__(self, model):
+    def __init__(self, model, num_micro_batches: int | None = None):
         self._model = model
+        if num_micro_batches is None:
+            num_micro_batches = (1 if len(set(model.devices)) == 1
+                                 else model.p.num_micro_batches or 1)
+        if num_micro_batches < 1:
+            raise ValueError(f'num_micro_batches must be >= 1, got {num_micro_batches}.')
+        self._num_micro_batches = num_micro_batches
         layers = model.Layers()
         names = [layer.p.name for layer in layers]
         first = layers[0].p
@@ -122,17 +134,58 @@ class IncrementalDecoder:
                     features=features, labels=zeros, weights=tf.ones_like(features[..., 0])))
         return out.logits[:, 0], new_caches
 
+    # ---- micro-batches ------------------------------------------------------------------
+    def _Parts(self, batch: int) -> list:
+        """(begin, end) of each micro-batch's examples: M (at most `batch`) near-equal parts."""
+        m = min(self._num_micro_batches, batch)
+        bounds = [i * batch // m for i in range(m + 1)]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def _Start(self, theta, src_ids, src_paddings, parts, length: int, repeat: int = 1):
+        """Per micro-batch, its encoded source (each example's `repeat` times) and its
+        decoder caches before position 0."""
+        encoded, caches = [], []
+        for begin, end in parts:
+            part = self.Encode(theta, src_ids[begin:end], src_paddings[begin:end])
+            if repeat > 1:
+                part = tf.nest.map_structure(lambda x: tf.repeat(x, repeat, axis=0), part)
+            encoded.append(part)
+            caches.append(self.InitialCaches(theta, part, length))
+        return encoded, caches
+
+    def _Steps(self, theta, ids, t, caches: list, encoded: list, length: int, parts):
+        """`Step` on each micro-batch (rows `parts` of `ids`): the logits [B, V] of all, and
+        each micro-batch's caches."""
+        logits, new_caches = [], []
+        for (begin, end), part_caches, part_encoded in zip(parts, caches, encoded):
+            part_logits, part_caches = self.Step(theta, ids[begin:end], t, part_caches,
+                                                 part_encoded, length)
+            logits.append(part_logits)
+            new_caches.append(part_caches)
+        with self._On(self._softmax):
+            return (logits[0] if len(logits) == 1 else tf.concat(logits, 0)), new_caches
+
+    def _Reorder(self, caches: list, parent, k: int) -> list:
+        """A micro-batch's caches (per decoder layer, on its device) following its examples'
+        surviving hypotheses: `parent` [examples, k], each one's rows' parent hypotheses."""
+        rows = tf.reshape(parent + tf.range(tf.shape(parent)[0])[:, tf.newaxis] * k, [-1])
+        reordered = []
+        for layer, cache in zip(self._decoder, caches):
+            with self._On(layer):
+                reordered.append(tf.nest.map_structure(lambda c: tf.gather(c, rows), cache))
+        return reordered
+
     def Greedy(self, theta, src_ids, src_paddings, bos_id: int, eos_id: int,
                max_steps: int | None = None):
         """Greedy target ids [B, T] (T the source length): each row the arg-max tokens up to and
         including the first `eos_id`, then 0; what `SequenceTask.Decode` gives."""
         batch, length = src_ids.shape
         steps = min(max_steps or length, length)
-        encoded = self.Encode(theta, src_ids, src_paddings)
-        caches = self.InitialCaches(theta, encoded, length)
+        parts = self._Parts(batch)
+        encoded, caches = self._Start(theta, src_ids, src_paddings, parts, length)
 
         def Body(t, ids, decoded, done, caches):
-            logits, caches = self.Step(theta, ids, t, caches, encoded, length)
+            logits, caches = self._Steps(theta, ids, t, caches, encoded, length, parts)
             token = tf.argmax(logits, axis=-1, output_type=tf.int32)
             token = tf.where(done, 0, token)
             decoded += tf.one_hot(t, length, dtype=tf.int32)[tf.newaxis] * token[:, tf.newaxis]
@@ -167,10 +220,10 @@ class IncrementalDecoder:
         batch, length = src_ids.shape
         steps = min(max_steps or length, length)
         k = beam_size
-        encoded = self.Encode(theta, src_ids, src_paddings)
+        parts = self._Parts(batch)  # Of examples; micro-batch m has their k rows each.
         # Every example's encoder output once per hypothesis: rows b * k .. b * k + k - 1.
-        encoded = tf.nest.map_structure(lambda x: tf.repeat(x, k, axis=0), encoded)
-        caches = self.InitialCaches(theta, encoded, length)
+        encoded, caches = self._Start(theta, src_ids, src_paddings, parts, length, repeat=k)
+        row_parts = [(begin * k, end * k) for begin, end in parts]
         neg_inf = tf.constant(-1e9, tf.float32)
         # Only hypothesis 0 is live at first: the others would repeat it.
         scores = tf.tile(tf.concat([[0.0], tf.fill([k - 1], neg_inf)], 0)[tf.newaxis],
@@ -180,7 +233,7 @@ class IncrementalDecoder:
             return ((5.0 + tf.cast(lengths, tf.float32)) / 6.0) ** length_alpha
 
         def Body(t, ids, scores, lengths, finished, sequences, caches):
-            logits, caches = self.Step(theta, ids, t, caches, encoded, length)
+            logits, caches = self._Steps(theta, ids, t, caches, encoded, length, row_parts)
             log_probs = tf.reshape(tf.nn.log_softmax(tf.cast(logits, tf.float32)),
                                    [batch, k, -1])
             vocab = tf.shape(log_probs)[-1]
@@ -194,8 +247,8 @@ class IncrementalDecoder:
             ranked = totals / Penalty(new_lengths)
             _, top = tf.math.top_k(tf.reshape(ranked, [batch, -1]), k)  # [B, k]
             parent, token = top // vocab, tf.cast(top % vocab, tf.int32)
-            rows = tf.reshape(parent + tf.range(batch)[:, tf.newaxis] * k, [-1])
-            caches = tf.nest.map_structure(lambda c: tf.gather(c, rows), caches)
+            caches = [self._Reorder(part, parent[begin:end], k)
+                      for (begin, end), part in zip(parts, caches)]
             was_finished = tf.gather(finished, parent, batch_dims=1)
             sequences = tf.gather(sequences, parent, batch_dims=1)
             sequences += (tf.one_hot(t, length, dtype=tf.int32)[tf.newaxis, tf.newaxis] *
