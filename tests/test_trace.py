@@ -36,8 +36,31 @@ class ClassifyOpTest(parameterized.TestCase):
     def testPipelineOps(self, name, expected):
         self.assertEqual(trace.ClassifyOp(name), expected)
 
+    @parameterized.parameters(
+        ('while/body/_1/while/device_0/switch_case/indexed_case/cell_0_fwd/PartitionedCall/'
+         'MatMul', (0, None, 'forward')),
+        ('while/body/_1/device_2/switch_case/indexed_case/cell_2_bwd/PartitionedCall/recompute/'
+         'Relu', (2, None, 'recompute')),
+        ('while/body/_1/device_2/switch_case/indexed_case/cell_2_bwd/PartitionedCall/gradients/'
+         'recompute/MatMul_grad/MatMul', (2, None, 'backward')),
+        ('while/body/_1/device_1/cell_1_bwd_input/PartitionedCall/gradients/MatMul_grad/MatMul',
+         (1, None, 'input_grad')),
+        ('while/body/_1/device_1/cell_1_bwd_weight/PartitionedCall/MatMul', (1, None,
+                                                                            'weight_grad')),
+    )
+    def testLoopedOpsHaveNoMicroBatch(self, name, expected):
+        self.assertEqual(trace.ClassifyOp(name), expected)
+
+    def testALoopedOpsRunsAreItsMicroBatchesInOrder(self):
+        name = 'while/body/_1/device_0/cell_0_fwd/PartitionedCall/MatMul'
+        events = [trace.OpEvent(name, 2.0, 3.0), trace.OpEvent(name, 0.0, 1.0),
+                  trace.OpEvent('cell_0_theta/Read/ReadVariableOp', 0.0, 0.1)]
+        self.assertEqual([(i.micro_batch, i.start) for i in trace.MeasuredTimeline(
+            events, 1).intervals], [(0, 0.0), (1, 2.0)])
+
     @parameterized.parameters('loss/Mean', 'cell_1_mb_0_fwd/PartitionedCall/MatMul/_17',
-                              'cell_0_theta/Read/ReadVariableOp', 'cell_0_update/AssignAdd')
+                              'cell_0_theta/Read/ReadVariableOp', 'cell_0_update/AssignAdd',
+                              'cell_0_sums/zeros', 'cell_0_grad_scale/mul')
     def testOtherOpsAreNotBoxes(self, name):
         self.assertIsNone(trace.ClassifyOp(name))
 
@@ -86,20 +109,20 @@ class MeasuredTimelineTest(tf.test.TestCase):
 K, M, BATCH, DIM = 3, 4, 192, 512
 
 
-def _Pipeline(recompute):
+def _Pipeline(recompute, unroll=True):
     layers = [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM, activation='relu')
               for _ in range(6)]
     return pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', layer_tpl=layers, num_cells=K, num_micro_batches=M, recompute=recompute,
-        input_shapes=[BATCH, DIM], devices=DEVICES[:K])
+        input_shapes=[BATCH, DIM], devices=DEVICES[:K], unroll=unroll)
 
 
 class TracedStepTest(tf.test.TestCase, parameterized.TestCase):
     """One real step, traced: every (cell, micro-batch, kind) box once, on its cell's device,
     and each device's boxes in the schedule's order without overlap."""
 
-    def _TraceFunction(self, recompute):
-        layer = _Pipeline(recompute).Instantiate()
+    def _TraceFunction(self, recompute, unroll=True):
+        layer = _Pipeline(recompute, unroll).Instantiate()
         x = tf.random.stateless_normal([BATCH, DIM], [1, 2])
 
         @tf.function
@@ -151,6 +174,10 @@ class TracedStepTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.parameters('always', 'except_last', 'never')
     def testFunctionStepRunsTheSchedule(self, recompute):
         self._CheckSchedule(self._TraceFunction(recompute), recompute)
+
+    def testLoopedStepRunsTheSchedule(self):
+        # One name per action for every micro-batch: each run of it is the next micro-batch.
+        self._CheckSchedule(self._TraceFunction('always', unroll=False), 'always')
 
     @parameterized.parameters('always', 'never')
     def testSessionStepRunsTheSchedule(self, recompute):

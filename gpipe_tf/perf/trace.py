@@ -4,7 +4,10 @@ One training step is traced with TensorFlow's own tools: the profiler
 (`tf.profiler.experimental`, for eager code and `tf.function`s) or a v1 Session's FULL_TRACE
 `RunMetadata`. Every op the pipeline creates is under a `cell_<k>_mb_<m>_<part>` name scope
 (`executor.OpScope`), and a re-materializing backward's recompute under a further `recompute`
-scope, so an op's name says which box of the schedule it belongs to. The ops of one box are
+scope, so an op's name says which box of the schedule it belongs to. In the looped executor
+(`pipeline.looped`) an action's ops run once per micro-batch under one name,
+`cell_<k>_<part>`: each run of a name is the next micro-batch (every schedule runs a stage's
+actions of one kind in micro-batch order, and each device its actions in list order). The ops of one box are
 merged into one interval on cell k's device (device k runs cell k, which the placement tests
 check); a device's busy time is the union of its ops' run times, so two ops that overlap on two
 threads count once.
@@ -27,6 +30,8 @@ from gpipe_tf.pipeline import recompute as recompute_lib
 # anywhere in an op's name (a v1 graph puts it under `gradients/...`).
 _OP_SCOPE = re.compile(
     r'(?:^|/)cell_(\d+)_mb_(\d+)_(fwd|bwd|bwd_input|bwd_weight|grad_sum)(?:_\d+)?/(.*)$')
+# The looped executor's `cell_<k>_<part>`, in its while loop's body.
+_LOOPED_SCOPE = re.compile(r'(?:^|/)cell_(\d+)_(fwd|bwd|bwd_input|bwd_weight)/(.*)$')
 # With R > 1 replicas, each replica's ops are under `replica_<r>/`.
 _REPLICA = re.compile(r'(?:^|/)replica_(\d+)/')
 # The runtime's send/receive halves (`.../_17`): transfers, not a device's computation.
@@ -45,16 +50,22 @@ class OpEvent:
     end: float
 
 
-def ClassifyOp(name: str) -> tuple[int, int, str] | None:
+def ClassifyOp(name: str) -> tuple[int, int | None, str] | None:
     """(cell, micro-batch, kind) of a pipeline op from its name, kind in `simulator.KINDS` or
     `simulator.SPLIT_KINDS`; None for ops outside the schedule (the update, transfers). A split
-    backward's W re-runs each layer's forward: it is all 'weight_grad'."""
+    backward's W re-runs each layer's forward: it is all 'weight_grad'. The micro-batch is
+    None for the looped executor's ops (the same name for every micro-batch)."""
     if _TRANSFER.search(name):
         return None
     match = _OP_SCOPE.search(name)
-    if not match:
-        return None
-    cell, micro_batch, part, rest = match.groups()
+    if match:
+        cell, micro_batch, part, rest = match.groups()
+        micro_batch = int(micro_batch)
+    else:
+        match = _LOOPED_SCOPE.search(name)
+        if not match:
+            return None
+        (cell, part, rest), micro_batch = match.groups(), None
     if part == 'fwd':
         kind = 'forward'
     elif part == 'bwd_weight':
@@ -67,7 +78,7 @@ def ClassifyOp(name: str) -> tuple[int, int, str] | None:
         kind = 'recompute'
     else:
         kind = 'backward' if part != 'bwd_input' else 'input_grad'
-    return int(cell), int(micro_batch), kind
+    return int(cell), micro_batch, kind
 
 
 def EventsFromRunMetadata(run_metadata) -> list[OpEvent]:
@@ -164,10 +175,14 @@ def MeasuredTimeline(events: list[OpEvent], num_cells: int, replica: int = 0,
     """
     num_devices = num_devices or num_cells
     ops, spans = {}, [[] for _ in range(num_devices)]
-    for event in events:
+    runs = {}  # A looped op's name -> how many of its runs came before.
+    for event in sorted(events, key=lambda e: e.start):
         label = ClassifyOp(event.name)
         if label is None or ReplicaOf(event.name) != replica:
             continue
+        if label[1] is None:  # Its n-th run is micro-batch n's.
+            label = (label[0], runs.get(event.name, 0), label[2])
+            runs[event.name] = label[1] + 1
         cell = label[0]
         if cell >= num_cells:
             raise ValueError(f'Op {event.name} belongs to cell {cell}, but the pipeline has '
@@ -176,7 +191,8 @@ def MeasuredTimeline(events: list[OpEvent], num_cells: int, replica: int = 0,
         spans[cell % num_devices].append((event.start, event.end))
     if not ops:
         raise ValueError(f'None of the {len(events)} traced ops is a pipeline op (named under '
-                         'cell_<k>_mb_<m>_<part>): was the right step traced?')
+                         'cell_<k>_mb_<m>_<part> or cell_<k>_<part>): was the right step '
+                         'traced?')
     origin = min(e.start for e in events)
     intervals = []
     for (cell, m, kind), box_ops in ops.items():

@@ -155,6 +155,14 @@ class LoopedSchedule:
                   for d in range(sched.num_devices)] for tick in ticks]
         micro_batch = [[0 if a is None else a.micro_batch for a in tick] for tick in ticks]
         self._InitSums(kinds)
+        # Per device, a token its actions pass on: each action starts once the one before it
+        # on its device is done, as the unrolled executor's control dependencies order them
+        # (without it, a device's next action could start while its last one runs: the loop
+        # runs several ticks at once).
+        self._tokens = []
+        for d in range(sched.num_devices):
+            with tf.device(self._devices[d]):
+                self._tokens.append(tf.zeros([], name=f'device_{d}_token'))
         state = self._State()
         index_table = tf.constant(index, tf.int32)
         micro_batch_table = tf.constant(micro_batch, tf.int32)
@@ -165,7 +173,7 @@ class LoopedSchedule:
             for d in range(sched.num_devices):
                 if not branches[d]:
                     continue  # A device with no action of these kinds.
-                keys = self._Writes(branches[d])
+                keys = self._Writes(branches[d]) + [('token', d)]
                 with tf.device(self._devices[branches[d][0][1]]), tf.name_scope(f'device_{d}'):
                     m = micro_batch_table[t, d]
                     fns = [lambda keys=keys: self._Get(keys)] + [
@@ -224,6 +232,7 @@ class LoopedSchedule:
                  if self._d_acts[b] is not None]
         keys += [('grad', s) for s in range(self._num_stages) if self._grads[s] is not None]
         keys += [('stats', s) for s in range(self._num_stages) if self._stats[s] is not None]
+        keys += [('token', d) for d in range(len(self._tokens))]
         if self._loss_fn is not None:
             keys.append(('loss', 0))
         return keys
@@ -233,7 +242,7 @@ class LoopedSchedule:
 
     def _Table(self, kind) -> list:
         return {'act': self._acts, 'd_act': self._d_acts, 'grad': self._grads,
-                'stats': self._stats}[kind]
+                'stats': self._stats, 'token': self._tokens}[kind]
 
     def _Value(self, key):
         kind, i = key
@@ -282,7 +291,13 @@ class LoopedSchedule:
         first = (tf.cast(self._first_example, tf.int64) +
                  tf.cast(m, tf.int64) * self._micro_batch_size)
         fn = self._functions[s]
-        x = self._Read(self._acts[s], self._structures[s], m)
+        token = ('token', self._schedule.DeviceOf(s))
+        # After the device's last action. (An identity in this branch's graph: a control
+        # input from the loop body's graph would go to the switch_case op, which does not hold
+        # the branch's ops back once lowered.)
+        values[token] = tf.identity(values[token])
+        with tf.control_dependencies([values[token]]):
+            x = self._Read(self._acts[s], self._structures[s], m)
         if kind == F:
             with tf.name_scope(f'cell_{s}_fwd'):
                 outputs, stats = fn.Forward(self._thetas[s], x, self._step, first,
@@ -306,6 +321,10 @@ class LoopedSchedule:
                 values[('d_act', s)] = [ta.write(m, g) for ta, g in
                                         zip(values[('d_act', s)],
                                             [g for g in d_x if g is not None])]
+        done = [t.flow if isinstance(t, tf.TensorArray) else t
+                for k in keys if k != token for t in tf.nest.flatten(values[k])]
+        with tf.control_dependencies(done):
+            values[token] = tf.identity(values[token])
         return [values[k] for k in keys]
 
     def _Loss(self, outputs, m):
