@@ -179,6 +179,27 @@ class TracedStepTest(tf.test.TestCase, parameterized.TestCase):
         # One name per action for every micro-batch: each run of it is the next micro-batch.
         self._CheckSchedule(self._TraceFunction('always', unroll=False), 'always')
 
+    def testLoopedZeroBubbleStepRunsItsListInOrder(self):
+        # Split backwards in the loop: every F, I (after its recompute) and W once, and each
+        # device's boxes in its list's order, one after another.
+        layer = _Pipeline('always', unroll=False).Set(schedule='zero_bubble').Instantiate()
+        x = tf.random.stateless_normal([BATCH, DIM], [1, 2])
+        step = tf.function(lambda x: layer.FPropLoss(
+            layer.theta, x, lambda y, _: (tf.reduce_mean(tf.square(y)), tf.constant(1.0)))[1])
+        step(x)
+        timeline = trace.MeasuredTimeline(trace.TraceFunction(step, x), K)
+        kinds = {'forward': 'F', 'input_grad': 'I', 'weight_grad': 'W'}
+        boxes = [i for i in timeline.intervals if i.kind != 'recompute']
+        sched = layer.plan.schedule
+        self.assertCountEqual([(kinds[i.kind], i.cell, i.micro_batch) for i in boxes],
+                              [tuple(a) for device in sched.actions for a in device])
+        for d, actions in enumerate(sched.actions):
+            ran = sorted((i for i in boxes if i.device == d), key=lambda i: i.start)
+            self.assertEqual([(kinds[i.kind], i.cell, i.micro_batch) for i in ran],
+                             [tuple(a) for a in actions])
+            for before, after in zip(ran, ran[1:]):
+                self.assertLessEqual(before.end, after.start + 1e-6, f'{before} {after}')
+
     @parameterized.parameters('always', 'never')
     def testSessionStepRunsTheSchedule(self, recompute):
         self._CheckSchedule(self._TraceSession(recompute), recompute)

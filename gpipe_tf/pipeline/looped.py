@@ -11,8 +11,10 @@ gradients of every boundary. Weight gradients and training statistics are summed
 variables on each stage's device. The values equal the unrolled executor's: the same traced cell
 functions run on the same micro-batches, and each device runs its actions in its list's order.
 
-It runs schedules whose cells all re-materialize (the stored input is all a backward needs) and
-whose backward is not split (F and B); with `logical_device_fn` (XLA) the unrolled executor runs.
+It runs schedules whose cells all re-materialize (the stored input is all a backward needs),
+with fused (B) or split (I and W) backwards: what a stage's I saves for its W (each layer's
+input and output gradient) waits in TensorArrays of its own. With `logical_device_fn` (XLA)
+the unrolled executor runs.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule as schedule_lib
 
 F, B = schedule_lib.FORWARD, schedule_lib.BACKWARD
+I, W = schedule_lib.INPUT_GRAD, schedule_lib.WEIGHT_GRAD
+# The name scope of each kind of action's ops (`trace.py` reads them).
+_SCOPES = {F: 'fwd', B: 'bwd', I: 'bwd_input', W: 'bwd_weight'}
 
 
-def Supports(recomputes, sched: schedule_lib.Schedule, assign) -> bool:
+def Supports(recomputes, unused_sched: schedule_lib.Schedule, assign) -> bool:
     """Whether a LoopedSchedule can run this pipeline."""
-    return all(recomputes) and not sched.splits_backward and assign is None
+    return all(recomputes) and assign is None
 
 
 class LoopedSchedule:
@@ -42,8 +47,8 @@ class LoopedSchedule:
     def __init__(self, functions, recomputes, sched, batch_dim, step, assign=None,
                  first_example=0):
         if not Supports(recomputes, sched, assign):
-            raise ValueError('LoopedSchedule runs re-materializing cells with F and B actions '
-                             'and no logical_device_fn; use executor.UnrolledSchedule.')
+            raise ValueError('LoopedSchedule runs re-materializing cells and no '
+                             'logical_device_fn; use executor.UnrolledSchedule.')
         self._functions = functions
         self._devices = [f.device for f in functions]
         self._schedule = sched
@@ -92,7 +97,9 @@ class LoopedSchedule:
             specs = recompute.FloatLeaves(self._output_specs)
             self._d_acts[-1] = [tf.TensorArray(s.dtype, size=m_count, element_shape=s.shape,
                                                clear_after_read=False) for s in specs]
-        self._Loop((F, B))
+        if self._schedule.splits_backward:
+            self._StartSaved()
+        self._Loop((F, B, I, W))
         d_thetas, d_inputs = self._Gradients()
         return (self._Outputs(), self._Updates(), tuple(self._loss), d_thetas, d_inputs)
 
@@ -132,6 +139,17 @@ class LoopedSchedule:
                     recompute.FloatLeaves(self._structures[b]), b)
         self._grads = [None] * self._num_stages
         self._stats = [None] * self._num_stages
+        self._saved = [None] * self._num_stages  # Per stage, its I's saved values for its W.
+        self._saved_specs = [None] * self._num_stages
+
+    def _StartSaved(self):
+        """TensorArrays for what each stage's I saves for its W (a split backward)."""
+        step_spec = tf.TensorSpec([], tf.int64)
+        for s, fn in enumerate(self._functions):
+            self._saved_specs[s] = fn.BackwardInputSpecs(
+                self._thetas[s], tf.nest.map_structure(_Spec, self._structures[s]), step_spec,
+                recompute.FloatLeaves(tf.nest.map_structure(_Spec, self._structures[s + 1])))
+            self._saved[s] = self._EmptyArrays(tf.nest.flatten(self._saved_specs[s]), s)
 
     def _Arrays(self, leaves, stacked):
         return [tf.TensorArray(x.dtype, size=self._num_micro_batches, element_shape=x.shape,
@@ -194,7 +212,7 @@ class LoopedSchedule:
     def _InitSums(self, kinds):
         for s, fn in enumerate(self._functions):
             with tf.device(self._devices[s]), tf.name_scope(f'cell_{s}_sums'):
-                if B in kinds and self._grads[s] is None:
+                if (B in kinds or W in kinds) and self._grads[s] is None:
                     # One vector per stage: every loop variable costs control-flow ops at
                     # every tick, and a stage has tens of weights.
                     self._grads[s] = tf.zeros([self._GradientSize(s)], self._GradientDtype(s))
@@ -232,6 +250,7 @@ class LoopedSchedule:
                  if self._d_acts[b] is not None]
         keys += [('grad', s) for s in range(self._num_stages) if self._grads[s] is not None]
         keys += [('stats', s) for s in range(self._num_stages) if self._stats[s] is not None]
+        keys += [('saved', s) for s in range(self._num_stages) if self._saved[s] is not None]
         keys += [('token', d) for d in range(len(self._tokens))]
         if self._loss_fn is not None:
             keys.append(('loss', 0))
@@ -242,7 +261,7 @@ class LoopedSchedule:
 
     def _Table(self, kind) -> list:
         return {'act': self._acts, 'd_act': self._d_acts, 'grad': self._grads,
-                'stats': self._stats, 'token': self._tokens}[kind]
+                'stats': self._stats, 'token': self._tokens, 'saved': self._saved}[kind]
 
     def _Value(self, key):
         kind, i = key
@@ -266,7 +285,8 @@ class LoopedSchedule:
 
     def _Writes(self, device_branches):
         """The state a device's actions change: its stages' outputs (F), their input gradients
-        (B), weight-gradient and statistics sums, and the loss on the last stage."""
+        (B, I), weight-gradient (B, W) and statistics sums, what an I saves for its W, and the
+        loss on the last stage."""
         keys = []
         for kind, s in device_branches:
             if kind == F:
@@ -275,8 +295,12 @@ class LoopedSchedule:
                     keys.append(('stats', s))
                 if s == self._num_stages - 1 and self._loss_fn is not None:
                     keys += [('d_act', s + 1), ('loss', 0)]
-            else:
+            elif kind == B:
                 keys += [('d_act', s), ('grad', s)]
+            elif kind == I:
+                keys += [('d_act', s), ('saved', s)]
+            else:
+                keys.append(('grad', s))
         return list(dict.fromkeys(keys))
 
     # ---- the actions ------------------------------------------------------------------------
@@ -297,35 +321,49 @@ class LoopedSchedule:
         # the branch's ops back once lowered.)
         values[token] = tf.identity(values[token])
         with tf.control_dependencies([values[token]]):
-            x = self._Read(self._acts[s], self._structures[s], m)
-        if kind == F:
-            with tf.name_scope(f'cell_{s}_fwd'):
-                outputs, stats = fn.Forward(self._thetas[s], x, self._step, first,
-                                            training=self._training)
-                values[('act', s + 1)] = [ta.write(m, y) for ta, y in
-                                          zip(values[('act', s + 1)], tf.nest.flatten(outputs))]
-                if self._stats[s] is not None:
-                    values[('stats', s)] = tf.nest.map_structure(
-                        tf.add, values[('stats', s)], stats)
-                if s == self._num_stages - 1 and self._loss_fn is not None:
-                    total, weight, d_y = self._Loss(outputs, m)
-                    values[('d_act', s + 1)] = [ta.write(m, g) for ta, g in
-                                                zip(values[('d_act', s + 1)], d_y)]
-                    values[('loss', 0)] = [values[('loss', 0)][0] + total,
-                                           values[('loss', 0)][1] + weight]
-        else:
-            with tf.name_scope(f'cell_{s}_bwd'):
-                d_y = self._Read(self._d_acts[s + 1], None, m, float_only=True)
-                d_theta, d_x = fn.Backward(self._thetas[s], x, self._step, first, d_y)
-                values[('grad', s)] = values[('grad', s)] + _Pack(d_theta)
-                values[('d_act', s)] = [ta.write(m, g) for ta, g in
-                                        zip(values[('d_act', s)],
-                                            [g for g in d_x if g is not None])]
+            if kind == W:  # What its I saved.
+                x = self._Read(self._saved[s], self._saved_specs[s], m)
+            else:
+                x = self._Read(self._acts[s], self._structures[s], m)
+        with tf.name_scope(f'cell_{s}_{_SCOPES[kind]}'):
+            self._Run(kind, s, m, values, fn, first, x)
         done = [t.flow if isinstance(t, tf.TensorArray) else t
                 for k in keys if k != token for t in tf.nest.flatten(values[k])]
         with tf.control_dependencies(done):
             values[token] = tf.identity(values[token])
         return [values[k] for k in keys]
+
+    def _Run(self, kind, s, m, values, fn, first, x):
+        """Runs action (kind, stage s, micro-batch m) on its input `x` (W: what I saved),
+        updating `values` (the state the action writes)."""
+        if kind == F:
+            outputs, stats = fn.Forward(self._thetas[s], x, self._step, first,
+                                        training=self._training)
+            values[('act', s + 1)] = [ta.write(m, y) for ta, y in
+                                      zip(values[('act', s + 1)], tf.nest.flatten(outputs))]
+            if self._stats[s] is not None:
+                values[('stats', s)] = tf.nest.map_structure(
+                    tf.add, values[('stats', s)], stats)
+            if s == self._num_stages - 1 and self._loss_fn is not None:
+                total, weight, d_y = self._Loss(outputs, m)
+                values[('d_act', s + 1)] = [ta.write(m, g) for ta, g in
+                                            zip(values[('d_act', s + 1)], d_y)]
+                values[('loss', 0)] = [values[('loss', 0)][0] + total,
+                                       values[('loss', 0)][1] + weight]
+        elif kind == W:
+            d_theta = fn.BackwardWeight(self._thetas[s], x, self._step, first)
+            values[('grad', s)] = values[('grad', s)] + _Pack(d_theta)
+        else:
+            d_y = self._Read(self._d_acts[s + 1], None, m, float_only=True)
+            if kind == B:
+                d_theta, d_x = fn.Backward(self._thetas[s], x, self._step, first, d_y)
+                values[('grad', s)] = values[('grad', s)] + _Pack(d_theta)
+            else:
+                d_x, saved = fn.BackwardInput(self._thetas[s], x, self._step, first, d_y)
+                values[('saved', s)] = [ta.write(m, v) for ta, v in
+                                        zip(values[('saved', s)], tf.nest.flatten(saved))]
+            values[('d_act', s)] = [ta.write(m, g) for ta, g in
+                                    zip(values[('d_act', s)], [g for g in d_x if g is not None])]
 
     def _Loss(self, outputs, m):
         loss_inputs = (None if self._loss_inputs is None else

@@ -269,6 +269,14 @@ class CellFunctions:
             lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype),
             concrete.structured_outputs)
 
+    def BackwardInputSpecs(self, theta, input_spec, step_spec, d_output_specs):
+        """TensorSpecs of what `BackwardInput` saves for `BackwardWeight` on inputs of
+        `input_spec` and output gradients of `d_output_specs` (tracing it if it was not)."""
+        concrete = self._For('bwd_input').backward_input.get_concrete_function(
+            self._LayerThetas(theta), input_spec, step_spec, step_spec, d_output_specs)
+        return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
+                                     concrete.structured_outputs[1])
+
     def Forward(self, theta, inputs, step, first_example, training: bool = True):
         """(outputs, update stats) of the cell on one micro-batch whose first example has index
         `first_example` (scalar int64 tensor) in the mini-batch; one call op on the device."""
