@@ -104,8 +104,8 @@ class PipeliningLayer(BaseLayer):
         p.Define('unroll', True,
                  'Whether the schedule is unrolled into the graph (K M calls of the cells), or '
                  'run as a loop over its clock whose graph does not grow with M (needs '
-                 'recompute="always", no split backward and no logical_device_fn; else the '
-                 'schedule is unrolled).')
+                 'recompute="always" and no logical_device_fn; else the schedule is '
+                 'unrolled).')
         p.Define('partition_method', 'flops',
                  f'How layer_tpl is split: one of {PARTITION_METHODS}, or explicit boundaries '
                  '[0, b_1, ..., L] (cell k holds layers b_k .. b_{k+1} - 1).')
