@@ -373,12 +373,17 @@ class LoopedSchedule:
         return tf.cast(total, tf.float32), tf.cast(weight, tf.float32), d_y
 
     # ---- results ----------------------------------------------------------------------------
+    def _Joined(self, array):
+        """The micro-batches of a TensorArray joined into the mini-batch along batch_dim
+        (along 0, one copy)."""
+        if self._batch_dim == 0:
+            return array.concat()
+        return tf.concat(tf.unstack(array.stack()), axis=self._batch_dim)
+
     def _Outputs(self):
         with tf.device(self._devices[-1]):
-            leaves = [tf.unstack(ta.stack()) for ta in self._acts[-1]]
-            parts = [tf.nest.pack_sequence_as(self._output_specs, [l[m] for l in leaves])
-                     for m in range(self._num_micro_batches)]
-            return microbatch.Concat(parts, self._batch_dim)
+            return tf.nest.pack_sequence_as(self._output_specs,
+                                            [self._Joined(ta) for ta in self._acts[-1]])
 
     def _Updates(self) -> list:
         if not self._training:
@@ -387,12 +392,10 @@ class LoopedSchedule:
 
     def _Gradients(self):
         with tf.device(self._devices[0]):
-            leaves = iter([tf.unstack(ta.stack()) for ta in self._d_acts[0]])
-            flat = [next(leaves) if recompute.IsFloat(x) else [None] * self._num_micro_batches
-                    for x in tf.nest.flatten(self._input_structure)]
-            parts = [tf.nest.pack_sequence_as(self._input_structure, [l[m] for l in flat])
-                     for m in range(self._num_micro_batches)]
-            d_inputs = microbatch.Concat(parts, self._batch_dim)
+            arrays = iter(self._d_acts[0])
+            d_inputs = tf.nest.pack_sequence_as(self._input_structure, [
+                self._Joined(next(arrays)) if recompute.IsFloat(x) else None
+                for x in tf.nest.flatten(self._input_structure)])
         grads = []
         for s in range(self._num_stages):
             with tf.device(self._devices[s]):
