@@ -19,6 +19,8 @@ the unrolled executor runs.
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 
 from gpipe_tf.pipeline import executor
@@ -67,7 +69,8 @@ class LoopedSchedule:
         """As `UnrolledSchedule.Forward`: (outputs, per cell its summed statistics)."""
         if training:
             executor.CheckForwardFirst(self._schedule)
-        self._Start(thetas, inputs, training)
+        # Training: `Backward` runs the backwards in a second loop.
+        self._Start(thetas, inputs, training, [(F,), (B,)] if training else [(F,)])
         self._Loop((F,))
         return self._Outputs(), self._Updates()
 
@@ -83,7 +86,7 @@ class LoopedSchedule:
     def ForwardBackward(self, thetas: list, inputs, loss_fn, loss_inputs=None,
                         loss_scale=None):
         """As `UnrolledSchedule.ForwardBackward`."""
-        self._Start(thetas, inputs, training=True)
+        self._Start(thetas, inputs, True, [(F, B, I, W)], loss_in_loop=True)
         m_count = self._num_micro_batches
         self._loss_fn = loss_fn
         self._loss_scale = loss_scale
@@ -94,9 +97,8 @@ class LoopedSchedule:
                 *microbatch.Split(loss_inputs, m_count, self._batch_dim)))
             self._loss = [tf.zeros([]), tf.zeros([])]
             # The outputs' gradients come from the loss, written as each forward ends.
-            specs = recompute.FloatLeaves(self._output_specs)
-            self._d_acts[-1] = [tf.TensorArray(s.dtype, size=m_count, element_shape=s.shape,
-                                               clear_after_read=False) for s in specs]
+            self._d_acts[-1] = self._EmptyArrays(recompute.FloatLeaves(self._output_specs),
+                                                 ('d_act', self._num_stages))
         if self._schedule.splits_backward:
             self._StartSaved()
         self._Loop((F, B, I, W))
@@ -104,8 +106,12 @@ class LoopedSchedule:
         return (self._Outputs(), self._Updates(), tuple(self._loss), d_thetas, d_inputs)
 
     # ---- setting up -------------------------------------------------------------------------
-    def _Start(self, thetas, inputs, training):
+    def _Start(self, thetas, inputs, training, phases, loss_in_loop=False):
+        """Splits the inputs and makes the step's TensorArrays, each a ring of as many
+        micro-batches as the loops `phases` (per loop, the kinds of action it runs) have alive
+        in it at once (`_RingSizes`)."""
         m_count, batch_dim = self._num_micro_batches, self._batch_dim
+        self._ring = _RingSizes(self._schedule, phases, loss_in_loop)
         self._training = training
         self._thetas = list(thetas)
         self._loss_fn = None
@@ -130,13 +136,12 @@ class LoopedSchedule:
             self._stat_specs.append(stats)
         self._output_specs = self._structures[-1]
         self._acts = [first] + [
-            self._EmptyArrays(tf.nest.flatten(st), s) for s, st in
+            self._EmptyArrays(tf.nest.flatten(st), ('act', s + 1), s) for s, st in
             enumerate(self._structures[1:])]
         self._d_acts = [None] * (self._num_stages + 1)
         for b in range(self._num_stages):  # Boundary b's gradient is written by stage b.
-            with tf.device(self._devices[b]):
-                self._d_acts[b] = self._EmptyArrays(
-                    recompute.FloatLeaves(self._structures[b]), b)
+            self._d_acts[b] = self._EmptyArrays(recompute.FloatLeaves(self._structures[b]),
+                                                ('d_act', b), b)
         self._grads = [None] * self._num_stages
         self._stats = [None] * self._num_stages
         self._saved = [None] * self._num_stages  # Per stage, its I's saved values for its W.
@@ -149,17 +154,33 @@ class LoopedSchedule:
             self._saved_specs[s] = fn.BackwardInputSpecs(
                 self._thetas[s], tf.nest.map_structure(_Spec, self._structures[s]), step_spec,
                 recompute.FloatLeaves(tf.nest.map_structure(_Spec, self._structures[s + 1])))
-            self._saved[s] = self._EmptyArrays(tf.nest.flatten(self._saved_specs[s]), s)
+            self._saved[s] = self._EmptyArrays(tf.nest.flatten(self._saved_specs[s]),
+                                               ('saved', s), s)
 
     def _Arrays(self, leaves, stacked):
+        """TensorArrays holding every micro-batch of each leaf from the start."""
         return [tf.TensorArray(x.dtype, size=self._num_micro_batches, element_shape=x.shape,
                                clear_after_read=False).unstack(values)
                 for x, values in zip(leaves, stacked)]
 
-    def _EmptyArrays(self, specs, stage):
-        with tf.device(self._devices[min(stage, self._num_stages - 1)]):
-            return [tf.TensorArray(x.dtype, size=self._num_micro_batches, element_shape=x.shape,
+    def _EmptyArrays(self, specs, key, stage=None):
+        """Empty TensorArrays for `key`'s leaves of `specs`, of its ring's size, on the device
+        of `stage` (default: the current one)."""
+        device = (contextlib.nullcontext() if stage is None
+                  else tf.device(self._devices[min(stage, self._num_stages - 1)]))
+        with device:
+            return [tf.TensorArray(x.dtype, size=self._RingSize(key), element_shape=x.shape,
                                    clear_after_read=False) for x in specs]
+
+    def _RingSize(self, key) -> int:
+        """How many micro-batches `key`'s TensorArrays hold (1 for one the step never uses:
+        the boundaries' gradients in inference)."""
+        return self._ring.get(key, 1)
+
+    def _Slot(self, key, m):
+        """Micro-batch m's index in `key`'s TensorArrays: m modulo its ring's size."""
+        size = self._RingSize(key)
+        return m if size == self._num_micro_batches else tf.math.floormod(m, size)
 
     # ---- the loop ---------------------------------------------------------------------------
     def _Loop(self, kinds):
@@ -304,11 +325,17 @@ class LoopedSchedule:
         return list(dict.fromkeys(keys))
 
     # ---- the actions ------------------------------------------------------------------------
-    def _Read(self, arrays, structure, m, float_only=False):
-        leaves = [ta.read(m) for ta in arrays]
-        if float_only:
-            return leaves
-        return tf.nest.pack_sequence_as(structure, leaves)
+    def _Read(self, key, structure, m):
+        """Micro-batch m from `key`'s TensorArrays (as they were when the tick began), packed
+        as `structure` (None: the flat list)."""
+        slot = self._Slot(key, m)
+        leaves = [ta.read(slot) for ta in self._Value(key)]
+        return leaves if structure is None else tf.nest.pack_sequence_as(structure, leaves)
+
+    def _Write(self, values, key, m, leaves):
+        """`values[key]`'s TensorArrays with micro-batch m's `leaves` written."""
+        slot = self._Slot(key, m)
+        values[key] = [ta.write(slot, x) for ta, x in zip(values[key], leaves)]
 
     def _Action(self, kind, s, m, keys):
         values = dict(zip(keys, self._Get(keys)))
@@ -322,9 +349,9 @@ class LoopedSchedule:
         values[token] = tf.identity(values[token])
         with tf.control_dependencies([values[token]]):
             if kind == W:  # What its I saved.
-                x = self._Read(self._saved[s], self._saved_specs[s], m)
+                x = self._Read(('saved', s), self._saved_specs[s], m)
             else:
-                x = self._Read(self._acts[s], self._structures[s], m)
+                x = self._Read(('act', s), self._structures[s], m)
         with tf.name_scope(f'cell_{s}_{_SCOPES[kind]}'):
             self._Run(kind, s, m, values, fn, first, x)
         done = [t.flow if isinstance(t, tf.TensorArray) else t
@@ -339,31 +366,27 @@ class LoopedSchedule:
         if kind == F:
             outputs, stats = fn.Forward(self._thetas[s], x, self._step, first,
                                         training=self._training)
-            values[('act', s + 1)] = [ta.write(m, y) for ta, y in
-                                      zip(values[('act', s + 1)], tf.nest.flatten(outputs))]
+            self._Write(values, ('act', s + 1), m, tf.nest.flatten(outputs))
             if self._stats[s] is not None:
                 values[('stats', s)] = tf.nest.map_structure(
                     tf.add, values[('stats', s)], stats)
             if s == self._num_stages - 1 and self._loss_fn is not None:
                 total, weight, d_y = self._Loss(outputs, m)
-                values[('d_act', s + 1)] = [ta.write(m, g) for ta, g in
-                                            zip(values[('d_act', s + 1)], d_y)]
+                self._Write(values, ('d_act', s + 1), m, d_y)
                 values[('loss', 0)] = [values[('loss', 0)][0] + total,
                                        values[('loss', 0)][1] + weight]
         elif kind == W:
             d_theta = fn.BackwardWeight(self._thetas[s], x, self._step, first)
             values[('grad', s)] = values[('grad', s)] + _Pack(d_theta)
         else:
-            d_y = self._Read(self._d_acts[s + 1], None, m, float_only=True)
+            d_y = self._Read(('d_act', s + 1), None, m)
             if kind == B:
                 d_theta, d_x = fn.Backward(self._thetas[s], x, self._step, first, d_y)
                 values[('grad', s)] = values[('grad', s)] + _Pack(d_theta)
             else:
                 d_x, saved = fn.BackwardInput(self._thetas[s], x, self._step, first, d_y)
-                values[('saved', s)] = [ta.write(m, v) for ta, v in
-                                        zip(values[('saved', s)], tf.nest.flatten(saved))]
-            values[('d_act', s)] = [ta.write(m, g) for ta, g in
-                                    zip(values[('d_act', s)], [g for g in d_x if g is not None])]
+                self._Write(values, ('saved', s), m, tf.nest.flatten(saved))
+            self._Write(values, ('d_act', s), m, [g for g in d_x if g is not None])
 
     def _Loss(self, outputs, m):
         loss_inputs = (None if self._loss_inputs is None else
@@ -401,6 +424,69 @@ class LoopedSchedule:
             with tf.device(self._devices[s]):
                 grads.append(self._Unpack(s, self._grads[s]))
         return grads, d_inputs
+
+
+def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool) -> dict:
+    """Per TensorArray key ('act', b), ('d_act', b) or ('saved', s), how many micro-batches it
+    holds: the smallest R such that micro-batch m + R is written (slot (m + R) mod R) no earlier
+    than the tick of micro-batch m's last read. A loop's tick reads the arrays as they were
+    when it began, so a write in the tick of the last read is safe. Values no longer in a ring
+    are freed: with 1F1B a boundary holds about K - b micro-batches, a gradient one or two,
+    where M slots would keep every micro-batch until the step ends.
+
+    Args:
+      sched: the schedule.
+      phases: per loop of the step, in order, the action kinds it runs.
+      loss_in_loop: whether the last stage's forwards write the outputs' gradients (the loss
+        inside the loop); otherwise they are given, all at once, before the second loop.
+    """
+    m_count, last = sched.num_micro_batches, sched.num_stages
+    writes, reads = {}, {}  # key -> {micro-batch: tick}
+
+    def Write(key, m, tick):
+        writes.setdefault(key, {})[m] = tick
+
+    def Read(key, m, tick):
+        reads.setdefault(key, {})[m] = max(reads.get(key, {}).get(m, tick), tick)
+
+    tick = 0
+    for m in range(m_count):
+        Write(('act', 0), m, -1)
+    for p, kinds in enumerate(phases):
+        if p > 0 and not loss_in_loop:
+            for m in range(m_count):
+                Write(('d_act', last), m, tick - 1)
+        for actions in schedule_lib.Ticks(sched, kinds):
+            for a in actions:
+                if a is None:
+                    continue
+                s, m = a.stage, a.micro_batch
+                if a.kind == F:
+                    Read(('act', s), m, tick)
+                    Write(('act', s + 1), m, tick)
+                    if s == last - 1 and loss_in_loop:
+                        Write(('d_act', last), m, tick)
+                elif a.kind == W:
+                    Read(('saved', s), m, tick)
+                else:
+                    Read(('act', s), m, tick)
+                    Read(('d_act', s + 1), m, tick)
+                    Write(('d_act', s), m, tick)
+                    if a.kind == I:
+                        Write(('saved', s), m, tick)
+            tick += 1
+        if p == 0:  # The outputs, joined after the first loop.
+            for m in range(m_count):
+                Read(('act', last), m, tick)
+    for m in range(m_count):  # The inputs' gradients, joined at the end.
+        Read(('d_act', 0), m, tick)
+    sizes = {}
+    for key in set(writes) | set(reads):
+        written, read = writes.get(key, {}), reads.get(key, {})
+        sizes[key] = next(r for r in range(1, m_count + 1) if all(
+            written.get(m + r, float('inf')) >= read.get(m, float('-inf'))
+            for m in range(m_count - r)))
+    return sizes
 
 
 def _FloatParts(nest, num_micro_batches, batch_dim):
