@@ -11,6 +11,7 @@ line.
 """
 
 import os
+import re
 import shutil
 import tempfile
 
@@ -218,14 +219,15 @@ class DtypesTest(tf.test.TestCase):
         _, graph = self.TrainGraph(unroll=False)
         loops = [op for op in graph.get_operations() if op.type in ('While', 'StatelessWhile')]
         self.assertLen(loops, 2)  # The forwards, then the backwards.
-        backward = loops[1]
-        # Among the loop variables, per cell its packed gradient vector: the dense layer's
-        # weight and bias, the layer norm's scale and bias.
-        vectors = [t for t in backward.outputs if t.shape.rank == 1 and
-                   t.shape[0] == DIM * DIM + DIM + 2 * DIM]
-        self.assertLen(vectors, 3)
-        for vector in vectors:
-            self.assertEqual(vector.dtype, tf.float32)
+        # The backward loop's variables include per cell a sum per weight (the dense layer's
+        # weight and bias, the layer norm's scale and bias), started from zeros of its dtype:
+        # a loop variable keeps its dtype.
+        starts = [op for op in graph.get_operations()
+                  if re.match(r'cell_\d+_sums(_\d+)?/zeros_like', op.name)]
+        self.assertLen(starts, 3 * 4)
+        for op in starts:
+            self.assertEqual(op.outputs[0].dtype, tf.float32, op.name)
+            self.assertIn(op.outputs[0].name, [t.name for t in loops[1].inputs])
 
 
 @pytest.mark.unit

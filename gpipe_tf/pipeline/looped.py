@@ -7,8 +7,10 @@ at K=8, M=32 graph optimization of the inlined calls took minutes before the fir
 every device runs the action the table gives it, a `tf.switch_case` over the kinds of action
 and stages it has, or idles. Micro-batches live in TensorArrays, one per leaf of each stage
 boundary: inputs and outputs of every stage (what re-materializing backwards read) and the
-gradients of every boundary. Weight gradients and training statistics are summed in loop
-variables on each stage's device. The values equal the unrolled executor's: the same traced cell
+gradients of every boundary; each is a ring of as many micro-batches as the schedule has
+alive in it at once (`_RingSizes`), so what is no longer needed is freed. Weight gradients
+(a sum per weight) and training statistics are summed in loop variables on each stage's
+device. The values equal the unrolled executor's: the same traced cell
 functions run on the same micro-batches, and each device runs its actions in its list's order.
 
 It runs schedules whose cells all re-materialize (the stored input is all a backward needs),
@@ -234,9 +236,12 @@ class LoopedSchedule:
         for s, fn in enumerate(self._functions):
             with tf.device(self._devices[s]), tf.name_scope(f'cell_{s}_sums'):
                 if (B in kinds or W in kinds) and self._grads[s] is None:
-                    # One vector per stage: every loop variable costs control-flow ops at
-                    # every tick, and a stage has tens of weights.
-                    self._grads[s] = tf.zeros([self._GradientSize(s)], self._GradientDtype(s))
+                    # One sum per weight, in its dtype (float32 under any fprop_dtype: cells
+                    # cast their weights inside, so each micro-batch's gradient comes back in
+                    # the dtype of theta). Each backward adds its gradients to them one by one:
+                    # packing them into one vector cost a copy of the stage's gradients per
+                    # backward.
+                    self._grads[s] = [tf.zeros_like(t) for t in self._Trainable(s)]
                 if F in kinds and self._training:
                     self._stats[s] = tf.nest.map_structure(
                         lambda spec: tf.zeros(spec.shape, spec.dtype), self._stat_specs[s])
@@ -245,24 +250,10 @@ class LoopedSchedule:
         return [t for t, keep in zip(tf.nest.flatten(self._thetas[s]),
                                      self._functions[s].trainable) if keep]
 
-    def _GradientSize(self, s) -> int:
-        return sum(int(t.shape.num_elements()) for t in self._Trainable(s))
-
-    def _GradientDtype(self, s):
-        # The weights' dtype (float32 under any fprop_dtype: cells cast their weights inside,
-        # so each micro-batch's gradient comes back in the dtype of theta).
-        dtypes = {t.dtype for t in self._Trainable(s)}
-        if len(dtypes) > 1:
-            raise ValueError(f'cell {s} has weights of several dtypes {sorted(map(str, dtypes))}'
-                             '; run it unrolled (unroll=True).')
-        return dtypes.pop() if dtypes else tf.float32
-
-    def _Unpack(self, s, vector) -> list:
-        """Stage s's packed gradient as its flat list (None for non-trainable leaves)."""
-        sizes = [int(t.shape.num_elements()) for t in self._Trainable(s)]
-        pieces = iter(tf.split(vector, sizes) if sizes else [])
-        return [tf.reshape(next(pieces), t.shape) if keep else None for t, keep in
-                zip(tf.nest.flatten(self._thetas[s]), self._functions[s].trainable)]
+    def _Unpack(self, s, sums) -> list:
+        """Stage s's gradient sums as its flat list (None for non-trainable leaves)."""
+        sums = iter(sums)
+        return [next(sums) if keep else None for keep in self._functions[s].trainable]
 
     # The loop's state: a dict of named nests, flattened for the while loop.
     def _StateKeys(self):
@@ -377,12 +368,12 @@ class LoopedSchedule:
                                        values[('loss', 0)][1] + weight]
         elif kind == W:
             d_theta = fn.BackwardWeight(self._thetas[s], x, self._step, first)
-            values[('grad', s)] = values[('grad', s)] + _Pack(d_theta)
+            values[('grad', s)] = _Add(values[('grad', s)], d_theta)
         else:
             d_y = self._Read(('d_act', s + 1), None, m)
             if kind == B:
                 d_theta, d_x = fn.Backward(self._thetas[s], x, self._step, first, d_y)
-                values[('grad', s)] = values[('grad', s)] + _Pack(d_theta)
+                values[('grad', s)] = _Add(values[('grad', s)], d_theta)
             else:
                 d_x, saved = fn.BackwardInput(self._thetas[s], x, self._step, first, d_y)
                 self._Write(values, ('saved', s), m, tf.nest.flatten(saved))
@@ -496,10 +487,10 @@ def _FloatParts(nest, num_micro_batches, batch_dim):
     return [tf.stack(leaves) for leaves in zip(*flat)]
 
 
-def _Pack(grads) -> tf.Tensor:
-    """The non-None gradients flattened into one vector (dense)."""
-    return tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads
-                      if g is not None], 0)
+def _Add(sums: list, grads: list) -> list:
+    """Each sum plus its gradient (`grads` flat over theta, None for non-trainable leaves)."""
+    grads = [g for g in grads if g is not None]
+    return [total + tf.convert_to_tensor(g) for total, g in zip(sums, grads)]
 
 
 def _Spec(x):
