@@ -1,0 +1,123 @@
+"""The looped executor's TensorArray rings (`looped._RingSizes`): replaying every schedule's
+ticks with rings of those sizes, each read finds the micro-batch it asks for, and the rings
+are as small as the schedule allows (1F1B keeps about K - b micro-batches at boundary b)."""
+
+import pytest
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from gpipe_tf.pipeline import looped
+from gpipe_tf.pipeline import schedule as schedule_lib
+
+pytestmark = pytest.mark.unit
+
+F, B, I, W = 'F', 'B', 'I', 'W'
+
+
+def _Events(action, last, loss_in_loop):
+    """(reads, writes) of an action as (array, micro-batch) pairs: an independent statement of
+    what the executor's actions read and write."""
+    s, m = action.stage, action.micro_batch
+    if action.kind == F:
+        writes = [(('act', s + 1), m)]
+        if s == last - 1 and loss_in_loop:
+            writes.append((('d_act', last), m))
+        return [(('act', s), m)], writes
+    if action.kind == W:
+        return [(('saved', s), m)], []
+    writes = [(('d_act', s), m)] + ([(('saved', s), m)] if action.kind == I else [])
+    return [(('act', s), m), (('d_act', s + 1), m)], writes
+
+
+def _Replay(sched, phases, loss_in_loop, sizes):
+    """Runs the loops' ticks on rings of `sizes`; returns the reads that found another
+    micro-batch than theirs (as (array, wanted, found))."""
+    m_count, last = sched.num_micro_batches, sched.num_stages
+    rings = {}
+
+    def Put(key, m):
+        rings.setdefault(key, [None] * sizes.get(key, 1))[m % sizes.get(key, 1)] = m
+
+    def Get(key, m):
+        ring = rings.get(key, [None])
+        return ring[m % len(ring)]
+
+    wrong = []
+    for m in range(m_count):
+        Put(('act', 0), m)
+    for p, kinds in enumerate(phases):
+        if p > 0 and not loss_in_loop:
+            for m in range(m_count):
+                Put(('d_act', last), m)
+        for tick in schedule_lib.Ticks(sched, kinds):
+            events = [_Events(a, last, loss_in_loop) for a in tick if a is not None]
+            for reads, _ in events:  # Every read sees the state the tick began with.
+                wrong += [(key, m, Get(key, m)) for key, m in reads if Get(key, m) != m]
+            for _, writes in events:
+                for key, m in writes:
+                    Put(key, m)
+        if p == 0:  # The outputs, joined after the first loop.
+            wrong += [(('act', last), m, Get(('act', last), m)) for m in range(m_count)
+                      if Get(('act', last), m) != m]
+    if len(phases[-1]) > 1 or len(phases) > 1:  # Training: the inputs' gradients, joined.
+        wrong += [(('d_act', 0), m, Get(('d_act', 0), m)) for m in range(m_count)
+                  if Get(('d_act', 0), m) != m]
+    return wrong
+
+
+def _Cases():
+    for kind, v in (('gpipe', 1), ('1f1b', 1), ('zero_bubble', 1), ('interleaved_1f1b', 2)):
+        for k in (1, 2, 3, 4):
+            for m in (1, 2, 4, 5, 8):
+                if kind == 'interleaved_1f1b' and m % k:
+                    continue
+                yield kind, k, m, v
+
+
+def _Phases(kind):
+    # As the executor runs them: gpipe's forwards then (through Backward) its backwards;
+    # the others in one loop with the loss inside.
+    return ([(F,), (B,)], False) if kind == 'gpipe' else ([(F, B, I, W)], True)
+
+
+class RingTest(parameterized.TestCase):
+
+    @parameterized.parameters(*_Cases())
+    def testEveryReadFindsItsMicroBatch(self, kind, k, m, v):
+        sched = schedule_lib.Make(kind, k, m, v)
+        phases, loss_in_loop = _Phases(kind)
+        sizes = looped._RingSizes(sched, phases, loss_in_loop)  # pylint: disable=protected-access
+        self.assertEqual(_Replay(sched, phases, loss_in_loop, sizes), [])
+        inference = schedule_lib.Make(kind, k, m, v, training=False)
+        sizes = looped._RingSizes(inference, [(F,)], False)  # pylint: disable=protected-access
+        self.assertEqual(_Replay(inference, [(F,)], False, sizes), [])
+
+    @parameterized.parameters(*_Cases())
+    def testNoRingCanBeSmaller(self, kind, k, m, v):
+        sched = schedule_lib.Make(kind, k, m, v)
+        phases, loss_in_loop = _Phases(kind)
+        sizes = looped._RingSizes(sched, phases, loss_in_loop)  # pylint: disable=protected-access
+        for key, size in sizes.items():
+            if size > 1:
+                smaller = {**sizes, key: size - 1}
+                self.assertNotEqual(_Replay(sched, phases, loss_in_loop, smaller), [], key)
+
+    def testOneFOneBKeepsAboutKMinusBMicroBatchesAtBoundaryB(self):
+        k, m = 4, 16
+        sizes = looped._RingSizes(  # pylint: disable=protected-access
+            schedule_lib.Make('1f1b', k, m), [(F, B, I, W)], True)
+        for b in range(1, k):
+            self.assertLessEqual(sizes['act', b], k - b + 1)
+        for b in range(1, k + 1):
+            self.assertLessEqual(sizes['d_act', b], 2)
+        # GPipe keeps every micro-batch's boundaries for its backwards, and the inputs,
+        # outputs and input gradients are whole under every schedule.
+        gpipe = looped._RingSizes(  # pylint: disable=protected-access
+            schedule_lib.Make('gpipe', k, m), [(F,), (B,)], False)
+        for b in range(k + 1):
+            self.assertEqual(gpipe['act', b], m)
+        self.assertEqual((sizes['act', 0], sizes['act', k], sizes['d_act', 0]), (m, m, m))
+
+
+if __name__ == '__main__':
+    absltest.main()
