@@ -118,6 +118,8 @@ def Main() -> None:
         print(f'{row["executor"]:9s} {row["schedule"]:17s} {row["m"]:4d} {row["layer_s"]:6.1f} '
               f'{row["trace_s"]:6.1f} {row["first_step_s"]:7.1f} {row["build_and_first_s"]:7.1f} '
               f'{row["step_s"]:6.2f}            {row["peak_bytes"] / 2**20:8.0f}', flush=True)
+    if not rows:
+        sys.exit('error: every run failed (see above); nothing written')
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, 'w', encoding='utf-8') as f:
         json.dump(rows, f, indent=1)
