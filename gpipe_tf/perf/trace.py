@@ -7,10 +7,10 @@ One training step is traced with TensorFlow's own tools: the profiler
 scope, so an op's name says which box of the schedule it belongs to. In the looped executor
 (`pipeline.looped`) an action's ops run once per micro-batch under one name,
 `cell_<k>_<part>`: each run of a name is the next micro-batch (every schedule runs a stage's
-actions of one kind in micro-batch order, and each device its actions in list order). The ops of one box are
-merged into one interval on cell k's device (device k runs cell k, which the placement tests
-check); a device's busy time is the union of its ops' run times, so two ops that overlap on two
-threads count once.
+actions of one kind in micro-batch order, and each device its actions in list order). The ops
+of one box are merged into one interval on cell k's device (device k runs cell k, which the
+placement tests check); a device's busy time is the union of its ops' run times, so two ops that
+overlap on two threads count once.
 """
 
 from __future__ import annotations

@@ -21,8 +21,6 @@ the unrolled executor runs.
 
 from __future__ import annotations
 
-import contextlib
-
 import tensorflow as tf
 
 from gpipe_tf.pipeline import executor
@@ -36,8 +34,8 @@ I, W = schedule_lib.INPUT_GRAD, schedule_lib.WEIGHT_GRAD
 _SCOPES = {F: 'fwd', B: 'bwd', I: 'bwd_input', W: 'bwd_weight'}
 
 
-def Supports(recomputes, unused_sched: schedule_lib.Schedule, assign) -> bool:
-    """Whether a LoopedSchedule can run this pipeline."""
+def Supports(recomputes, assign) -> bool:
+    """Whether a LoopedSchedule can run this pipeline (any schedule)."""
     return all(recomputes) and assign is None
 
 
@@ -50,7 +48,7 @@ class LoopedSchedule:
 
     def __init__(self, functions, recomputes, sched, batch_dim, step, assign=None,
                  first_example=0):
-        if not Supports(recomputes, sched, assign):
+        if not Supports(recomputes, assign):
             raise ValueError('LoopedSchedule runs re-materializing cells and no '
                              'logical_device_fn; use executor.UnrolledSchedule.')
         self._functions = functions
@@ -100,7 +98,7 @@ class LoopedSchedule:
             self._loss = [tf.zeros([]), tf.zeros([])]
             # The outputs' gradients come from the loss, written as each forward ends.
             self._d_acts[-1] = self._EmptyArrays(recompute.FloatLeaves(self._output_specs),
-                                                 ('d_act', self._num_stages))
+                                                 ('d_act', self._num_stages), self._num_stages)
         if self._schedule.splits_backward:
             self._StartSaved()
         self._Loop((F, B, I, W))
@@ -165,12 +163,10 @@ class LoopedSchedule:
                                clear_after_read=False).unstack(values)
                 for x, values in zip(leaves, stacked)]
 
-    def _EmptyArrays(self, specs, key, stage=None):
+    def _EmptyArrays(self, specs, key, stage):
         """Empty TensorArrays for `key`'s leaves of `specs`, of its ring's size, on the device
-        of `stage` (default: the current one)."""
-        device = (contextlib.nullcontext() if stage is None
-                  else tf.device(self._devices[min(stage, self._num_stages - 1)]))
-        with device:
+        of `stage` (the last stage's for the outputs' boundary)."""
+        with tf.device(self._devices[min(stage, self._num_stages - 1)]):
             return [tf.TensorArray(x.dtype, size=self._RingSize(key), element_shape=x.shape,
                                    clear_after_read=False) for x in specs]
 

@@ -297,7 +297,7 @@ class PipeliningLayer(BaseLayer):
         # that come before this whole batch, under a strategy's replicas).
         shard = batch_size // p.num_replicas
         run = executor.UnrolledSchedule
-        if not p.unroll and looped.Supports(self.plan.recompute, sched, assign):
+        if not p.unroll and looped.Supports(self.plan.recompute, assign):
             run = looped.LoopedSchedule
         runs = [run(functions, self.plan.recompute, sched, p.batch_dim,
                     tf.cast(ctx.step, tf.int64), assign,
