@@ -32,6 +32,19 @@ def ConfigureVirtualCpus(num_devices: int = NUM_VIRTUAL_CPUS) -> list[str]:
     return devices.VirtualCpus(num_devices)
 
 
+def RunV1(build):
+    """`build()`'s fetches, built in a tf.compat.v1 graph and run in a Session with as many CPU
+    devices as this process has logical ones, after initializing the variables."""
+    graph = tf.Graph()
+    with graph.as_default():
+        fetches = build()
+        config = tf.compat.v1.ConfigProto(
+            device_count={'CPU': len(tf.config.list_logical_devices('CPU'))})
+        with tf.compat.v1.Session(graph=graph, config=config) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            return session.run(fetches)
+
+
 def MaxRelativeError(actual, expected) -> float:
     """max |actual - expected| / max |expected| over all tensors of two like-structured nests."""
     worst = 0.0

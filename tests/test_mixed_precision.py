@@ -98,17 +98,6 @@ def UnpipelinedOnMicroBatches(pipeline_params, x, num_micro_batches=M):
     return model, OutputsAndGrads(fn, model.trainable_variables, x)
 
 
-def RunV1(build):
-    """`build()`'s fetches, built in a tf.compat.v1 graph and run in a Session."""
-    graph = tf.Graph()
-    with graph.as_default():
-        fetches = build()
-        config = tf.compat.v1.ConfigProto(device_count={'CPU': len(DEVICES)})
-        with tf.compat.v1.Session(graph=graph, config=config) as session:
-            session.run(tf.compat.v1.global_variables_initializer())
-            return session.run(fetches)
-
-
 @pytest.mark.unit
 class GradientsTest(tf.test.TestCase, parameterized.TestCase):
     """A bfloat16 pipeline computes its layers' bfloat16 math, near float32's."""
@@ -152,7 +141,7 @@ class GradientsTest(tf.test.TestCase, parameterized.TestCase):
                                    loss_inside)
 
         if mode == 'v1':
-            got = RunV1(lambda: Run(p.Instantiate()))
+            got = test_utils.RunV1(lambda: Run(p.Instantiate()))
         else:
             layer = p.Instantiate()
             got = (Run if mode == 'eager' else tf.function(Run, autograph=False))(layer)

@@ -32,17 +32,6 @@ def PipelineParams(num_cells, num_micro_batches, recompute='always', layers=None
         input_shapes=[BATCH, DIM], devices=DEVICES[:4], **kw)
 
 
-def RunV1(build):
-    """Builds `build()` -> (pipeline_fetches, reference_fetches) in a v1 graph and runs both."""
-    graph = tf.Graph()
-    with graph.as_default():
-        fetches = build()
-        config = tf.compat.v1.ConfigProto(device_count={'CPU': len(DEVICES)})
-        with tf.compat.v1.Session(graph=graph, config=config) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            return sess.run(fetches)
-
-
 def V1OutputsAndGrads(make_layer, make_inputs, num_micro_batches_ref=1):
     def Build():
         layer = make_layer()
@@ -52,7 +41,7 @@ def V1OutputsAndGrads(make_layer, make_inputs, num_micro_batches_ref=1):
         y_ref = test_utils.Unpartitioned(layer, inputs, num_micro_batches_ref)
         return ([y, tf.compat.v1.gradients(test_utils.SquareLoss(y), xs)],
                 [y_ref, tf.compat.v1.gradients(test_utils.SquareLoss(y_ref), xs)])
-    return RunV1(Build)
+    return test_utils.RunV1(Build)
 
 
 def RandomInputs(shape=(BATCH, DIM)):
@@ -285,7 +274,7 @@ class BatchNormTest(tf.test.TestCase, parameterized.TestCase):
             self.assertLen(updates, 3)
             with tf.control_dependencies(updates + [y]):
                 return [tf.identity(l.vars.moving_mean) for l in bn]
-        means = RunV1(Build)
+        means = test_utils.RunV1(Build)
         for mean in means:
             self.assertGreater(float(np.abs(mean).max()), 0.0)
 

@@ -111,8 +111,7 @@ class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.named_parameters(*UNROLLED[1:4], *LOOPED[:1], *LOOPED[3:4])
     def testV1GraphEqualsTheLayersInSequence(self, kind, k, v, m, r, unroll):
-        graph = tf.Graph()
-        with graph.as_default():
+        def Build():
             layer = Pipeline(kind, k, v, m, r, unroll=unroll).Instantiate()
             x, loss_inputs = Data()
             with fprop_context.Scope(step=5):
@@ -120,12 +119,10 @@ class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
                 ref_outputs = test_utils.Unpartitioned(layer, x, 1, step=5)
             ref_loss, _ = LossFn(ref_outputs, loss_inputs)
             sources = [x] + list(layer.trainable_variables)
-            fetches = ((loss, outputs, tf.compat.v1.gradients(loss, sources)),
-                       (ref_loss, ref_outputs, tf.compat.v1.gradients(ref_loss, sources)))
-            config = tf.compat.v1.ConfigProto(device_count={'CPU': len(DEVICES)})
-            with tf.compat.v1.Session(graph=graph, config=config) as sess:
-                sess.run(tf.compat.v1.global_variables_initializer())
-                got, want = sess.run(fetches)
+            return ((loss, outputs, tf.compat.v1.gradients(loss, sources)),
+                    (ref_loss, ref_outputs, tf.compat.v1.gradients(ref_loss, sources)))
+
+        got, want = test_utils.RunV1(Build)
         self.assertSameStep(got, want)
 
     @parameterized.named_parameters(*UNROLLED[1:4], *LOOPED[1:2])
