@@ -119,9 +119,11 @@ def TimeSteps(step, inputs, repeats):
 
 
 def BuildPipeline(layers, input_shapes, k, m, mode, devices):
+    """The pipeline, unrolled (the executor this script and memory_vs_planner.py measure;
+    `schedule_build.py` compares it with the loop)."""
     return pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', layer_tpl=layers, num_cells=k, num_micro_batches=m, recompute=mode,
-        input_shapes=input_shapes, devices=devices).Instantiate()
+        input_shapes=input_shapes, devices=devices, unroll=True).Instantiate()
 
 
 def Overhead(model_name, quick, repeats, emit):

@@ -15,7 +15,11 @@ schedule and (K, M):
   bubble_measured   1 - busy / (K x makespan) of a traced step (`perf.trace`), the loss and
                     update included in the makespan
 
-    python benchmarks/schedules.py [--quick] [--out=benchmarks/results/schedules.json]
+    python benchmarks/schedules.py [--quick] [--unroll=true|false|auto]
+        [--out=benchmarks/results/schedules.json]
+
+`--unroll` is the pipeline's `unroll` (default true: the schedule unrolled into the graph, as the
+README's table was measured; false: run as a loop, `pipeline/looped.py`).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def Setup() -> list[str]:
     return test_utils.ConfigureVirtualCpus(NUM_DEVICES)
 
 
-def Build(kind, k, m, devices):
+def Build(kind, k, m, devices, unroll=True):
     from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
     from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
     virtual = 2 if kind == 'interleaved_1f1b' else 1
@@ -54,7 +58,7 @@ def Build(kind, k, m, devices):
     return pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', layer_tpl=layers, num_cells=k, virtual_stages=virtual,
         num_micro_batches=m, schedule=kind, input_shapes=[BATCH, WIDTH],
-        devices=devices[:k]).Instantiate()
+        devices=devices[:k], unroll=unroll).Instantiate()
 
 
 def LossFn(outputs, _):
@@ -77,11 +81,11 @@ def MakeStep(layer, kind):
     return Step
 
 
-def Measure(kind, k, m, devices) -> dict:
+def Measure(kind, k, m, devices, unroll=True) -> dict:
     from gpipe_tf.perf import memory  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import simulator  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import trace  # pylint: disable=g-import-not-at-top
-    layer = Build(kind, k, m, devices)
+    layer = Build(kind, k, m, devices, unroll)
     step = MakeStep(layer, kind)
     x = tf.random.stateless_normal([BATCH, WIDTH], [1, 2])
     start = time.perf_counter()
@@ -105,7 +109,8 @@ def Measure(kind, k, m, devices) -> dict:
     simulated = simulator.Simulate(costs, m, plan.recompute, schedule=plan.schedule)
     events = trace.TraceFunction(step, x)
     measured = trace.MeasuredTimeline(events, plan.num_cells, num_devices=plan.num_devices)
-    return dict(schedule=kind, k=k, v=plan.virtual_stages, m=m, first_step_s=first,
+    return dict(schedule=kind, k=k, v=plan.virtual_stages, m=m, looped=plan.Loops(m),
+                first_step_s=first,
                 step_ms=1e3 * statistics.median(times), peak_mib=peak / MIB,
                 planned_mib=sum(planned.device_totals) / MIB,
                 planned_device_mib=max(planned.device_totals) / MIB,
@@ -117,7 +122,10 @@ def Main() -> None:
     parser.add_argument('--quick', action='store_true', help='K=4, M=8 only.')
     parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
                                                       'schedules.json'))
+    parser.add_argument('--unroll', default='true', choices=('true', 'false', 'auto'),
+                        help="The pipeline's unroll: unrolled, a loop, or by the plan's rule.")
     args = parser.parse_args()
+    unroll = {'true': True, 'false': False, 'auto': 'auto'}[args.unroll]
     devices = Setup()
     from gpipe_tf.pipeline import schedule  # pylint: disable=g-import-not-at-top
     rows = []
@@ -126,7 +134,7 @@ def Main() -> None:
     for k in ([4] if args.quick else [4, 8]):
         for m in ([8] if args.quick else [8, 32]):
             for kind in schedule.KINDS:
-                row = Measure(kind, k, m, devices)
+                row = Measure(kind, k, m, devices, unroll)
                 rows.append(row)
                 print(f'{kind:17s} {k:2d} {m:3d} {row["step_ms"]:8.1f} {row["peak_mib"]:9.1f} '
                       f'{row["planned_mib"]:8.1f} {row["bubble_simulated"]:10.3f} '

@@ -87,6 +87,14 @@ def Number(greater_than: float | None = None, at_least: float | None = None,
     return Check(Predicate, 'a finite number' + (f' {words}' if words else ''))
 
 
+def OneOf(*values) -> Check:
+    """One of `values` (a bool only as itself: 1 is not True)."""
+    def Predicate(v) -> bool:
+        return any(v is x if isinstance(x, bool) or isinstance(v, bool) else v == x
+                   for x in values)
+    return Check(Predicate, f'one of ({", ".join(repr(x) for x in values)})')
+
+
 def OrNone(check: Check) -> Check:
     """`check`, or None (a param whose None means "not set" or "derive it")."""
     return Check(lambda v: v is None or check.Accepts(v), f'None or {check.expected}')
@@ -187,6 +195,11 @@ class Params:
         """Returns the value at a dotted name (`a.b.c`)."""
         parent, leaf = self._Resolve(dotted_name)
         return parent._Lookup(leaf).value
+
+    def CheckOf(self, dotted_name: str) -> Check | None:
+        """The check of the param at a dotted name (None if it has none)."""
+        parent, leaf = self._Resolve(dotted_name)
+        return parent._Lookup(leaf).check
 
     def Describe(self, name: str) -> str:
         return self._Lookup(name).description

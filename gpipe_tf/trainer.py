@@ -303,8 +303,8 @@ def ApplyOverride(p, text: str, source: str):
         except (AttributeError, KeyError, IndexError, ValueError):
             continue  # A new list entry or field that FromText created.
         new = p.Get(key)
-        if old is None or new is None or _Kind(old) == 'other':
-            continue
+        if old is None or new is None or _Kind(old) == 'other' or p.CheckOf(key) is not None:
+            continue  # A param with a check of its own: setting it checked the value.
         if _Kind(old) != _Kind(new) or (isinstance(old, int) and not isinstance(old, bool) and
                                          isinstance(new, float)):
             raise errors.ConfigError(
@@ -598,6 +598,14 @@ def _Where(config: Config, prog) -> str:
             f'{model.mesh if len(model.mesh) > 1 else model.devices}')
 
 
+def _Executor(plan, num_micro_batches: int) -> str:
+    """How the step runs its schedule (`unroll`), for the first line of a training run."""
+    if plan is None:
+        return ''
+    how = 'a loop over its clock' if plan.Loops(num_micro_batches) else 'unrolled'
+    return f' ({plan.params.schedule} schedule, {how})'
+
+
 def RunTrain(config: Config, p, plan, logdir, with_eval: bool, resume_note: str = '') -> dict:
     from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
     eval_params = TaskParams(config, p.train.eval_dataset).input if with_eval else None
@@ -609,7 +617,8 @@ def RunTrain(config: Config, p, plan, logdir, with_eval: bool, resume_note: str 
     fprop_dtype = prog.task.model.p.fprop_dtype
     computing = '' if fprop_dtype is None else f', computing in {fprop_dtype.name}'
     print(f'training {config.model} in {logdir}: {_Where(config, prog)}, '
-          f'M={NumMicroBatches(p, plan)}, batch {p.input.batch_size}, {_GraphMode(config)}'
+          f'M={NumMicroBatches(p, plan)}{_Executor(plan, NumMicroBatches(p, plan))}, '
+          f'batch {p.input.batch_size}, {_GraphMode(config)}'
           f'{computing}', flush=True)
     metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params, plan=plan,
                          resume_note=resume_note)

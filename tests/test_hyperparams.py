@@ -533,6 +533,21 @@ class CheckTest(tf.test.TestCase):
         self.assertTrue(check.Accepts(4))
         self.assertFalse(check.Accepts(0))
 
+    def test_one_of(self):
+        check = hyperparams.OneOf(True, False, 'auto')
+        self.assertEqual(check.expected, "one of (True, False, 'auto')")
+        for value in (True, False, 'auto'):
+            self.assertTrue(check.Accepts(value), value)
+        for value in (1, 0, 1.0, 'True', 'Auto', None):
+            self.assertFalse(check.Accepts(value), value)
+        self.assertTrue(hyperparams.OneOf(1, 2).Accepts(2))
+        self.assertFalse(hyperparams.OneOf(1, 2).Accepts(True))
+
+    def test_check_of(self):
+        p = self._Checked()
+        self.assertEqual(p.CheckOf('child.steps').expected, 'a positive integer')
+        self.assertIsNone(p.CheckOf('child.free'))
+
     def _Checked(self):
         p = hyperparams.Params()
         p.Define('steps', 10, 'Steps.', check=hyperparams.Integer(at_least=1))

@@ -177,16 +177,20 @@ class StructuredInputTest(tf.test.TestCase, parameterized.TestCase):
                          bias=tf.random.stateless_normal(shape, [3, 4]),
                          ids=tf.zeros(ids_shape, tf.int32))
 
-    def _Layer(self, batch_dim, mode):
+    def _Layer(self, batch_dim, mode, unroll='auto'):
         shape = [BATCH, 3, DIM] if batch_dim == 0 else [3, BATCH, DIM]
         return pipelining_layer.PipeliningLayer.Params().Set(
             name='pipe', layer_tpl=[NestedInputLayer.Params() for _ in range(4)], num_cells=2,
             num_micro_batches=4, batch_dim=batch_dim, recompute=mode, devices=DEVICES[:2],
-            input_shapes={'x': shape, 'bias': shape, 'ids': shape[:2]}).Instantiate()
+            input_shapes={'x': shape, 'bias': shape, 'ids': shape[:2]},
+            unroll=unroll).Instantiate()
 
-    @parameterized.product(batch_dim=[0, 1], mode=pipelining_layer.RECOMPUTE_MODES)
-    def testNestedMapInputsInTfFunction(self, batch_dim, mode):
-        layer = self._Layer(batch_dim, mode)
+    # unroll=False: the loop reads micro-batches from views of the inputs and their gradients
+    # (batch_dim 0) or from stacked copies (batch_dim 1); it runs where recompute is 'always'.
+    @parameterized.product(batch_dim=[0, 1], mode=pipelining_layer.RECOMPUTE_MODES,
+                           unroll=[True, False])
+    def testNestedMapInputsInTfFunction(self, batch_dim, mode, unroll):
+        layer = self._Layer(batch_dim, mode, unroll)
         inputs = self._Inputs(batch_dim)
         got = tf.function(lambda x: test_utils.OutputsAndGrads(layer, layer, x))(inputs)
         want = test_utils.OutputsAndGrads(lambda x: test_utils.Unpartitioned(layer, x), layer, inputs)

@@ -109,6 +109,35 @@ class MakePlanTest(parameterized.TestCase):
         with self.assertRaisesRegex(errors.ConfigError, r'/device:CPU:99 \(stage 1 of replica 0\)'):
             plan_lib.MakePlan(p, check_devices=True)
 
+    @parameterized.parameters((2, 1, 2, False), (4, 1, 8, False), (4, 1, 16, True),
+                              (2, 2, 8, False), (2, 2, 16, True), (8, 1, 8, True))
+    def testTheDefaultLoopsFromTheThresholdOfCellCalls(self, k, v, m, loops):
+        p = _Params(num_layers=8, num_cells=k, virtual_stages=v, num_micro_batches=m,
+                    schedule='gpipe' if v == 1 else 'interleaved_1f1b')
+        self.assertEqual(p.unroll, 'auto')
+        self.assertEqual(plan_lib.MakePlan(p, place=False).Loops(m), loops)
+        self.assertEqual(k * v * m >= plan_lib.LOOP_FROM_CELL_CALLS, loops)
+
+    def testUnrollTakesTrueFalseOrAuto(self):
+        for value in ('yes', 1, 0, None):
+            with self.subTest(repr(value)):
+                with self.assertRaisesRegex(
+                        ValueError, r"unroll must be one of \(True, False, 'auto'\), got "):
+                    _Params().Set(unroll=value)
+
+    def testTrueAndFalseAreKeptWhereTheLoopCanRun(self):
+        self.assertTrue(plan_lib.MakePlan(_Params(num_cells=2, unroll=False), place=False).Loops(2))
+        p = _Params(num_layers=8, num_cells=8, num_micro_batches=16, unroll=True)
+        self.assertFalse(plan_lib.MakePlan(p, place=False).Loops(16))
+        for name, overrides in (('except_last', dict(recompute='except_last')),
+                                ('never', dict(recompute='never')),
+                                ('logical_device_fn', dict(logical_device_fn=lambda x, k: x))):
+            with self.subTest(name):
+                for unroll in (False, 'auto'):
+                    p = _Params(num_layers=8, num_cells=8, num_micro_batches=16, unroll=unroll,
+                                **overrides)
+                    self.assertFalse(plan_lib.MakePlan(p, place=False).Loops(16))
+
     def testIsPipeline(self):
         self.assertTrue(plan_lib.IsPipeline(_Params()))
         self.assertFalse(plan_lib.IsPipeline(basic.DenseLayer.Params()))

@@ -223,6 +223,23 @@ class LoopedGraphSizeTest(tf.test.TestCase):
         self.assertGreater(calls[True, 8], 3 * calls[True, 2] // 2)
 
 
+class AutoUnrollTest(tf.test.TestCase):
+    """unroll='auto' (the default; `test_plan.py` has its rule) builds a loop from
+    LOOP_FROM_CELL_CALLS cell calls per forward, read back from the graph."""
+
+    def testTheGraphHasALoopFromTheThreshold(self):
+        x = tf.zeros([16, DIM])
+        for m, loops in ((8, False), (16, True)):
+            with self.subTest(m=m):
+                layer = Pipeline('gpipe', 4, 1, m, 1, input_shapes=[16, DIM],
+                                 devices=DEVICES[:4]).Instantiate()
+                graph_def = tf.function(
+                    lambda x: tf.gradients(layer(x), x)).get_concrete_function(x).graph.as_graph_def()
+                ops = {n.op for n in graph_def.node} | {
+                    n.op for f in graph_def.library.function for n in f.node_def}
+                self.assertEqual(bool(ops & {'While', 'StatelessWhile'}), loops)
+
+
 class ScheduleErrorsTest(tf.test.TestCase):
 
     def testFPropTrainingUnderA1F1BScheduleAsksForFPropLoss(self):

@@ -61,3 +61,12 @@ class TrainerSchedulesTest(tf.test.TestCase, parameterized.TestCase):
 
 if __name__ == '__main__':
     tf.test.main()
+
+    def testABadUnrollIsOneLine(self):
+        result = test_utils.TrainerInProcess(
+            f'--model={MLP}', '--model_params_override=model.unroll : "sometimes"',
+            '--mode=inspect_model', check=False)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertIn("model.unroll must be one of (True, False, 'auto'), got 'sometimes'",
+                      result.stderr)
+        self.assertNotIn('Traceback', result.stderr)

@@ -6,9 +6,12 @@ at K=8, M=32 graph optimization of the inlined calls took minutes before the fir
 `LoopedSchedule` puts the schedule's clock (`schedule.Ticks`) in a `tf.while_loop`: at each tick
 every device runs the action the table gives it, a `tf.switch_case` over the kinds of action
 and stages it has, or idles. Micro-batches live in TensorArrays, one per leaf of each stage
-boundary: inputs and outputs of every stage (what re-materializing backwards read) and the
+boundary: outputs of every stage (what the next one and re-materializing backwards read) and the
 gradients of every boundary; each is a ring of as many micro-batches as the schedule has
-alive in it at once (`_RingSizes`), so what is no longer needed is freed. Weight gradients
+alive in it at once (`_RingSizes`), so what is no longer needed is freed. The pipeline's inputs
+and, when given, its outputs' gradients are read in place (along batch_dim 0, a micro-batch is
+a slice that shares the mini-batch's buffer), and each loop carries only the state its actions
+read or write. Weight gradients
 (a sum per weight) and training statistics are summed in loop variables on each stage's
 device. The values equal the unrolled executor's: the same traced cell
 functions run on the same micro-batches, and each device runs its actions in its list's order.
@@ -77,9 +80,10 @@ class LoopedSchedule:
     def Backward(self, d_outputs):
         """As `UnrolledSchedule.Backward`: (per cell its flat weight gradients, d_inputs)."""
         with tf.device(self._devices[-1]):
-            self._d_acts[-1] = self._Arrays(recompute.FloatLeaves(
-                microbatch.Split(d_outputs, self._num_micro_batches, self._batch_dim)[0]),
-                _FloatParts(d_outputs, self._num_micro_batches, self._batch_dim))
+            self._d_acts[-1] = [
+                _Stacked(x, self._num_micro_batches, self._batch_dim)
+                for x in recompute.FloatLeaves(d_outputs)]
+        self._stacked.add(('d_act', self._num_stages))
         self._Loop((B,))
         return self._Gradients()
 
@@ -112,6 +116,7 @@ class LoopedSchedule:
         in it at once (`_RingSizes`)."""
         m_count, batch_dim = self._num_micro_batches, self._batch_dim
         self._ring = _RingSizes(self._schedule, phases, loss_in_loop)
+        self._loop_keys = None  # While a loop is built, the state it carries (`_Loop`).
         self._training = training
         self._thetas = list(thetas)
         self._loss_fn = None
@@ -122,8 +127,10 @@ class LoopedSchedule:
             self._input_structure = parts[0]
             self._micro_batch_size = tf.cast(executor.MicroBatchSize(parts[0], batch_dim),
                                              tf.int64)
-            first = self._Arrays(tf.nest.flatten(parts[0]), [
-                tf.stack(leaves) for leaves in zip(*[tf.nest.flatten(p) for p in parts])])
+            # Stacked views of the mini-batch (along batch_dim 0, no copy), read in place.
+            first = [None if x is None else _Stacked(x, m_count, batch_dim)
+                     for x in tf.nest.flatten(inputs)]
+        self._stacked = {('act', 0)}
         # acts[b]: the TensorArrays of boundary b (b = 0 the input, b = S the output), one per
         # leaf; d_acts[b]: those of its float leaves' gradients.
         self._structures = [self._input_structure]
@@ -157,12 +164,6 @@ class LoopedSchedule:
             self._saved[s] = self._EmptyArrays(tf.nest.flatten(self._saved_specs[s]),
                                                ('saved', s), s)
 
-    def _Arrays(self, leaves, stacked):
-        """TensorArrays holding every micro-batch of each leaf from the start."""
-        return [tf.TensorArray(x.dtype, size=self._num_micro_batches, element_shape=x.shape,
-                               clear_after_read=False).unstack(values)
-                for x, values in zip(leaves, stacked)]
-
     def _EmptyArrays(self, specs, key, stage):
         """Empty TensorArrays for `key`'s leaves of `specs`, of its ring's size, on the device
         of `stage` (the last stage's for the outputs' boundary)."""
@@ -176,7 +177,10 @@ class LoopedSchedule:
         return self._ring.get(key, 1)
 
     def _Slot(self, key, m):
-        """Micro-batch m's index in `key`'s TensorArrays: m modulo its ring's size."""
+        """Micro-batch m's index in `key`'s TensorArrays: m modulo its ring's size (m in
+        stacked views of a whole mini-batch)."""
+        if key in self._stacked:
+            return m
         size = self._RingSize(key)
         return m if size == self._num_micro_batches else tf.math.floormod(m, size)
 
@@ -200,6 +204,11 @@ class LoopedSchedule:
         for d in range(sched.num_devices):
             with tf.device(self._devices[d]):
                 self._tokens.append(tf.zeros([], name=f'device_{d}_token'))
+        # The loop carries only what its actions read or write: a value it passed on unread
+        # (the outputs' micro-batches in the backwards' loop) would stay alive until it ends.
+        self._loop_keys = {('token', d) for d in range(sched.num_devices)}
+        for device_branches in branches:
+            self._loop_keys.update(self._Reads(device_branches) + self._Writes(device_branches))
         state = self._State()
         index_table = tf.constant(index, tf.int32)
         micro_batch_table = tf.constant(micro_batch, tf.int32)
@@ -227,6 +236,7 @@ class LoopedSchedule:
                              # theirs (at K=8, M=32: 2.2 s a step with 2, 1.8 s with 8).
                              parallel_iterations=max(2, sched.num_devices))
         self._SetState(flat[1:])
+        self._loop_keys = None
 
     def _InitSums(self, kinds):
         for s, fn in enumerate(self._functions):
@@ -262,7 +272,7 @@ class LoopedSchedule:
         keys += [('token', d) for d in range(len(self._tokens))]
         if self._loss_fn is not None:
             keys.append(('loss', 0))
-        return keys
+        return keys if self._loop_keys is None else [k for k in keys if k in self._loop_keys]
 
     def _Get(self, keys):
         return [self._Value(key) for key in keys]
@@ -291,6 +301,19 @@ class LoopedSchedule:
         for key, value in zip(self._keys, values):
             self._Put(key, value)
 
+    def _Reads(self, device_branches):
+        """The state a device's actions read: a stage's input (F, B, I) and its output's
+        gradient (B, I), or what its I saved (W)."""
+        keys = []
+        for kind, s in device_branches:
+            if kind == W:
+                keys.append(('saved', s))
+            else:
+                keys.append(('act', s))
+                if kind != F:
+                    keys.append(('d_act', s + 1))
+        return keys
+
     def _Writes(self, device_branches):
         """The state a device's actions change: its stages' outputs (F), their input gradients
         (B, I), weight-gradient (B, W) and statistics sums, what an I saves for its W, and the
@@ -316,7 +339,7 @@ class LoopedSchedule:
         """Micro-batch m from `key`'s TensorArrays (as they were when the tick began), packed
         as `structure` (None: the flat list)."""
         slot = self._Slot(key, m)
-        leaves = [ta.read(slot) for ta in self._Value(key)]
+        leaves = [_ReadSlot(store, slot) for store in self._Value(key)]
         return leaves if structure is None else tf.nest.pack_sequence_as(structure, leaves)
 
     def _Write(self, values, key, m, leaves):
@@ -476,11 +499,23 @@ def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool) -> dict
     return sizes
 
 
-def _FloatParts(nest, num_micro_batches, batch_dim):
-    """The float leaves of `nest`, each stacked as [M, micro-batch...] (its micro-batches)."""
-    parts = microbatch.Split(nest, num_micro_batches, batch_dim)
-    flat = [recompute.FloatLeaves(p) for p in parts]
-    return [tf.stack(leaves) for leaves in zip(*flat)]
+def _Stacked(x, num_micro_batches, batch_dim):
+    """`x`'s micro-batches stacked, [M, micro-batch...]. Along batch_dim 0 a reshape: a view
+    that shares the mini-batch's buffer, whose slices (`_ReadSlot`) share it too."""
+    if batch_dim % x.shape.rank:
+        return tf.stack(tf.split(x, num_micro_batches, axis=batch_dim))
+    shape = tf.shape(x)
+    stacked = tf.reshape(x, tf.concat(
+        [[num_micro_batches, shape[0] // num_micro_batches], shape[1:]], axis=0))
+    size = x.shape[0]
+    stacked.set_shape([num_micro_batches, None if size is None else size // num_micro_batches] +
+                      x.shape[1:])
+    return stacked
+
+
+def _ReadSlot(store, slot):
+    """Element `slot` of a TensorArray, or of a stacked tensor (`_Stacked`)."""
+    return store.read(slot) if isinstance(store, tf.TensorArray) else store[slot]
 
 
 def _Add(sums: list, grads: list) -> list:

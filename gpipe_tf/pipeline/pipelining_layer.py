@@ -101,11 +101,13 @@ class PipeliningLayer(BaseLayer):
                  'v, cells per device for interleaved_1f1b: the layers are partitioned into '
                  'v x num_cells cells, cell s on device s % num_cells.',
                  check=hyperparams.Integer(at_least=1))
-        p.Define('unroll', True,
-                 'Whether the schedule is unrolled into the graph (K M calls of the cells), or '
-                 'run as a loop over its clock whose graph does not grow with M (needs '
-                 'recompute="always" and no logical_device_fn; else the schedule is '
-                 'unrolled).')
+        p.Define('unroll', 'auto',
+                 'True: the schedule is unrolled into the graph (v K M calls of the cells); '
+                 'False: it runs as a loop over its clock, whose graph does not grow with M '
+                 '(needs recompute="always" and no logical_device_fn; else it is unrolled); '
+                 f'"auto": a loop from {plan_lib.LOOP_FROM_CELL_CALLS} cell calls (v K M), '
+                 'where the unrolled graph takes long to optimize, else unrolled (its steps '
+                 'are as fast or faster).', check=hyperparams.OneOf(*plan_lib.UNROLL_MODES))
         p.Define('partition_method', 'flops',
                  f'How layer_tpl is split: one of {PARTITION_METHODS}, or explicit boundaries '
                  '[0, b_1, ..., L] (cell k holds layers b_k .. b_{k+1} - 1).')
@@ -296,9 +298,8 @@ class PipeliningLayer(BaseLayer):
         # Replica r's shard starts at example r N / R of the mini-batch (after the examples
         # that come before this whole batch, under a strategy's replicas).
         shard = batch_size // p.num_replicas
-        run = executor.UnrolledSchedule
-        if not p.unroll and looped.Supports(self.plan.recompute, assign):
-            run = looped.LoopedSchedule
+        run = (looped.LoopedSchedule if self.plan.Loops(num_micro_batches)
+               else executor.UnrolledSchedule)
         runs = [run(functions, self.plan.recompute, sched, p.batch_dim,
                     tf.cast(ctx.step, tf.int64), assign,
                     first_example=tf.cast(ctx.first_example, tf.int64) + r * shard)

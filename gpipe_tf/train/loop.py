@@ -237,8 +237,8 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
     traced_step = min(step + 2, max_steps) if train.plot_pipeline else None
     metrics, last_saved = {}, step
     if step < max_steps:
-        printer('running the first step: TensorFlow builds the step\'s graph once (every cell '
-                'for every micro-batch), so it takes longer than the steps after it', flush=True)
+        printer('running the first step: TensorFlow builds and optimizes the step\'s graph '
+                'once, so it takes longer than the steps after it', flush=True)
     signals = _StopSignals().__enter__()
     try:
         while step < max_steps:
