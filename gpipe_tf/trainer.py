@@ -381,8 +381,10 @@ def InspectModel(p, name: str, plan=None) -> str:
             for k, cell in enumerate(plan.cells)]
     cells = (f'K={plan.num_cells} cells' if plan.virtual_stages == 1 else
              f'K={plan.num_devices} devices x v={plan.virtual_stages} = {plan.num_cells} cells')
-    head = (f'{name}: {cells}, M={NumMicroBatches(p, plan)} micro-batches, schedule '
-            f'{p.model.schedule}, recompute={p.model.recompute}, batch {p.input.batch_size}. '
+    m = NumMicroBatches(p, plan)
+    head = (f'{name}: {cells}, M={m} micro-batches, schedule {p.model.schedule} '
+            f'({Executor(plan, m)}), '
+            f'recompute={p.model.recompute}, batch {p.input.batch_size}. '
             'FLOPs and activation '
             'bytes are per mini-batch; with re-materialization a cell keeps about 1/M of its '
             'activations at a time.')
@@ -598,12 +600,17 @@ def _Where(config: Config, prog) -> str:
             f'{model.mesh if len(model.mesh) > 1 else model.devices}')
 
 
-def _Executor(plan, num_micro_batches: int) -> str:
-    """How the step runs its schedule (`unroll`), for the first line of a training run."""
+def Executor(plan, num_micro_batches: int) -> str:
+    """How a step of `plan`'s pipeline runs its schedule (the Params' `unroll`)."""
+    return 'a loop over its clock' if plan.Loops(num_micro_batches) else 'unrolled'
+
+
+def _ScheduleNote(plan, num_micro_batches: int) -> str:
+    """' (<schedule> schedule, <executor>)' for the first line of a training run; '' for a
+    model that is not a pipeline."""
     if plan is None:
         return ''
-    how = 'a loop over its clock' if plan.Loops(num_micro_batches) else 'unrolled'
-    return f' ({plan.params.schedule} schedule, {how})'
+    return f' ({plan.params.schedule} schedule, {Executor(plan, num_micro_batches)})'
 
 
 def RunTrain(config: Config, p, plan, logdir, with_eval: bool, resume_note: str = '') -> dict:
@@ -617,7 +624,7 @@ def RunTrain(config: Config, p, plan, logdir, with_eval: bool, resume_note: str 
     fprop_dtype = prog.task.model.p.fprop_dtype
     computing = '' if fprop_dtype is None else f', computing in {fprop_dtype.name}'
     print(f'training {config.model} in {logdir}: {_Where(config, prog)}, '
-          f'M={NumMicroBatches(p, plan)}{_Executor(plan, NumMicroBatches(p, plan))}, '
+          f'M={NumMicroBatches(p, plan)}{_ScheduleNote(plan, NumMicroBatches(p, plan))}, '
           f'batch {p.input.batch_size}, {_GraphMode(config)}'
           f'{computing}', flush=True)
     metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params, plan=plan,

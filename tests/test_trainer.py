@@ -479,6 +479,11 @@ class ModesTest(TrainerTestCase):
         self.assertIn('/device:CPU:2', rows[2])
         self.assertIn('stem', rows[0])
         self.assertIn('head', rows[2])
+        # K=3, M=8: 24 cell calls, unrolled; M=32 (batch 64): 96, a loop (unroll='auto').
+        self.assertIn('M=8 micro-batches, schedule gpipe (unrolled)', output)
+        output = InProcess('--model=image.amoebanet.AmoebaNetD_Small', '--mode=inspect_model',
+                           '--worker_split_size=3', '--num_micro_batches=32').stdout
+        self.assertIn('M=32 micro-batches, schedule gpipe (a loop over its clock)', output)
 
 
 class DecodeTest(TrainerTestCase):
