@@ -108,7 +108,8 @@ def Measure(kind, k, m, devices, unroll=True) -> dict:
     costs = simulator.CostsFromFlops(flops, 1e9)
     simulated = simulator.Simulate(costs, m, plan.recompute, schedule=plan.schedule)
     events = trace.TraceFunction(step, x)
-    measured = trace.MeasuredTimeline(events, plan.num_cells, num_devices=plan.num_devices)
+    measured = trace.MeasuredTimeline(events, plan.num_cells, num_devices=plan.num_devices,
+                                      device_of=plan.schedule.DeviceOf)
     return dict(schedule=kind, k=k, v=plan.virtual_stages, m=m, looped=plan.Loops(m),
                 first_step_s=first,
                 step_ms=1e3 * statistics.median(times), peak_mib=peak / MIB,

@@ -66,7 +66,8 @@ def _Replay(sched, phases, loss_in_loop, sizes):
 
 
 def _Cases():
-    for kind, v in (('gpipe', 1), ('1f1b', 1), ('zero_bubble', 1), ('interleaved_1f1b', 2)):
+    for kind, v in (('gpipe', 1), ('1f1b', 1), ('zero_bubble', 1), ('interleaved_1f1b', 2),
+                    ('zero_bubble_v', 2)):
         for k in (1, 2, 3, 4):
             for m in (1, 2, 4, 5, 8):
                 if kind == 'interleaved_1f1b' and m % k:

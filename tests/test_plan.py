@@ -138,6 +138,17 @@ class MakePlanTest(parameterized.TestCase):
                                 **overrides)
                     self.assertFalse(plan_lib.MakePlan(p, place=False).Loops(16))
 
+    def testZeroBubbleVPlacesItsCellsInAV(self):
+        p = _Params(num_layers=8, num_cells=2, virtual_stages=2, schedule='zero_bubble_v',
+                    num_micro_batches=4, devices=DEVICES[:2])
+        plan = plan_lib.MakePlan(p)
+        self.assertEqual(plan.mesh, [[DEVICES[0], DEVICES[1], DEVICES[1], DEVICES[0]]])
+        cells = memory.FromPlan(plan).cells
+        self.assertEqual(memory.FromPlan(plan).device_totals,
+                         [cells[0].total + cells[3].total, cells[1].total + cells[2].total])
+        with self.assertRaisesRegex(errors.ConfigError, 'zero_bubble_v splits each backward'):
+            plan_lib.MakePlan(p.Copy().Set(recompute='never'))
+
     def testIsPipeline(self):
         self.assertTrue(plan_lib.IsPipeline(_Params()))
         self.assertFalse(plan_lib.IsPipeline(basic.DenseLayer.Params()))

@@ -23,7 +23,7 @@ def _GridCases():
     for k in _DEVICE_COUNTS:
         for m in _MICRO_BATCH_COUNTS:
             cases += [('gpipe', k, m, 1), ('gpipe', k, m, 2), ('1f1b', k, m, 1),
-                      ('zero_bubble', k, m, 1)]
+                      ('zero_bubble', k, m, 1), ('zero_bubble_v', k, m, 2)]
             if m % k == 0:
                 cases += [('interleaved_1f1b', k, m, 2), ('interleaved_1f1b', k, m, 3)]
     return cases
@@ -31,6 +31,17 @@ def _GridCases():
 
 def _Grid(*kinds):
     return [case for case in _GridCases() if case[0] in kinds]
+
+
+_SPLIT_KINDS = ('zero_bubble', 'zero_bubble_v')
+
+
+def _Device(kind, stage, k):
+    """Stage's device, written out here: in a V for zero_bubble_v (stage s on device s, then
+    back from device K-1 to 0), else s % K."""
+    if kind == 'zero_bubble_v':
+        return stage if stage < k else 2 * k - 1 - stage
+    return stage % k
 
 
 def _OneStagePerDevice(*devices):
@@ -60,7 +71,7 @@ def _Makespan(sched):
     free = [fractions.Fraction(0)] * sched.num_devices
     end = {}
     for a in sched.order:
-        device = a.stage % sched.num_devices
+        device = _Device(sched.kind, a.stage, sched.num_devices)
         start = max([free[device]] +
                     [end[dep] for dep in _Needs(a, sched.num_stages, sched.splits_backward)])
         end[tuple(a)] = free[device] = start + fractions.Fraction(_COSTS[a.kind], v)
@@ -79,13 +90,14 @@ class MakeTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.parameters(*_GridCases())
     def testEveryStageRunsEachMicroBatchsForwardAndBackwardOnceOnItsDevice(self, kind, k, m, v):
         sched = schedule.Make(kind, k, m, v)
-        backward_kinds = ('I', 'W') if kind == 'zero_bubble' else ('B',)
+        backward_kinds = ('I', 'W') if kind in _SPLIT_KINDS else ('B',)
         expected = [(kind_, s, mb) for s in range(v * k) for mb in range(m)
                     for kind_ in ('F',) + backward_kinds]
         ran = [(tuple(a), d) for d, device in enumerate(sched.actions) for a in device]
         self.assertCountEqual([a for a, _ in ran], expected)
         for (_, stage, _), device in ran:
-            self.assertEqual(device, stage % k)
+            self.assertEqual(device, _Device(kind, stage, k))
+            self.assertEqual(sched.DeviceOf(stage), device)
 
     @parameterized.parameters(*_GridCases())
     def testOrderRunsEveryActionOnceAfterWhatItNeedsAndInEachDevicesOrder(self, kind, k, m, v):
@@ -94,7 +106,7 @@ class MakeTest(tf.test.TestCase, parameterized.TestCase):
         self.assertLen(position, len(sched.order))
         self.assertCountEqual(sched.order, [a for device in sched.actions for a in device])
         for a in sched.order:
-            for dep in _Needs(a, v * k, kind == 'zero_bubble'):
+            for dep in _Needs(a, v * k, kind in _SPLIT_KINDS):
                 self.assertLess(position[dep], position[tuple(a)], f'{a} runs before {dep}')
         for device in sched.actions:
             on_device = set(device)
@@ -181,7 +193,20 @@ class MakeTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.parameters(*_GridCases())
     def testOnlyZeroBubbleSplitsTheBackward(self, kind, k, m, v):
-        self.assertEqual(schedule.Make(kind, k, m, v).splits_backward, kind == 'zero_bubble')
+        self.assertEqual(schedule.Make(kind, k, m, v).splits_backward, kind in _SPLIT_KINDS)
+
+    @parameterized.parameters(*_Grid('zero_bubble_v'))
+    def testZeroBubbleVRunsTheStagesOfAVOnEachDevice(self, kind, k, m, v):
+        sched = schedule.Make(kind, k, m, v)
+        self.assertEqual(sched.placement, 'v')
+        for d, device in enumerate(sched.actions):
+            self.assertEqual({a.stage for a in device}, {d, 2 * k - 1 - d})
+
+    @parameterized.parameters(1, 3)
+    def testZeroBubbleVNeedsTwoVirtualStages(self, v):
+        with self.assertRaisesRegex(schedule.ScheduleError, 'zero_bubble_v runs two stages per '
+                                    f'device, in a V: virtual_stages must be 2, got {v}'):
+            schedule.Make('zero_bubble_v', 2, 4, v)
 
     @parameterized.parameters((2, 5), (3, 4), (4, 2), (8, 12))
     def testInterleavedRejectsMNotAMultipleOfK(self, k, m):
@@ -267,6 +292,20 @@ class ValidateTest(tf.test.TestCase, parameterized.TestCase):
                 r'F\(stage 1, micro-batch 0\) is on device 0; stage 1 runs on device 1'):
             schedule.FromLists(lists, 1)
 
+    def testAVPlacesTheSecondArmBackwards(self):
+        # K=2, v=2 in a V: stages 0 and 3 on device 0, 1 and 2 on device 1.
+        v_lists = [[('F', 0, 0), ('F', 3, 0), ('B', 3, 0), ('B', 0, 0)],
+                   [('F', 1, 0), ('F', 2, 0), ('B', 2, 0), ('B', 1, 0)]]
+        sched = schedule.FromLists(v_lists, 1, 2, placement='v')
+        self.assertEqual([sched.DeviceOf(s) for s in range(4)], [0, 1, 1, 0])
+        with self.assertRaisesRegex(schedule.ScheduleError, r'F\(stage 3, micro-batch 0\) is on '
+                                    r'device 0; stage 3 runs on device 1'):
+            schedule.FromLists(v_lists, 1, 2)  # Round: stage s on device s % 2.
+        with self.assertRaisesRegex(schedule.ScheduleError, 'virtual_stages must be 2, got 1'):
+            schedule.FromLists([[('F', 0, 0), ('B', 0, 0)]], 1, 1, placement='v')
+        with self.assertRaisesRegex(schedule.ScheduleError, "placement must be one of .*'zigzag'"):
+            schedule.FromLists(v_lists, 1, 2, placement='zigzag')
+
     def testRejectsAStageOutOfRange(self):
         lists = [[('F', 0, 0), ('B', 0, 0), ('F', 2, 0)], [('F', 1, 0), ('B', 1, 0)]]
         with self.assertRaisesRegex(
@@ -323,6 +362,13 @@ class StoredMicroBatchesTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(schedule.StoredMicroBatches(schedule.Make(kind, k, m, v)),
                          [min(k - stage, m) for stage in range(k)])
 
+    @parameterized.parameters(*_Grid('zero_bubble_v'))
+    def testZeroBubbleVStoresAboutWhatOneFOneBsFirstDeviceStores(self, kind, k, m, v):
+        # Each stage is half a device's layers: K micro-batches on each (K + 1 for odd K)
+        # store about what 1F1B's first stage stores of K micro-batches of a whole share.
+        self.assertLessEqual(max(schedule.StoredMicroBatches(schedule.Make(kind, k, m, v))),
+                             min(m, k + k % 2))
+
     @parameterized.parameters(*_Grid('zero_bubble'))
     def testZeroBubbleStoresNoMoreThanKMicroBatches(self, kind, k, m, v):
         stored = schedule.StoredMicroBatches(schedule.Make(kind, k, m, v))
@@ -377,6 +423,19 @@ class BubbleTest(tf.test.TestCase, parameterized.TestCase):
         self.assertLessEqual(_IdleTime(schedule.Make(kind, k, m, v)),
                              _IdleTime(schedule.Make('1f1b', k, m)))
 
+    @parameterized.parameters(*[(k, m) for k in range(1, 9) for m in range(k, 33, k)])
+    def testZeroBubbleVIdlesNoMoreThanZeroBubbleHalfForEvenKWhenKDividesM(self, k, m):
+        zero_bubble_v = _IdleTime(schedule.Make('zero_bubble_v', k, m, 2))
+        zero_bubble = _IdleTime(schedule.Make('zero_bubble', k, m))
+        self.assertLessEqual(zero_bubble_v, zero_bubble)
+        if k % 2 == 0:
+            self.assertEqual(2 * zero_bubble_v, zero_bubble)
+
+    @parameterized.parameters(*[(k, m) for k in range(1, 9) for m in range(1, 33)])
+    def testZeroBubbleVNeverIdlesMoreThanOneFOneB(self, k, m):
+        self.assertLessEqual(_IdleTime(schedule.Make('zero_bubble_v', k, m, 2)),
+                             _IdleTime(schedule.Make('1f1b', k, m)))
+
     def testZeroBubbleHasNoClosedForm(self):
         with self.assertRaisesRegex(schedule.ScheduleError, "no closed-form bubble.*'zero_bubble'"):
             schedule.IdealBubble('zero_bubble', 4, 8)
@@ -415,6 +474,13 @@ class TicksTest(tf.test.TestCase, parameterized.TestCase):
                 for dep in schedule.Dependencies(action, sched.num_stages, backward):
                     if dep.kind in kinds:
                         self.assertLess(tick_of[dep], t, msg=f'{action} before {dep}')
+
+    @parameterized.product(k=[1, 2, 3], m=[1, 3, 8])
+    def testZeroBubbleVTicksRunEachActionOnItsDeviceInListOrder(self, k, m):
+        sched = schedule.Make('zero_bubble_v', k, m, 2)
+        ticks = schedule.Ticks(sched)
+        ran = [[a for tick in ticks for a in [tick[d]] if a] for d in range(k)]
+        self.assertEqual(ran, [list(device) for device in sched.actions])
 
     def testGPipeForwardClockIsTheTicksOfThePaper(self):
         # At tick t, cell k works on micro-batch t - k: M + K - 1 ticks.

@@ -27,6 +27,7 @@ CASES = [
     ('interleaved', 'interleaved_1f1b', 2, 2, 4, 1),
     ('zero_bubble', 'zero_bubble', 3, 1, 4, 1),
     ('1f1b_replicas', '1f1b', 2, 1, 2, 2),
+    ('zero_bubble_v', 'zero_bubble_v', 2, 2, 4, 1),  # Cells 0-3 on devices 0, 1, 1, 0.
 ]
 
 
@@ -95,7 +96,7 @@ class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
             self.assertLessEqual(test_utils.MaxRelativeError(a, b),
                             d_x_rtol if name == 'd_x' else rtol, msg=name)
 
-    @parameterized.named_parameters(*UNROLLED[1:4], *LOOPED[2:3])
+    @parameterized.named_parameters(*UNROLLED[1:4], *UNROLLED[5:], *LOOPED[2:3])
     def testEagerEqualsTheLayersInSequence(self, kind, k, v, m, r, unroll):
         layer = Pipeline(kind, k, v, m, r, unroll=unroll).Instantiate()
         x, loss_inputs = Data()
@@ -109,7 +110,7 @@ class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
         got = tf.function(lambda x: PipelineStep(layer, x, loss_inputs))(x)
         self.assertSameStep(got, ReferenceStep(layer, x, loss_inputs))
 
-    @parameterized.named_parameters(*UNROLLED[1:4], *LOOPED[:1], *LOOPED[3:4])
+    @parameterized.named_parameters(*UNROLLED[1:4], *LOOPED[:1], *LOOPED[3:4], *LOOPED[5:])
     def testV1GraphEqualsTheLayersInSequence(self, kind, k, v, m, r, unroll):
         def Build():
             layer = Pipeline(kind, k, v, m, r, unroll=unroll).Instantiate()
@@ -125,7 +126,7 @@ class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
         got, want = test_utils.RunV1(Build)
         self.assertSameStep(got, want)
 
-    @parameterized.named_parameters(*UNROLLED[1:4], *LOOPED[1:2])
+    @parameterized.named_parameters(*UNROLLED[1:4], *UNROLLED[5:], *LOOPED[1:2], *LOOPED[5:])
     def testBatchNormStatisticsAndGradientsEqualGPipes(self, kind, k, v, m, r, unroll):
         x, loss_inputs = Data()
         steps, statistics = {}, {}
@@ -163,7 +164,7 @@ class ForwardOnlyScheduleTest(tf.test.TestCase, parameterized.TestCase):
     """Inference (eval, decode, an exported model) runs the forward-only schedule: the
     training schedule's forwards, nothing recorded for a backward."""
 
-    @parameterized.named_parameters(*UNROLLED[:4], *LOOPED[:3])
+    @parameterized.named_parameters(*UNROLLED[:4], *LOOPED[:3], *LOOPED[5:])
     def testOutputsEqualTheLayersInInferenceMode(self, kind, k, v, m, r, unroll):
         # Batch norm's moving statistics and dropout make inference differ from training.
         layer = Pipeline(kind, k, v, m, r, batch_norm=True, unroll=unroll).Instantiate()
@@ -267,7 +268,7 @@ class ScheduleOrderTest(tf.test.TestCase, parameterized.TestCase):
     """Read from the traced graph: one call per action on its stage's device, and each
     device's calls chained (data or control dependencies) in its list's order."""
 
-    @parameterized.named_parameters(*CASES[1:4])
+    @parameterized.named_parameters(*CASES[1:4], *CASES[5:])
     def testEachDeviceRunsItsActionsInListOrder(self, kind, k, v, m, r):
         layer = Pipeline(kind, k, v, m, r).Instantiate()
         x, loss_inputs = Data()

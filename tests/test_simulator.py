@@ -229,6 +229,9 @@ _SCHEDULE_CASES = [
     ('zero_bubble', 'zero_bubble', 3, 5, 1,
      simulator.CellCosts([1, 2, 1], [2, 3, 2], [0.5, 1, 1], transfer=0.4, weight_fraction=0.3),
      True),
+    ('zero_bubble_v', 'zero_bubble_v', 2, 5, 2,
+     simulator.CellCosts([1, 2, 1, 0.5], [2, 3, 2, 1], transfer=0.4, weight_fraction=0.4),
+     True),
 ]
 
 
@@ -272,6 +275,24 @@ class SchedulesTest(parameterized.TestCase):
         self.assertEqual(zero_bubble.idle, one_f_one_b.idle / 3)
         self.assertEqual(zero_bubble.busy, one_f_one_b.busy)
         self.assertEqual({i.end - i.start for i in zero_bubble.intervals}, {1.0})
+
+    def testZeroBubbleVStagesAddUpOnTheirDeviceInAV(self):
+        # K=2 in a V: device 0 runs stages 0 and 3, device 1 stages 1 and 2.
+        costs = simulator.CellCosts([1, 2, 3, 4], [10, 20, 30, 40], weight_fraction=0.5)
+        timeline = simulator.Simulate(costs, 4, False, _Schedule('zero_bubble_v', 2, 4, 2))
+        self.assertEqual(timeline.busy, [4 * (1 + 10 + 4 + 40), 4 * (2 + 20 + 3 + 30)])
+        self.assertEqual({(i.cell, i.device) for i in timeline.intervals},
+                         {(0, 0), (1, 1), (2, 1), (3, 0)})
+
+    @parameterized.parameters((2, 4), (4, 8), (4, 16), (8, 16))
+    def testZeroBubbleVIdlesHalfOfZeroBubbleForEvenK(self, k, m):
+        # Each of the 2K stages is half a device's share: F = I = W = 1/2.
+        zero_bubble_v = simulator.Simulate(_Uniform(2 * k, f=0.5, b=1.0), m, False,
+                                           _Schedule('zero_bubble_v', k, m, 2))
+        zero_bubble = simulator.Simulate(_Uniform(k), m, False, _Schedule('zero_bubble', k, m))
+        self.assertAlmostEqual(zero_bubble_v.idle, zero_bubble.idle / 2)
+        self.assertAlmostEqual(zero_bubble_v.utilisation,
+                               simulator.IdealUtilisation(m, k, 'zero_bubble_v', 2))
 
     def testSplitBackwardCostsOfAReMaterializingStage(self):
         # I = recompute + backward (1 - weight_fraction), drawn as a recompute then an I;

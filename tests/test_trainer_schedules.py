@@ -39,10 +39,11 @@ class TrainerSchedulesTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.parameters(
         ('zero_bubble', 'tf_function', True), ('interleaved_1f1b', 'v1', True),
-        ('1f1b', 'tf_function', False), ('gpipe', 'v1', False))
+        ('1f1b', 'tf_function', False), ('gpipe', 'v1', False),
+        ('zero_bubble_v', 'tf_function', False))
     def testScheduleGivesGPipesLosses(self, kind, mode, unroll):
         flags = [f'--schedule={kind}', f'--graph_mode={mode}']
-        if kind == 'interleaved_1f1b':  # 2 devices x 2 cells each; M=8 is a multiple of K.
+        if kind in ('interleaved_1f1b', 'zero_bubble_v'):  # 2 devices x 2 cells each.
             flags += ['--worker_split_size=2', '--virtual_stages=2']
         losses = Losses(*flags, overrides=f'model.unroll : {unroll}')
         self.assertEqual(sorted(losses), list(range(1, STEPS + 1)))

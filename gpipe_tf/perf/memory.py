@@ -136,7 +136,7 @@ class MemoryPlan:
 
     @property
     def num_devices(self) -> int:
-        """K: the schedule's devices, each running cells k, k + K, ...."""
+        """K: the schedule's devices, each running cells k, k + K, ... (`DeviceOf`)."""
         return self.schedule.num_devices if self.schedule else self.num_cells
 
     @property
@@ -144,7 +144,7 @@ class MemoryPlan:
         """Per device, the sum of its cells' peaks (a bound: they need not peak together)."""
         totals = [0] * self.num_devices
         for c in self.cells:
-            totals[c.cell % self.num_devices] += c.total
+            totals[self.schedule.DeviceOf(c.cell) if self.schedule else c.cell] += c.total
         return totals
 
     @property

@@ -194,5 +194,7 @@ def MeasuredTimelineFigure(events: Sequence[trace.OpEvent], num_cells: int,
                                         sched.virtual_stages)
              if sched is not None else simulator.IdealUtilisation(num_micro_batches, num_cells))
     return plot.TimelineFigure(
-        trace.MeasuredTimeline(list(events), num_cells, num_devices=num_devices), title=title,
+        trace.MeasuredTimeline(list(events), num_cells, num_devices=num_devices,
+                               device_of=sched.DeviceOf if sched is not None else None),
+        title=title,
         ideal_utilisation=ideal)

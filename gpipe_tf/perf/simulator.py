@@ -2,7 +2,7 @@
 
 A schedule (`pipeline/schedule.py`) lists, per device, the actions it runs in order: forwards
 F, fused backwards B, and split backwards I (input gradient) and W (weight gradient); stage s
-runs on device s % K. The model follows the executor:
+runs on device s % K (in a V under zero_bubble_v). The model follows the executor:
 
 * F(s, m) waits for F(s-1, m) plus one boundary transfer.
 * The last stage's backward of m waits for the loss: with a schedule that runs every forward
@@ -16,8 +16,9 @@ runs on device s % K. The model follows the executor:
   backward's `weight_fraction`).
 
 Every boundary between consecutive stages costs one hop, even between two stages of one device
-(virtual stages). Each device runs one action at a time, in its list's order; an action starts
-when its device is free and its inputs have arrived. Transfers occupy the link, not a device.
+(virtual stages, the turn of zero_bubble_v's V). Each device runs one action at a time, in its
+list's order; an action starts when its device is free and its inputs have arrived. Transfers
+occupy the link, not a device.
 The loss itself is free.
 
 Because `Schedule.order` lists every action after its dependencies and keeps each device's
@@ -132,18 +133,22 @@ def IdealUtilisation(num_micro_batches: int, num_devices: int, kind: str = 'gpip
                      virtual_stages: int = 1) -> float:
     """The utilisation of balanced stages with free transfers and a backward twice the forward:
     M / (M + K - 1) for gpipe and 1f1b, v M / (v M + K - 1) for interleaved_1f1b, and for
-    zero_bubble (no closed form) its simulated step with F, I and W of equal cost and no
-    re-materialization.
+    zero_bubble and zero_bubble_v (no closed form) its simulated step with F, I and W of equal
+    cost and no re-materialization (zero_bubble_v: each of a device's two stages half its
+    share).
 
     Raises:
       ValueError: for M, K or v below 1, or a kind that is not one of `schedule.KINDS`.
     """
     _CheckCounts(num_micro_batches, num_devices)
-    if kind != 'zero_bubble':
+    if kind not in ('zero_bubble', 'zero_bubble_v'):
         return 1.0 - schedule_lib.IdealBubble(kind, num_devices, num_micro_batches,
                                               virtual_stages)
     sched = schedule_lib.Make(kind, num_devices, num_micro_batches, virtual_stages)
-    costs = CellCosts(forward=[1.0] * num_devices, backward=[2.0] * num_devices)
+    # A device's share of the layers, split over its v stages.
+    share = 1.0 / sched.virtual_stages
+    costs = CellCosts(forward=[share] * sched.num_stages,
+                      backward=[2.0 * share] * sched.num_stages)
     return Simulate(costs, num_micro_batches, recompute=False, schedule=sched).utilisation
 
 
@@ -184,7 +189,7 @@ def Simulate(costs: CellCosts, num_micro_batches: int, recompute: bool | Sequenc
         (`schedule.Make('gpipe', S, M)`), one stage per device.
 
     Returns:
-      The Timeline over the schedule's K devices, stage s on device s % K.
+      The Timeline over the schedule's K devices, stage s on `schedule.DeviceOf(s)`.
 
     Raises:
       ValueError: for M < 1, a recompute list whose length is not S, or a schedule of another

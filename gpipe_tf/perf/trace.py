@@ -20,6 +20,7 @@ import glob
 import os
 import re
 import tempfile
+from typing import Callable
 
 import tensorflow as tf
 
@@ -163,9 +164,11 @@ def ReplicaOf(name: str) -> int:
 
 
 def MeasuredTimeline(events: list[OpEvent], num_cells: int, replica: int = 0,
-                     num_devices: int | None = None) -> simulator.Timeline:
+                     num_devices: int | None = None,
+                     device_of: Callable[[int], int] | None = None) -> simulator.Timeline:
     """The schedule's boxes of one replica's pipeline from a step's op events, times relative
-    to the step's first op; cell c on device c % num_devices (default: one cell per device).
+    to the step's first op; cell c on device `device_of(c)` (default: c % num_devices; one cell
+    per device without num_devices; a schedule's `DeviceOf`).
 
     The makespan runs from the first to the last op of the step (the loss and the update
     included); a device's busy time is the union of its pipeline ops.
@@ -174,6 +177,7 @@ def MeasuredTimeline(events: list[OpEvent], num_cells: int, replica: int = 0,
       ValueError: if no op of the pipeline is among the events, or one names a cell >= K.
     """
     num_devices = num_devices or num_cells
+    device_of = device_of or (lambda cell: cell % num_devices)
     ops, spans = {}, [[] for _ in range(num_devices)]
     runs = {}  # A looped op's name -> how many of its runs came before.
     for event in sorted(events, key=lambda e: e.start):
@@ -188,7 +192,7 @@ def MeasuredTimeline(events: list[OpEvent], num_cells: int, replica: int = 0,
             raise ValueError(f'Op {event.name} belongs to cell {cell}, but the pipeline has '
                              f'{num_cells} cells.')
         ops.setdefault(label, []).append(event)
-        spans[cell % num_devices].append((event.start, event.end))
+        spans[device_of(cell)].append((event.start, event.end))
     if not ops:
         raise ValueError(f'None of the {len(events)} traced ops is a pipeline op (named under '
                          'cell_<k>_mb_<m>_<part> or cell_<k>_<part>): was the right step '
@@ -200,7 +204,7 @@ def MeasuredTimeline(events: list[OpEvent], num_cells: int, replica: int = 0,
         # for and run whenever a thread is free, often at the step's very start.
         longest = max(e.end - e.start for e in box_ops)
         box_ops = [e for e in box_ops if e.end - e.start >= _SUBSTANTIAL * longest]
-        intervals.append(simulator.Interval(cell % num_devices, cell, m, kind,
+        intervals.append(simulator.Interval(device_of(cell), cell, m, kind,
                                             min(e.start for e in box_ops) - origin,
                                             max(e.end for e in box_ops) - origin))
     intervals.sort(key=lambda i: (i.start, i.device))

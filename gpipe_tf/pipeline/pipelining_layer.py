@@ -95,11 +95,14 @@ class PipeliningLayer(BaseLayer):
                  'micro-batches\' activations stored), 1f1b (the same bubble, at most K stored), '
                  'interleaved_1f1b (virtual_stages cells per device, a smaller bubble), '
                  'zero_bubble (ZB-H1: backward split into input and weight gradients, a third '
-                 'of 1f1b\'s bubble). All but gpipe need the loss per micro-batch inside the '
-                 'pipeline (FPropLoss; tasks do this).')
+                 'of 1f1b\'s bubble), zero_bubble_v (ZB-V: virtual_stages=2 cells per device in '
+                 'a V, cell s on device s for s < K, else 2K-1-s; about half ZB-H1\'s bubble). '
+                 'All but gpipe need the loss per micro-batch inside the pipeline (FPropLoss; '
+                 'tasks do this).')
         p.Define('virtual_stages', 1,
                  'v, cells per device for interleaved_1f1b: the layers are partitioned into '
-                 'v x num_cells cells, cell s on device s % num_cells.',
+                 'v x num_cells cells, cell s on device s % num_cells (zero_bubble_v: 2, in a '
+                 'V).',
                  check=hyperparams.Integer(at_least=1))
         p.Define('unroll', 'auto',
                  'True: the schedule is unrolled into the graph (v K M calls of the cells); '

@@ -137,8 +137,11 @@ class Plan:
         mesh = devices_lib.MeshDevices(devices, p.num_replicas, self.num_devices, p.round_robin)
         if check_devices and p.logical_device_fn is None:  # With it, a strategy places cells.
             devices_lib.CheckDevices(mesh, available)
-        # With v virtual stages, cell s runs on the replica's device s % K.
-        mesh = [[row[s % self.num_devices] for s in range(self.num_cells)] for row in mesh]
+        # With v virtual stages, cell s runs on the replica's device s % K (in a V under
+        # zero_bubble_v: `schedule.StageDevice`).
+        placement = schedule_lib.Placement(p.schedule)
+        mesh = [[row[schedule_lib.StageDevice(s, self.num_devices, placement)]
+                 for s in range(self.num_cells)] for row in mesh]
         return dataclasses.replace(self, mesh=mesh)
 
 
@@ -159,8 +162,8 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
     if p.recompute not in RECOMPUTE_MODES:
         raise errors.ConfigError(f'recompute must be one of {RECOMPUTE_MODES}, got '
                                  f'{p.recompute!r}.')
-    if p.schedule == 'zero_bubble' and p.recompute != 'always':
-        raise errors.ConfigError(f'schedule zero_bubble splits each backward into an input and a '
+    if p.schedule in ('zero_bubble', 'zero_bubble_v') and p.recompute != 'always':
+        raise errors.ConfigError(f'schedule {p.schedule} splits each backward into an input and a '
                                  f'weight gradient that re-run the cell\'s forward: it needs '
                                  f'recompute="always", got {p.recompute!r}.')
     if p.logical_device_fn is not None and p.num_replicas != 1:

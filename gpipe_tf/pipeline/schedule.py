@@ -4,7 +4,9 @@ An action is a forward `F`, a backward `B` (input and weight gradients together,
 recompute of a re-materializing cell), or the backward split in two: `I`, the input gradient
 (what the previous stage waits for), and `W`, the weight gradient (which nothing downstream
 waits for, so it can fill a bubble). Each names a stage (a cell of the pipeline) and a
-micro-batch. With v virtual stages per device there are S = v K stages, stage s on device s % K.
+micro-batch. With v virtual stages per device there are S = v K stages, stage s on device s % K
+(zero_bubble_v places its two stages per device in a V: stage s on device s for s < K, else on
+device 2K - 1 - s).
 
 `Make(kind, K, M, v)` returns a validated `Schedule`; the executor compiles its lists into the
 graph, and the simulator and the memory planner walk the same lists, so what is predicted and
@@ -19,6 +21,12 @@ drawn is what is built. The kinds:
   zero_bubble       ZB-H1 (Qi et al. 2024): 1F1B with the backward split into I and W and the
                     W passes deferred into the drain bubbles; the same memory limit as 1F1B,
                     about a third of its bubble when F, I and W cost the same.
+  zero_bubble_v     ZB-V (Qi et al. 2024): two stages per device in a V (device d runs
+                    stages d and 2K-1-d, so the first device also runs the last stage), the
+                    backward split into I and W; a device starts a micro-batch only while
+                    fewer than K (K+1 for odd K) await their first stage's W, which bounds its
+                    stored activations about as 1F1B's; about half of ZB-H1's bubble when F,
+                    I and W cost the same.
 
 A validator (`Validate`) rejects lists that miss or repeat an action, put a stage on the wrong
 device, or deadlock (a device waiting on an action another device can only run later), naming
@@ -31,7 +39,9 @@ import dataclasses
 import functools
 from typing import NamedTuple
 
-KINDS = ('gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble')
+KINDS = ('gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble', 'zero_bubble_v')
+# How stages are placed on devices: round (stage s on device s % K) or a V (zero_bubble_v).
+PLACEMENTS = ('round', 'v')
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 'F', 'B', 'I', 'W'
 ACTION_KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
 
@@ -58,10 +68,11 @@ class Schedule:
       kind: one of KINDS, or 'custom' for lists given by hand.
       num_devices: K.
       num_micro_batches: M.
-      virtual_stages: v, stages per device (S = v K stages; stage s on device s % K).
+      virtual_stages: v, stages per device (S = v K stages).
       actions: per device, its actions in the order it runs them.
       order: every action once, devices' lists interleaved in an order that respects every
         dependency (`Validate`'s): the order to build the graph in.
+      placement: one of PLACEMENTS, how stages sit on devices (`StageDevice`).
     """
     kind: str
     num_devices: int
@@ -69,13 +80,14 @@ class Schedule:
     virtual_stages: int
     actions: tuple
     order: tuple
+    placement: str = 'round'
 
     @property
     def num_stages(self) -> int:
         return self.num_devices * self.virtual_stages
 
     def DeviceOf(self, stage: int) -> int:
-        return stage % self.num_devices
+        return StageDevice(stage, self.num_devices, self.placement)
 
     def Needs(self, action: Action) -> list[Action]:
         """The actions `action` needs the results of, in this schedule: `Dependencies`, the
@@ -108,6 +120,19 @@ class Schedule:
             if FORWARD in kinds and any(k != FORWARD for k in kinds[:_LastIndex(kinds, FORWARD)]):
                 return False
         return True
+
+
+def Placement(kind: str) -> str:
+    """The placement (one of PLACEMENTS) of schedule `kind`'s stages."""
+    return 'v' if kind == 'zero_bubble_v' else 'round'
+
+
+def StageDevice(stage: int, num_devices: int, placement: str = 'round') -> int:
+    """The device of `stage`: s % K ('round'), or in a V ('v', two stages per device: s for
+    s < K, else 2K - 1 - s)."""
+    if placement == 'v':
+        return stage if stage < num_devices else 2 * num_devices - 1 - stage
+    return stage % num_devices
 
 
 def _LastIndex(items: list, value) -> int:
@@ -214,6 +239,61 @@ def _ZeroBubbleH1(k_count: int, m_count: int) -> list[list[Action]]:
     return lists
 
 
+def _ZeroBubbleV(k_count: int, m_count: int) -> list[list[Action]]:
+    """ZB-V's lists, made by a walk with unit costs: device d runs stages d (the V's first
+    arm) and 2K-1-d (its second). When free, a device runs the first that is ready of: an I
+    (the oldest micro-batch's; of the earlier stage on a tie), a forward of its second-arm
+    stage, a forward of its first-arm stage while fewer than `limit` micro-batches await that
+    stage's W, else its oldest pending W. limit = K (K + 1 for odd K, where K left bubbles):
+    the device then stores about the activations 1F1B's first device stores."""
+    num_stages = 2 * k_count
+    limit = k_count + k_count % 2
+    done_at = {}  # Action -> the time step it finishes.
+    lists = [[] for _ in range(k_count)]
+    next_m = {(kind, s): 0 for kind in (FORWARD, INPUT_GRAD) for s in range(num_stages)}
+    pending = [[] for _ in range(k_count)]  # Per device, W actions not yet run, oldest first.
+    time = 0
+
+    def Next(kind, s):
+        """Stage s's next action of `kind` if it can start at `time`, else None."""
+        m = next_m[kind, s]
+        action = Action(kind, s, m) if m < m_count else None
+        return action if action and _Ready(action, num_stages, done_at, time) else None
+
+    while any(len(a) < 6 * m_count for a in lists):
+        started = []
+        for d in range(k_count):
+            if lists[d] and done_at[lists[d][-1]] > time:
+                continue  # Busy.
+            first, second = d, num_stages - 1 - d
+            backwards = [a for a in (Next(INPUT_GRAD, first), Next(INPUT_GRAD, second)) if a]
+            candidates = sorted(backwards, key=lambda a: (a.micro_batch, a.stage))
+            candidates.append(Next(FORWARD, second))
+            awaiting_w = next_m[FORWARD, first] - sum(
+                1 for a in lists[d] if a.kind == WEIGHT_GRAD and a.stage == first)
+            if awaiting_w < limit:
+                candidates.append(Next(FORWARD, first))
+            candidates += pending[d][:1]
+            action = next((a for a in candidates if a), None)
+            if action is not None:
+                started.append((d, action))
+        if not started and all(not lists[d] or done_at[lists[d][-1]] <= time
+                               for d in range(k_count)):
+            raise RuntimeError(f'zero_bubble_v: no device can start at time {time} '
+                               f'(K={k_count}, M={m_count}).')  # A bug of ours.
+        for d, action in started:
+            lists[d].append(action)
+            done_at[action] = time + 1
+            if action.kind == WEIGHT_GRAD:
+                pending[d].remove(action)
+            else:
+                next_m[action.kind, action.stage] += 1
+                if action.kind == INPUT_GRAD:
+                    pending[d].append(Action(WEIGHT_GRAD, action.stage, action.micro_batch))
+        time += 1
+    return lists
+
+
 def _Ready(action: Action, num_stages: int, done_at: dict, time: int) -> bool:
     return all(done_at.get(dep, time + 1) <= time
                for dep in Dependencies(action, num_stages, backward_kind=INPUT_GRAD))
@@ -236,7 +316,10 @@ def Make(kind: str, num_devices: int, num_micro_batches: int, virtual_stages: in
     _CheckCounts(num_devices, num_micro_batches, virtual_stages)
     if kind not in KINDS:
         raise ScheduleError(f'schedule must be one of {KINDS}, got {kind!r}.')
-    if virtual_stages > 1 and kind not in ('interleaved_1f1b', 'gpipe'):
+    if kind == 'zero_bubble_v' and virtual_stages != 2:
+        raise ScheduleError(f'zero_bubble_v runs two stages per device, in a V: virtual_stages '
+                            f'must be 2, got {virtual_stages}.')
+    if virtual_stages > 1 and kind not in ('interleaved_1f1b', 'gpipe', 'zero_bubble_v'):
         raise ScheduleError(f'virtual_stages > 1 needs schedule interleaved_1f1b (or gpipe), '
                             f'got {kind!r} with virtual_stages={virtual_stages}.')
     if kind == 'gpipe':
@@ -245,26 +328,30 @@ def Make(kind: str, num_devices: int, num_micro_batches: int, virtual_stages: in
         lists = _OneFOneB(num_devices, num_micro_batches)
     elif kind == 'interleaved_1f1b':
         lists = _Interleaved(num_devices, num_micro_batches, virtual_stages)
-    else:
+    elif kind == 'zero_bubble':
         lists = _ZeroBubbleH1(num_devices, num_micro_batches)
+    else:
+        lists = _ZeroBubbleV(num_devices, num_micro_batches)
     if not training:
         lists = [[a for a in device if a.kind == FORWARD] for device in lists]
-    return FromLists(lists, num_micro_batches, virtual_stages, kind=kind)
+    return FromLists(lists, num_micro_batches, virtual_stages, kind=kind,
+                     placement=Placement(kind))
 
 
 def FromLists(lists, num_micro_batches: int, virtual_stages: int = 1,
-              kind: str = 'custom') -> Schedule:
+              kind: str = 'custom', placement: str = 'round') -> Schedule:
     """A Schedule of per-device action lists (Actions, or (kind, stage, micro_batch) tuples),
-    validated.
+    validated, its stages placed by `placement` (one of PLACEMENTS).
 
     Raises:
       ScheduleError: naming the first problem (see `Validate`).
     """
     lists = tuple(tuple(Action(*a) for a in device) for device in lists)
     _CheckCounts(len(lists), num_micro_batches, virtual_stages)
-    order = Validate(lists, num_micro_batches, virtual_stages)
+    order = Validate(lists, num_micro_batches, virtual_stages, placement)
     return Schedule(kind=kind, num_devices=len(lists), num_micro_batches=num_micro_batches,
-                    virtual_stages=virtual_stages, actions=lists, order=tuple(order))
+                    virtual_stages=virtual_stages, actions=lists, order=tuple(order),
+                    placement=placement)
 
 
 # ---- dependencies and validation ----------------------------------------------------------------
@@ -286,12 +373,13 @@ def Dependencies(action: Action, num_stages: int, backward_kind: str = BACKWARD)
     return deps
 
 
-def Validate(lists, num_micro_batches: int, virtual_stages: int = 1) -> list[Action]:
+def Validate(lists, num_micro_batches: int, virtual_stages: int = 1,
+             placement: str = 'round') -> list[Action]:
     """Checks per-device action lists and returns an order to build them in.
 
     Every (stage, micro-batch) must have one F and, if any backward exists, either one B or
-    one I and one W; stage s's actions must be on device s % K; and running each device's list
-    in order must never wait forever.
+    one I and one W; stage s's actions must be on its device (`StageDevice`: s % K, or in a V
+    with placement 'v'); and running each device's list in order must never wait forever.
 
     Returns:
       Every action once, in an order where each follows its dependencies and each device's
@@ -302,6 +390,15 @@ def Validate(lists, num_micro_batches: int, virtual_stages: int = 1) -> list[Act
     """
     num_devices = len(lists)
     num_stages = num_devices * virtual_stages
+    if placement not in PLACEMENTS:
+        raise ScheduleError(f'placement must be one of {PLACEMENTS}, got {placement!r}.')
+    if placement == 'v' and virtual_stages != 2:
+        raise ScheduleError(f'a V places two stages per device: virtual_stages must be 2, got '
+                            f'{virtual_stages}.')
+
+    def DeviceOf(stage):
+        return StageDevice(stage, num_devices, placement)
+
     seen = {}
     for d, device in enumerate(lists):
         for a in device:
@@ -311,9 +408,9 @@ def Validate(lists, num_micro_batches: int, virtual_stages: int = 1) -> list[Act
             if not (0 <= a.stage < num_stages and 0 <= a.micro_batch < num_micro_batches):
                 raise ScheduleError(f'device {d}: {a} is out of range: {num_stages} stages, '
                                     f'{num_micro_batches} micro-batches.')
-            if a.stage % num_devices != d:
+            if DeviceOf(a.stage) != d:
                 raise ScheduleError(f'{a} is on device {d}; stage {a.stage} runs on device '
-                                    f'{a.stage % num_devices}.')
+                                    f'{DeviceOf(a.stage)}.')
             if a in seen:
                 raise ScheduleError(f'{a} appears twice (devices {seen[a]} and {d}).')
             seen[a] = d
@@ -335,10 +432,10 @@ def Validate(lists, num_micro_batches: int, virtual_stages: int = 1) -> list[Act
         for m in range(num_micro_batches):
             if Action(FORWARD, s, m) not in seen:
                 raise ScheduleError(f'{Action(FORWARD, s, m)} is missing from device '
-                                    f'{s % num_devices}.')
+                                    f'{DeviceOf(s)}.')
             if has_backward and (s, m) not in split and Action(BACKWARD, s, m) not in seen:
                 raise ScheduleError(f'{Action(BACKWARD, s, m)} is missing from device '
-                                    f'{s % num_devices}.')
+                                    f'{DeviceOf(s)}.')
 
     def Needs(a):
         return _Needs(a, num_stages, split)
@@ -390,7 +487,7 @@ def IdealBubble(kind: str, num_devices: int, num_micro_batches: int,
                 virtual_stages: int = 1) -> float:
     """The idle fraction of a device's step time with balanced stages, free transfers and a
     backward twice the forward: (K-1)/(M+K-1) for gpipe and 1f1b, (K-1)/(vM+K-1) interleaved.
-    zero_bubble has no closed form here (see `perf.simulator`).
+    zero_bubble and zero_bubble_v have no closed form here (see `perf.simulator`).
 
     Raises:
       ScheduleError: for zero_bubble or counts below 1.
