@@ -28,8 +28,8 @@ import sys
 import time
 
 DEFAULT_RUNS = ('looped:gpipe:8,looped:gpipe:32,looped:gpipe:128,looped:1f1b:32,'
-                'looped:interleaved_1f1b:32,looped:zero_bubble:32,unrolled:gpipe:8,'
-                'unrolled:gpipe:32,unrolled:1f1b:32')
+                'looped:interleaved_1f1b:32,looped:zero_bubble:32,looped:zero_bubble_v:32,'
+                'unrolled:gpipe:8,unrolled:gpipe:32,unrolled:1f1b:32')
 K = 8
 
 
@@ -45,7 +45,7 @@ def Measure(executor: str, kind: str, m: int) -> dict:
     from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 
     batch, length, dim = max(32, m), 64, 256
-    virtual = 2 if kind == 'interleaved_1f1b' else 1
+    virtual = 2 if kind in ('interleaved_1f1b', 'zero_bubble_v') else 1
     layers = [attention.TransformerLayer.Params().Set(
         name=f'layer_{i}', model_dim=dim, hidden_dim=4 * dim, num_heads=4) for i in range(8)]
     start = time.perf_counter()

@@ -1,9 +1,9 @@
 r"""Every schedule on 8 virtual CPU devices: step time, memory, simulated and measured bubble.
 
 A 16-layer dense stack (512 wide, ReLU, batch 256), re-materializing, K in {4, 8} devices (2K
-cells of interleaved_1f1b) and M in {8, 32}, one thread per op and as many ops in flight as devices, so that each virtual device
-acts as one core of its own (the machine has fewer cores than devices: expect contention). Per
-schedule and (K, M):
+cells of interleaved_1f1b and zero_bubble_v) and M in {8, 32}, one thread per op and as many ops
+in flight as devices, so that each virtual device acts as one core of its own (the machine has
+fewer cores than devices: expect contention). Per schedule and (K, M):
 
   step_ms           median of 5 train steps (loss, gradients, SGD) in a tf.function
   peak_mib          measured peak of a step above what was allocated before it (so without the
@@ -15,7 +15,7 @@ schedule and (K, M):
   bubble_measured   1 - busy / (K x makespan) of a traced step (`perf.trace`), the loss and
                     update included in the makespan
 
-    python benchmarks/schedules.py [--quick] [--unroll=true|false|auto]
+    python benchmarks/schedules.py [--quick] [--unroll=true|false|auto] [--schedules=gpipe,...]
         [--out=benchmarks/results/schedules.json]
 
 `--unroll` is the pipeline's `unroll` (default true: the schedule unrolled into the graph, as the
@@ -51,7 +51,7 @@ def Setup() -> list[str]:
 def Build(kind, k, m, devices, unroll=True):
     from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
     from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
-    virtual = 2 if kind == 'interleaved_1f1b' else 1
+    virtual = 2 if kind in ('interleaved_1f1b', 'zero_bubble_v') else 1
     layers = [basic.DenseLayer.Params().Set(name=f'dense_{i}', input_dim=WIDTH,
                                             output_dim=WIDTH, activation='relu')
               for i in range(LAYERS)]
@@ -123,6 +123,8 @@ def Main() -> None:
     parser.add_argument('--quick', action='store_true', help='K=4, M=8 only.')
     parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
                                                       'schedules.json'))
+    parser.add_argument('--schedules', default=None,
+                        help='Comma-separated kinds to measure (default: every kind).')
     parser.add_argument('--unroll', default='true', choices=('true', 'false', 'auto'),
                         help="The pipeline's unroll: unrolled, a loop, or by the plan's rule.")
     args = parser.parse_args()
@@ -134,7 +136,7 @@ def Main() -> None:
           f'{"planned":>8s} {"bubble sim":>10s} {"measured":>8s}', flush=True)
     for k in ([4] if args.quick else [4, 8]):
         for m in ([8] if args.quick else [8, 32]):
-            for kind in schedule.KINDS:
+            for kind in (args.schedules.split(',') if args.schedules else schedule.KINDS):
                 row = Measure(kind, k, m, devices, unroll)
                 rows.append(row)
                 print(f'{kind:17s} {k:2d} {m:3d} {row["step_ms"]:8.1f} {row["peak_mib"]:9.1f} '

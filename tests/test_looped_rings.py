@@ -29,9 +29,11 @@ def _Events(action, last, loss_in_loop):
     return [(('act', s), m), (('d_act', s + 1), m)], writes
 
 
-def _Replay(sched, phases, loss_in_loop, sizes):
+def _Replay(sched, phases, loss_in_loop, sizes, eager=False):
     """Runs the loops' ticks on rings of `sizes`; returns the reads that found another
-    micro-batch than theirs (as (array, wanted, found))."""
+    micro-batch than theirs (as (array, wanted, found)). In a graph every read of a tick sees
+    the rings as the tick began; `eager`: device by device, each seeing the writes of the
+    devices before it in the tick (an eager TensorArray write changes it in place)."""
     m_count, last = sched.num_micro_batches, sched.num_stages
     rings = {}
 
@@ -51,9 +53,12 @@ def _Replay(sched, phases, loss_in_loop, sizes):
                 Put(('d_act', last), m)
         for tick in schedule_lib.Ticks(sched, kinds):
             events = [_Events(a, last, loss_in_loop) for a in tick if a is not None]
-            for reads, _ in events:  # Every read sees the state the tick began with.
+            for reads, writes in events:
                 wrong += [(key, m, Get(key, m)) for key, m in reads if Get(key, m) != m]
-            for _, writes in events:
+                if eager:
+                    for key, m in writes:
+                        Put(key, m)
+            for _, writes in events if not eager else ():  # After every read of the tick.
                 for key, m in writes:
                     Put(key, m)
         if p == 0:  # The outputs, joined after the first loop.
@@ -92,6 +97,23 @@ class RingTest(parameterized.TestCase):
         inference = schedule_lib.Make(kind, k, m, v, training=False)
         sizes = looped._RingSizes(inference, [(F,)], False)  # pylint: disable=protected-access
         self.assertEqual(_Replay(inference, [(F,)], False, sizes), [])
+
+    @parameterized.parameters(*_Cases())
+    def testEagerRingsAreNotReusedInTheTickOfTheirLastRead(self, kind, k, m, v):
+        sched = schedule_lib.Make(kind, k, m, v)
+        phases, loss_in_loop = _Phases(kind)
+        sizes = looped._RingSizes(  # pylint: disable=protected-access
+            sched, phases, loss_in_loop, reuse_in_tick=False)
+        self.assertEqual(_Replay(sched, phases, loss_in_loop, sizes, eager=True), [])
+        graph_sizes = looped._RingSizes(sched, phases, loss_in_loop)  # pylint: disable=protected-access
+        self.assertTrue(all(sizes[key] >= size for key, size in graph_sizes.items()))
+
+    def testEagerReplayCatchesARingReusedInItsLastReadsTick(self):
+        # zero_bubble_v, K=2, M=4: the graph's rings reuse a slot in the tick of its last read,
+        # which an eager loop (devices in turn) reads after the write.
+        sched = schedule_lib.Make('zero_bubble_v', 2, 4, 2)
+        sizes = looped._RingSizes(sched, [(F, B, I, W)], True)  # pylint: disable=protected-access
+        self.assertNotEqual(_Replay(sched, [(F, B, I, W)], True, sizes, eager=True), [])
 
     @parameterized.parameters(*_Cases())
     def testNoRingCanBeSmaller(self, kind, k, m, v):

@@ -96,7 +96,7 @@ class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
             self.assertLessEqual(test_utils.MaxRelativeError(a, b),
                             d_x_rtol if name == 'd_x' else rtol, msg=name)
 
-    @parameterized.named_parameters(*UNROLLED[1:4], *UNROLLED[5:], *LOOPED[2:3])
+    @parameterized.named_parameters(*UNROLLED[1:4], *UNROLLED[5:], *LOOPED[2:3], *LOOPED[5:])
     def testEagerEqualsTheLayersInSequence(self, kind, k, v, m, r, unroll):
         layer = Pipeline(kind, k, v, m, r, unroll=unroll).Instantiate()
         x, loss_inputs = Data()

@@ -115,7 +115,10 @@ class LoopedSchedule:
         micro-batches as the loops `phases` (per loop, the kinds of action it runs) have alive
         in it at once (`_RingSizes`)."""
         m_count, batch_dim = self._num_micro_batches, self._batch_dim
-        self._ring = _RingSizes(self._schedule, phases, loss_in_loop)
+        # Eagerly, a TensorArray write changes it in place: a device later in the same tick
+        # would read it, so a slot is not reused in the tick of its last read.
+        self._ring = _RingSizes(self._schedule, phases, loss_in_loop,
+                                reuse_in_tick=not tf.executing_eagerly())
         self._loop_keys = None  # While a loop is built, the state it carries (`_Loop`).
         self._training = training
         self._thetas = list(thetas)
@@ -436,7 +439,8 @@ class LoopedSchedule:
         return grads, d_inputs
 
 
-def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool) -> dict:
+def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool,
+               reuse_in_tick: bool = True) -> dict:
     """Per TensorArray key ('act', b), ('d_act', b) or ('saved', s), how many micro-batches it
     holds: the smallest R such that micro-batch m + R is written (slot (m + R) mod R) no earlier
     than the tick of micro-batch m's last read. A loop's tick reads the arrays as they were
@@ -449,6 +453,9 @@ def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool) -> dict
       phases: per loop of the step, in order, the action kinds it runs.
       loss_in_loop: whether the last stage's forwards write the outputs' gradients (the loss
         inside the loop); otherwise they are given, all at once, before the second loop.
+      reuse_in_tick: whether a slot may be written in the tick of its last read (in a graph,
+        where a tick reads the arrays as they were when it began); False: only after it (when
+        executing eagerly, where a write changes the array in place).
     """
     m_count, last = sched.num_micro_batches, sched.num_stages
     writes, reads = {}, {}  # key -> {micro-batch: tick}
@@ -493,8 +500,9 @@ def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool) -> dict
     sizes = {}
     for key in set(writes) | set(reads):
         written, read = writes.get(key, {}), reads.get(key, {})
+        after = 0 if reuse_in_tick else 1
         sizes[key] = next(r for r in range(1, m_count + 1) if all(
-            written.get(m + r, float('inf')) >= read.get(m, float('-inf'))
+            written.get(m + r, float('inf')) >= read.get(m, float('-inf')) + after
             for m in range(m_count - r)))
     return sizes
 

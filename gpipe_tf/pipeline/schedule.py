@@ -23,10 +23,10 @@ drawn is what is built. The kinds:
                     about a third of its bubble when F, I and W cost the same.
   zero_bubble_v     ZB-V (Qi et al. 2024): two stages per device in a V (device d runs
                     stages d and 2K-1-d, so the first device also runs the last stage), the
-                    backward split into I and W; a device starts a micro-batch only while
-                    fewer than K (K+1 for odd K) await their first stage's W, which bounds its
-                    stored activations about as 1F1B's; about half of ZB-H1's bubble when F,
-                    I and W cost the same.
+                    backward split into I and W, ordered for the executor's costs (I and W
+                    re-run the forward: two forwards each); a device starts a micro-batch
+                    only while fewer than 2K await their first stage's W. With those costs
+                    and M >= K it idles no more than ZB-H1, at M = 32 about a quarter of it.
 
 A validator (`Validate`) rejects lists that miss or repeat an action, put a stage on the wrong
 device, or deadlock (a device waiting on an action another device can only run later), naming
@@ -239,15 +239,22 @@ def _ZeroBubbleH1(k_count: int, m_count: int) -> list[list[Action]]:
     return lists
 
 
+# The costs zero_bubble_v's walk assumes, in forwards: the executor's split backward re-runs the
+# cell's forward in I (re-materialization) and each layer's forward in W, and splits a backward
+# of twice the forward in halves, so I and W each cost two forwards.
+_SPLIT_COSTS = {FORWARD: 1, INPUT_GRAD: 2, WEIGHT_GRAD: 2}
+
+
 def _ZeroBubbleV(k_count: int, m_count: int) -> list[list[Action]]:
-    """ZB-V's lists, made by a walk with unit costs: device d runs stages d (the V's first
-    arm) and 2K-1-d (its second). When free, a device runs the first that is ready of: an I
-    (the oldest micro-batch's; of the earlier stage on a tie), a forward of its second-arm
-    stage, a forward of its first-arm stage while fewer than `limit` micro-batches await that
-    stage's W, else its oldest pending W. limit = K (K + 1 for odd K, where K left bubbles):
-    the device then stores about the activations 1F1B's first device stores."""
+    """ZB-V's lists, made by a walk with the executor's costs (`_SPLIT_COSTS`): device d runs
+    stages d (the V's first arm) and 2K-1-d (its second). When free, a device runs the first
+    that is ready of: an I (the oldest micro-batch's; of the earlier stage on a tie), a forward
+    of its second-arm stage, a forward of its first-arm stage while fewer than 2K micro-batches
+    await that stage's W, else its oldest pending W. (With unit costs and a limit of K, the
+    walk halves ZB-H1's unit-cost bubble but leaves 8-10% of a step idle under the executor's
+    costs at M=32.)"""
     num_stages = 2 * k_count
-    limit = k_count + k_count % 2
+    limit = 2 * k_count
     done_at = {}  # Action -> the time step it finishes.
     lists = [[] for _ in range(k_count)]
     next_m = {(kind, s): 0 for kind in (FORWARD, INPUT_GRAD) for s in range(num_stages)}
@@ -283,7 +290,7 @@ def _ZeroBubbleV(k_count: int, m_count: int) -> list[list[Action]]:
                                f'(K={k_count}, M={m_count}).')  # A bug of ours.
         for d, action in started:
             lists[d].append(action)
-            done_at[action] = time + 1
+            done_at[action] = time + _SPLIT_COSTS[action.kind]
             if action.kind == WEIGHT_GRAD:
                 pending[d].remove(action)
             else:
