@@ -16,6 +16,7 @@ fewer cores than devices: expect contention). Per schedule and (K, M):
                     update included in the makespan
 
     python benchmarks/schedules.py [--quick] [--unroll=true|false|auto] [--schedules=gpipe,...]
+        [--plot_dir=benchmarks/results/schedule_timelines]
         [--out=benchmarks/results/schedules.json]
 
 `--unroll` is the pipeline's `unroll` (default true: the schedule unrolled into the graph, as the
@@ -81,7 +82,7 @@ def MakeStep(layer, kind):
     return Step
 
 
-def Measure(kind, k, m, devices, unroll=True) -> dict:
+def Measure(kind, k, m, devices, unroll=True, plot_dir=None) -> dict:
     from gpipe_tf.perf import memory  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import simulator  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import trace  # pylint: disable=g-import-not-at-top
@@ -110,6 +111,12 @@ def Measure(kind, k, m, devices, unroll=True) -> dict:
     events = trace.TraceFunction(step, x)
     measured = trace.MeasuredTimeline(events, plan.num_cells, num_devices=plan.num_devices,
                                       device_of=plan.schedule.DeviceOf)
+    if plot_dir:
+        from gpipe_tf.perf import plot  # pylint: disable=g-import-not-at-top
+        for name, timeline in (('predicted', simulated), ('measured', measured)):
+            plot.SavePng(plot.TimelineFigure(
+                timeline, title=f'{kind}, K={k}, M={m}: {name}, bubble {timeline.bubble:.2f}'),
+                os.path.join(plot_dir, f'{kind}_k{k}_m{m}_{name}.png'))
     return dict(schedule=kind, k=k, v=plan.virtual_stages, m=m, looped=plan.Loops(m),
                 first_step_s=first,
                 step_ms=1e3 * statistics.median(times), peak_mib=peak / MIB,
@@ -123,6 +130,9 @@ def Main() -> None:
     parser.add_argument('--quick', action='store_true', help='K=4, M=8 only.')
     parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
                                                       'schedules.json'))
+    parser.add_argument('--plot_dir', default=None,
+                        help='Also write each row\'s predicted and measured timelines here '
+                             '(<schedule>_k<K>_m<M>_<predicted|measured>.png).')
     parser.add_argument('--schedules', default=None,
                         help='Comma-separated kinds to measure (default: every kind).')
     parser.add_argument('--unroll', default='true', choices=('true', 'false', 'auto'),
@@ -137,7 +147,7 @@ def Main() -> None:
     for k in ([4] if args.quick else [4, 8]):
         for m in ([8] if args.quick else [8, 32]):
             for kind in (args.schedules.split(',') if args.schedules else schedule.KINDS):
-                row = Measure(kind, k, m, devices, unroll)
+                row = Measure(kind, k, m, devices, unroll, args.plot_dir)
                 rows.append(row)
                 print(f'{kind:17s} {k:2d} {m:3d} {row["step_ms"]:8.1f} {row["peak_mib"]:9.1f} '
                       f'{row["planned_mib"]:8.1f} {row["bubble_simulated"]:10.3f} '

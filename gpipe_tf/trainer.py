@@ -626,7 +626,9 @@ def RunTrain(config: Config, p, plan, logdir, with_eval: bool, resume_note: str 
     fprop_dtype = prog.task.model.p.fprop_dtype
     computing = '' if fprop_dtype is None else f', computing in {fprop_dtype.name}'
     print(f'training {config.model} in {logdir}: {_Where(config, prog)}, '
-          f'M={NumMicroBatches(p, plan)}{_ScheduleNote(plan, NumMicroBatches(p, plan))}, '
+          f'M={NumMicroBatches(p, plan)}'
+          # The built model's plan: the TPU path's adds a logical_device_fn (then unrolled).
+          f'{_ScheduleNote(getattr(prog.task.model, "plan", None), NumMicroBatches(p, plan))}, '
           f'batch {p.input.batch_size}, {_GraphMode(config)}'
           f'{computing}', flush=True)
     metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params, plan=plan,

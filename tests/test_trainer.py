@@ -173,6 +173,8 @@ class TrainAndResumeTest(ReferenceRunTestCase):
                            f'--model_params_override={FAST}').stdout
         self.assertIn(f'resumed from {os.path.join(logdir, "train", f"ckpt-{saved}")} at step '
                       f'{saved}', output)
+        # K=4, M=8: 32 cell calls, fewer than unroll='auto' loops from.
+        self.assertIn('M=8 (gpipe schedule, unrolled), batch', output)
         resumed = Scalars(logdir, 'loss', sorted(EventFiles(logdir) - before))
         self.assertEqual(sorted(resumed), list(range(saved + 1, saved + 9)))
         for step, loss in resumed.items():
