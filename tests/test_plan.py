@@ -146,6 +146,9 @@ class MakePlanTest(parameterized.TestCase):
         cells = memory.FromPlan(plan).cells
         self.assertEqual(memory.FromPlan(plan).device_totals,
                          [cells[0].total + cells[3].total, cells[1].total + cells[2].total])
+        text = memory.FromPlan(plan).Format()
+        self.assertIn('device 0 (cells 0,3)', text)
+        self.assertIn('device 1 (cells 1,2)', text)
         with self.assertRaisesRegex(errors.ConfigError, 'zero_bubble_v splits each backward'):
             plan_lib.MakePlan(p.Copy().Set(recompute='never'))
 

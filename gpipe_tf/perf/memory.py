@@ -144,8 +144,12 @@ class MemoryPlan:
         """Per device, the sum of its cells' peaks (a bound: they need not peak together)."""
         totals = [0] * self.num_devices
         for c in self.cells:
-            totals[self.schedule.DeviceOf(c.cell) if self.schedule else c.cell] += c.total
+            totals[self.DeviceOf(c.cell)] += c.total
         return totals
+
+    def DeviceOf(self, cell: int) -> int:
+        """The device of `cell`: the schedule's placement (one cell per device without one)."""
+        return self.schedule.DeviceOf(cell) if self.schedule else cell
 
     @property
     def peak_device_bytes(self) -> int:
@@ -225,8 +229,9 @@ class MemoryPlan:
             for d, total in enumerate(self.device_totals):
                 fits = ('' if not device_bytes else
                         ': fits' if total <= device_bytes else ': DOES NOT FIT')
-                lines.append(f'device {d} (cells {",".join(map(str, range(d, self.num_cells, k)))}'
-                             f'): {units.MiB(total)} MiB{fits}')
+                cells = [str(c.cell) for c in self.cells if self.DeviceOf(c.cell) == d]
+                lines.append(f'device {d} (cells {",".join(cells)}): {units.MiB(total)} MiB'
+                             f'{fits}')
         counts = f'K={k}' + (f' v={self.num_cells // k}' if k < self.num_cells else '')
         if self.schedule is not None and self.schedule.kind != 'gpipe':
             counts += f' schedule={self.schedule.kind}'
