@@ -264,6 +264,13 @@ class MeasuredTest(tf.test.TestCase, parameterized.TestCase):
         self.assertBetween(planned / measured, 0.8, 1.2,
                            f'planned {planned / MIB:.1f} MiB, measured {measured / MIB:.1f} MiB')
 
+    def testAReadingWhileSomethingElseAllocatesIsRefused(self):
+        kept = []  # Stands for another thread's allocation that outlives the step.
+        with self.assertRaisesRegex(RuntimeError, 'free of other allocations'):
+            test_utils.PeakBytesOf(lambda: kept.append(tf.fill([1024, 256], 1.0)))
+        x = tf.fill([1024, 256], 1.0)
+        self.assertBetween(test_utils.PeakBytesOf(lambda: x + 1.0), 2**20, 2**20 + 4096)
+
     # On one device: with several, how many micro-batches wait between two cells depends on
     # how fast each runs (a forward-only pipeline has no backward to hold the first cells
     # back): measured 4.1 to 5.9 MiB at K=2, M=4 against the plan's 4.0 (balanced cells).
