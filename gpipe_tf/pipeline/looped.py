@@ -83,7 +83,6 @@ class LoopedSchedule:
             self._d_acts[-1] = [
                 _Stacked(x, self._num_micro_batches, self._batch_dim)
                 for x in recompute.FloatLeaves(d_outputs)]
-        self._stacked.add(('d_act', self._num_stages))
         self._Loop((B,))
         return self._Gradients()
 
@@ -126,14 +125,13 @@ class LoopedSchedule:
         self._loss_scale = None
         self._loss = None  # ForwardBackward's [sum of value * weight, sum of weight].
         with tf.device(self._devices[0]):
-            parts = microbatch.Split(inputs, m_count, batch_dim)
-            self._input_structure = parts[0]
-            self._micro_batch_size = tf.cast(executor.MicroBatchSize(parts[0], batch_dim),
-                                             tf.int64)
             # Stacked views of the mini-batch (along batch_dim 0, no copy), read in place.
             first = [None if x is None else _Stacked(x, m_count, batch_dim)
                      for x in tf.nest.flatten(inputs)]
-        self._stacked = {('act', 0)}
+            self._input_structure = tf.nest.pack_sequence_as(
+                inputs, [None if x is None else _ReadSlot(x, 0) for x in first])
+            self._micro_batch_size = tf.cast(
+                executor.MicroBatchSize(self._input_structure, batch_dim), tf.int64)
         # acts[b]: the TensorArrays of boundary b (b = 0 the input, b = S the output), one per
         # leaf; d_acts[b]: those of its float leaves' gradients.
         self._structures = [self._input_structure]
@@ -180,10 +178,7 @@ class LoopedSchedule:
         return self._ring.get(key, 1)
 
     def _Slot(self, key, m):
-        """Micro-batch m's index in `key`'s TensorArrays: m modulo its ring's size (m in
-        stacked views of a whole mini-batch)."""
-        if key in self._stacked:
-            return m
+        """Micro-batch m's index in `key`'s TensorArrays: m modulo its ring's size."""
         size = self._RingSize(key)
         return m if size == self._num_micro_batches else tf.math.floormod(m, size)
 
@@ -341,8 +336,12 @@ class LoopedSchedule:
     def _Read(self, key, structure, m):
         """Micro-batch m from `key`'s TensorArrays (as they were when the tick began), packed
         as `structure` (None: the flat list)."""
-        slot = self._Slot(key, m)
-        leaves = [_ReadSlot(store, slot) for store in self._Value(key)]
+        stores = self._Value(key)
+        # The inputs, and the outputs' gradients when given, are stacked views of the whole
+        # mini-batch (`_Stacked`): micro-batch m is their element m.
+        slot = (self._Slot(key, m) if any(isinstance(x, tf.TensorArray) for x in stores)
+                else m)
+        leaves = [_ReadSlot(store, slot) for store in stores]
         return leaves if structure is None else tf.nest.pack_sequence_as(structure, leaves)
 
     def _Write(self, values, key, m, leaves):
