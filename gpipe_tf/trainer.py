@@ -574,17 +574,18 @@ def _Program(config: Config, p, plan, logdir):
 
 
 def _TpuProgram(config: Config, p, plan, logdir):
-    """A StrategyProgram on the TPU at `address`: R replicas of K logical devices, cell k's
-    variables and ops on logical device k. Raises tpu.TpuError when there is no usable TPU."""
+    """A StrategyProgram on the TPU at `address`: R replicas of K logical devices, each cell's
+    variables and ops on its device's (`Plan.DeviceOf`: cell k on k % K with v virtual
+    stages). Raises tpu.TpuError when there is no usable TPU."""
     from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import tpu  # pylint: disable=g-import-not-at-top
-    num_cells = plan.num_cells if plan else 1
+    num_devices = plan.num_devices if plan else 1
     resolver, topology = tpu.Connect(TpuAddress(config), config.tpu_timeout_s)
-    strategy = tpu.Strategy(resolver, topology, num_cells, p.model.num_replicas)
-    # The replicas are the strategy's. Within one, cell k's variables are created on logical
-    # device k, its ops run under core k's device scope, and the tensors crossing its boundary
-    # carry logical device k's sharding.
-    p.model.Set(num_replicas=1, devices=tpu.CoreDevices(num_cells),
+    strategy = tpu.Strategy(resolver, topology, num_devices, p.model.num_replicas)
+    # The replicas are the strategy's. Within one, a cell's variables are created on its
+    # logical device, its ops run under that core's device scope, and the tensors crossing its
+    # boundary carry that logical device's sharding.
+    p.model.Set(num_replicas=1, devices=tpu.CoreDevices(num_devices),
                 logical_device_fn=tpu.AssignToLogicalDevice)
     WriteParams(p.ToText(), logdir)  # What runs: the replicas are now the strategy's.
     return program.StrategyProgram(p, logdir, strategy)
@@ -595,7 +596,9 @@ def _Where(config: Config, prog) -> str:
     model = prog.task.model
     strategy = getattr(prog, 'strategy', None)
     if strategy is not None:
-        return (f'R={strategy.num_replicas_in_sync} replicas x K={model.num_cells} logical '
+        plan = getattr(model, 'plan', None)
+        num_devices = model.num_cells if plan is None else plan.num_devices
+        return (f'R={strategy.num_replicas_in_sync} replicas x K={num_devices} logical '
                 f'devices on the TPU {TpuAddress(config)}')
     replicas = f'R={len(model.mesh)} replicas x ' if len(model.mesh) > 1 else ''
     return (f'{replicas}K={len(model.devices)} cells on '
@@ -625,10 +628,10 @@ def RunTrain(config: Config, p, plan, logdir, with_eval: bool, resume_note: str 
     print(f'built in {time.time() - start:.0f} s', flush=True)
     fprop_dtype = prog.task.model.p.fprop_dtype
     computing = '' if fprop_dtype is None else f', computing in {fprop_dtype.name}'
-    print(f'training {config.model} in {logdir}: {_Where(config, prog)}, '
-          f'M={NumMicroBatches(p, plan)}'
+    m = NumMicroBatches(p, plan)
+    print(f'training {config.model} in {logdir}: {_Where(config, prog)}, M={m}'
           # The built model's plan: the TPU path's adds a logical_device_fn (then unrolled).
-          f'{_ScheduleNote(getattr(prog.task.model, "plan", None), NumMicroBatches(p, plan))}, '
+          f'{_ScheduleNote(getattr(prog.task.model, "plan", None), m)}, '
           f'batch {p.input.batch_size}, {_GraphMode(config)}'
           f'{computing}', flush=True)
     metrics = loop.Train(prog, p, logdir, p.train.max_steps, eval_params, plan=plan,

@@ -6,6 +6,7 @@ against fake topologies; `Connect` fails clearly without a TPU."""
 
 import contextlib
 import re
+import tempfile
 import types
 from unittest import mock
 
@@ -13,10 +14,12 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 from gpipe_tf import test_utils
+from gpipe_tf import trainer
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.train import cluster as cluster_lib
+from gpipe_tf.train import program
 from gpipe_tf.train import tpu
 
 test_utils.ConfigureVirtualCpus()
@@ -258,6 +261,59 @@ class LogicalDeviceTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(sorted(per_device), list(range(K)))
         self.assertTrue(all(n >= 2 + 2 * 6 for n in per_device.values()), per_device)
 
+    @parameterized.parameters(('interleaved_1f1b', [0, 1, 2, 0, 1, 2]),
+                              ('zero_bubble_v', [0, 1, 2, 2, 1, 0]))
+    def testWithVirtualStagesEachCellIsOnItsDeviceInTheSchedule(self, kind, device_of_cell):
+        # v = 2 cells per device: 2 K cells on K logical devices, placed as the schedule
+        # places them (zero_bubble_v in a V), not cell k on logical device k.
+        layers = [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM,
+                                                activation='tanh') for _ in range(2 * K)]
+        opened = []
+
+        @contextlib.contextmanager
+        def LogicalDevice(k):
+            opened.append(k)
+            yield
+
+        strategy = types.SimpleNamespace(
+            extended=types.SimpleNamespace(experimental_logical_device=LogicalDevice))
+        with mock.patch.object(tf.distribute, 'get_strategy', return_value=strategy):
+            layer = pipelining_layer.PipeliningLayer.Params().Set(
+                name='pipe', layer_tpl=layers, num_cells=K, virtual_stages=2,
+                schedule=kind, num_micro_batches=K, recompute='always',
+                input_shapes=[2 * K, DIM], logical_device_fn=tpu.ShardingAssign).Instantiate()
+        self.assertEqual(opened, device_of_cell)
+        self.assertEqual([layer.plan.DeviceOf(k) for k in range(2 * K)], device_of_cell)
+        x = tf.random.stateless_normal([2 * K, DIM], seed=[5, 6])
+
+        def MeanSquare(y):
+            return tf.reduce_mean(tf.square(y))
+
+        @tf.function
+        def Step(x):  # These schedules take the loss per micro-batch: FPropLoss.
+            with tf.GradientTape() as tape, fprop_context.Scope(
+                    training=True, step=tf.constant(0, tf.int64)):
+                tape.watch(x)
+                outputs, loss, _ = layer.FPropLoss(
+                    layer.theta, x, lambda y, _: (MeanSquare(y), tf.constant(1.0)))
+            return outputs, tape.gradient(loss, [x] + list(layer.trainable_variables))
+
+        step = Step
+        graph = step.get_concrete_function(x).graph
+        annotated = set()
+        for op in graph.get_operations():
+            scope = re.search(r'cell_(\d+)_mb_\d+_', op.name)
+            if op.type == 'XlaSharding' and scope:
+                self.assertEqual(tpu.LogicalDeviceOf(op), device_of_cell[int(scope[1])],
+                                 op.name)
+                annotated.add(int(scope[1]))
+        self.assertEqual(annotated, set(range(2 * K)))
+        outputs, grads = step(x)
+        ref_outputs, ref_grads = test_utils.OutputsAndGrads(
+            lambda inputs: test_utils.Unpartitioned(layer, inputs), layer, x, MeanSquare)
+        self.assertLess(test_utils.MaxRelativeError(outputs, ref_outputs), 1e-5)
+        self.assertLess(test_utils.MaxRelativeError(grads, ref_grads), 1e-5)
+
     def testTheTrainersAssignNeedsATpuStrategyAndKeepsParamsText(self):
         layer = _LogicalPipeline('always', logical_device_fn=tpu.AssignToLogicalDevice)
         self.assertIn('logical_device_fn : callable/gpipe_tf.train.tpu/AssignToLogicalDevice',
@@ -277,6 +333,30 @@ class LogicalDeviceTest(tf.test.TestCase, parameterized.TestCase):
             pipelining_layer.PipeliningLayer.Params().Set(
                 name='pipe', layer_tpl=[basic.DenseLayer.Params().Set(input_dim=2, output_dim=2)],
                 num_replicas=2, logical_device_fn=tpu.ShardingAssign).Instantiate()
+
+
+class TrainerTpuProgramTest(tf.test.TestCase):
+    """The trainer's TPU path asks the TPU for K logical devices per replica, also with v
+    virtual stages (v K cells), and places the cells on them as the schedule does."""
+
+    def testInterleavedCellsShareTheirDevicesCores(self):
+        config = trainer.ParseConfig(['--model=examples.PipelinedMLP', '--tpu=grpc://tpu:8470',
+                                      '--worker_split_size=2', '--schedule=interleaved_1f1b',
+                                      '--virtual_stages=2'])
+        p = trainer.TaskParams(config)
+        plan = trainer.PipelinePlan(p)
+        self.assertEqual(plan.num_cells, 2 * plan.num_devices)
+        with mock.patch.object(tpu, 'Connect', return_value=('resolver', 'topology')), \
+                mock.patch.object(tpu, 'Strategy', return_value='strategy') as strategy, \
+                mock.patch.object(program, 'StrategyProgram',
+                                  side_effect=lambda p, logdir, strategy: p), \
+                tempfile.TemporaryDirectory() as logdir:
+            ran = trainer._TpuProgram(config, p, plan, logdir)  # pylint: disable=protected-access
+        strategy.assert_called_once_with('resolver', 'topology', plan.num_devices, 1)
+        placed = trainer.PipelinePlan(ran)
+        cores = tpu.CoreDevices(plan.num_devices)
+        self.assertEqual(placed.devices, [cores[k % plan.num_devices]
+                                          for k in range(plan.num_cells)])
 
 
 class ConnectTest(tf.test.TestCase):

@@ -127,7 +127,8 @@ class UnrolledSchedule:
       step: the training step (scalar int64 tensor), for the layers' randomness.
       assign: None, or a function (tensor, k) -> tensor assigning a tensor to logical device k
         (XLA model parallelism); then each cell's inputs, outputs, incoming and outgoing
-        gradients are assigned to the cell's logical device.
+        gradients are assigned to the cell's logical device: its device in the schedule
+        (`Schedule.DeviceOf`; cell % K with v virtual stages).
       first_example: the index in the mini-batch of the first example of the batch this
         schedule runs (a replica's shard starts further on); micro-batch m of n examples starts
         at first_example + m n. The layers draw their randomness per example from it.
@@ -168,7 +169,7 @@ class UnrolledSchedule:
         if self._assign is None:
             return nest
         with tf.device(self._devices[k]):
-            return AssignNest(self._assign, k, nest)
+            return AssignNest(self._assign, self._schedule.DeviceOf(k), nest)
 
     def _Grid(self):
         return [[None] * self._num_micro_batches for _ in range(self._num_cells)]

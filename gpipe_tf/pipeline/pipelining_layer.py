@@ -80,8 +80,9 @@ class PipeliningLayer(BaseLayer):
                  'None, or a function (tensor, k) -> tensor assigning a tensor to logical device '
                  'k of the replica, for XLA model parallelism (TF2 TPU: '
                  'gpipe_tf.train.tpu.AssignToLogicalDevice). Cell k\'s parameters, inputs, '
-                 'outputs and gradients are assigned to logical device k, and under a '
-                 'TPUStrategy its variables are created there. Give devices too '
+                 'outputs and gradients are assigned to its device in the schedule (k, or k '
+                 'mod K with virtual_stages), and under a TPUStrategy its variables are created '
+                 'there. Give devices too '
                  '(tpu.CoreDevices(K) on a TPU) to place every op of the cell; they default to '
                  '"" (no device scope). Graph mode only (a tf.function or strategy.run); the '
                  'replicas are the strategy\'s, so num_replicas stays 1.')
@@ -336,12 +337,13 @@ class PipeliningLayer(BaseLayer):
     def _LogicalDeviceScope(self, k: int):
         """Where cell k's variables are created: with logical_device_fn, under a strategy that
         places variables by logical device (a TPUStrategy's
-        `extended.experimental_logical_device`), on logical device k; else no extra scope."""
+        `extended.experimental_logical_device`), on cell k's logical device (`Plan.DeviceOf`:
+        k % K with v virtual stages); else no extra scope."""
         if self.p.logical_device_fn is None:
             return contextlib.nullcontext()
         scope = getattr(tf.distribute.get_strategy().extended, 'experimental_logical_device',
                         None)
-        return scope(k) if scope is not None else contextlib.nullcontext()
+        return scope(self.plan.DeviceOf(k)) if scope is not None else contextlib.nullcontext()
 
     def _LogicalDeviceFn(self):
         """`p.logical_device_fn`, checked to be usable here (it annotates graph tensors)."""

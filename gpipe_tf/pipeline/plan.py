@@ -83,6 +83,13 @@ class Plan:
         """K, the devices of one replica."""
         return self.num_cells // self.virtual_stages
 
+    def DeviceOf(self, cell: int) -> int:
+        """The index among a replica's K devices of `cell`'s device: cell % K, or in a V
+        under zero_bubble_v (`schedule.StageDevice`). With logical_device_fn, its logical
+        device."""
+        return schedule_lib.StageDevice(cell, self.num_devices,
+                                        schedule_lib.Placement(self.params.schedule))
+
     def Schedule(self, num_micro_batches: int, training: bool = True) -> schedule_lib.Schedule:
         """The Params' schedule kind for M = `num_micro_batches` (forward-only unless
         `training`).
@@ -138,10 +145,8 @@ class Plan:
         if check_devices and p.logical_device_fn is None:  # With it, a strategy places cells.
             devices_lib.CheckDevices(mesh, available)
         # With v virtual stages, cell s runs on the replica's device s % K (in a V under
-        # zero_bubble_v: `schedule.StageDevice`).
-        placement = schedule_lib.Placement(p.schedule)
-        mesh = [[row[schedule_lib.StageDevice(s, self.num_devices, placement)]
-                 for s in range(self.num_cells)] for row in mesh]
+        # zero_bubble_v).
+        mesh = [[row[self.DeviceOf(s)] for s in range(self.num_cells)] for row in mesh]
         return dataclasses.replace(self, mesh=mesh)
 
 
