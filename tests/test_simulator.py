@@ -284,6 +284,16 @@ class SchedulesTest(parameterized.TestCase):
         self.assertEqual({(i.cell, i.device) for i in timeline.intervals},
                          {(0, 0), (1, 1), (2, 1), (3, 0)})
 
+    def testTheVsTurnOnOneDeviceCostsNoTransfer(self):
+        # K=2: device 1 runs F(1, 0) then F(2, 0), and I(2, 0) then I(1, 0), each pair across
+        # a boundary inside the device; only boundaries between devices wait 100 s.
+        costs = simulator.CellCosts([1, 1, 1, 1], [2, 2, 2, 2], transfer=100.0,
+                                    weight_fraction=0.5)
+        spans = _Actions(simulator.Simulate(costs, 4, False, _Schedule('zero_bubble_v', 2, 4, 2)))
+        self.assertEqual(spans[('F', 1, 0)], (101.0, 102.0))
+        self.assertEqual(spans[('F', 2, 0)], (102.0, 103.0))
+        self.assertEqual(spans[('I', 1, 0)][0], spans[('I', 2, 0)][1])
+
     @parameterized.parameters((2, 4), (4, 8), (4, 32), (8, 16), (8, 32))
     def testZeroBubbleVIdlesLessThanZeroBubbleReMaterializing(self, k, m):
         # The executor's costs: forward 1, backward 2 split in halves, every stage
@@ -344,16 +354,21 @@ class SchedulesTest(parameterized.TestCase):
     def testDependenciesAndDeviceOrderHold(self, kind, k, m, v, costs, recompute):
         sched = _Schedule(kind, k, m, v)
         timeline = simulator.Simulate(costs, m, recompute, sched)
-        spans, t, last = _Actions(timeline), costs.transfer, costs.num_cells - 1
+        spans, last = _Actions(timeline), costs.num_cells - 1
         self.assertCountEqual(spans, sched.order)
+
+        def Hop(s, other):  # A boundary costs a transfer between two devices only.
+            return costs.transfer if sched.DeviceOf(s) != sched.DeviceOf(other) else 0.0
+
         for action, (start, _) in spans.items():
             kind_, s, b = action
             if kind_ == 'F' and s > 0:
-                self.assertGreaterEqual(start, spans[('F', s - 1, b)][1] + t)
+                self.assertGreaterEqual(start, spans[('F', s - 1, b)][1] + Hop(s, s - 1))
             if kind_ in 'BI':
                 self.assertGreaterEqual(start, spans[('F', s, b)][1])
                 if s < last:
-                    self.assertGreaterEqual(start, spans[(kind_, s + 1, b)][1] + t)
+                    self.assertGreaterEqual(start,
+                                            spans[(kind_, s + 1, b)][1] + Hop(s, s + 1))
             if kind_ == 'W':
                 self.assertGreaterEqual(start, spans[('I', s, b)][1])
         for device, actions in enumerate(sched.actions):

@@ -15,9 +15,9 @@ runs on device s % K (in a V under zero_bubble_v). The model follows the executo
   since I) when the stage re-materializes, then computes the weight gradients (the
   backward's `weight_fraction`).
 
-Every boundary between consecutive stages costs one hop, even between two stages of one device
-(virtual stages, the turn of zero_bubble_v's V). Each device runs one action at a time, in its
-list's order; an action starts when its device is free and its inputs have arrived. Transfers
+A boundary between consecutive stages on two devices costs one hop; between two stages of one
+device (the turn of zero_bubble_v's V, or K = 1) it costs nothing: the executor passes the
+tensor on without a copy. Each device runs one action at a time, in its list's order; an action starts when its device is free and its inputs have arrived. Transfers
 occupy the link, not a device.
 The loss itself is free.
 
@@ -229,8 +229,10 @@ def Simulate(costs: CellCosts, num_micro_batches: int, recompute: bool | Sequenc
     end = {}  # Action -> when it finishes.
     for action in schedule.order:
         kind, s, m = action
-        # What it needs, plus one hop for what comes across a stage boundary.
-        ready = max([0.0] + [end[dep] + (costs.transfer if dep.stage != s else 0.0)
+        # What it needs, plus one hop for what comes from another device.
+        device = schedule.DeviceOf(s)
+        ready = max([0.0] + [end[dep] + (costs.transfer if schedule.DeviceOf(dep.stage) != device
+                                         else 0.0)
                              for dep in schedule.Needs(action)])
         if kind == schedule_lib.FORWARD:
             end[action] = Run(s, m, 'forward', ready, costs.forward[s])
