@@ -300,35 +300,21 @@ class LoopedSchedule:
             self._Put(key, value)
 
     def _Reads(self, device_branches):
-        """The state a device's actions read: a stage's input (F, B, I) and its output's
-        gradient (B, I), or what its I saved (W)."""
-        keys = []
-        for kind, s in device_branches:
-            if kind == W:
-                keys.append(('saved', s))
-            else:
-                keys.append(('act', s))
-                if kind != F:
-                    keys.append(('d_act', s + 1))
-        return keys
+        """The state a device's actions read (`_ArrayAccess`)."""
+        return [key for kind, s in device_branches for key in
+                _ArrayAccess(kind, s, self._num_stages, self._loss_fn is not None)[0]]
 
     def _Writes(self, device_branches):
-        """The state a device's actions change: its stages' outputs (F), their input gradients
-        (B, I), weight-gradient (B, W) and statistics sums, what an I saves for its W, and the
-        loss on the last stage."""
+        """The state a device's actions change: the TensorArrays they write (`_ArrayAccess`),
+        the weight-gradient (B, W) and statistics (F) sums, and the loss on the last stage."""
         keys = []
         for kind, s in device_branches:
-            if kind == F:
-                keys.append(('act', s + 1))
-                if self._stats[s] is not None:
-                    keys.append(('stats', s))
-                if s == self._num_stages - 1 and self._loss_fn is not None:
-                    keys += [('d_act', s + 1), ('loss', 0)]
-            elif kind == B:
-                keys += [('d_act', s), ('grad', s)]
-            elif kind == I:
-                keys += [('d_act', s), ('saved', s)]
-            else:
+            keys += _ArrayAccess(kind, s, self._num_stages, self._loss_fn is not None)[1]
+            if kind == F and self._stats[s] is not None:
+                keys.append(('stats', s))
+            if kind == F and s == self._num_stages - 1 and self._loss_fn is not None:
+                keys.append(('loss', 0))
+            if kind in (B, W):
                 keys.append(('grad', s))
         return list(dict.fromkeys(keys))
 
@@ -438,6 +424,21 @@ class LoopedSchedule:
         return grads, d_inputs
 
 
+def _ArrayAccess(kind: str, s: int, num_stages: int, loss_in_loop: bool) -> tuple:
+    """(the TensorArray keys action (kind, stage s) reads, those it writes), each for its
+    micro-batch: F reads its input and writes its output (the last stage, with the loss in the
+    loop, the outputs' gradient too); B and I read the input and the output's gradient and write
+    the input's gradient, I also what it saves for its W; W reads what its I saved."""
+    if kind == F:
+        writes = [('act', s + 1)]
+        if s == num_stages - 1 and loss_in_loop:
+            writes.append(('d_act', num_stages))
+        return [('act', s)], writes
+    if kind == W:
+        return [('saved', s)], []
+    return [('act', s), ('d_act', s + 1)], [('d_act', s)] + ([('saved', s)] if kind == I else [])
+
+
 def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool,
                reuse_in_tick: bool = True) -> dict:
     """Per TensorArray key ('act', b), ('d_act', b) or ('saved', s), how many micro-batches it
@@ -476,20 +477,11 @@ def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool,
             for a in actions:
                 if a is None:
                     continue
-                s, m = a.stage, a.micro_batch
-                if a.kind == F:
-                    Read(('act', s), m, tick)
-                    Write(('act', s + 1), m, tick)
-                    if s == last - 1 and loss_in_loop:
-                        Write(('d_act', last), m, tick)
-                elif a.kind == W:
-                    Read(('saved', s), m, tick)
-                else:
-                    Read(('act', s), m, tick)
-                    Read(('d_act', s + 1), m, tick)
-                    Write(('d_act', s), m, tick)
-                    if a.kind == I:
-                        Write(('saved', s), m, tick)
+                read, written = _ArrayAccess(a.kind, a.stage, last, loss_in_loop)
+                for key in read:
+                    Read(key, a.micro_batch, tick)
+                for key in written:
+                    Write(key, a.micro_batch, tick)
             tick += 1
         if p == 0:  # The outputs, joined after the first loop.
             for m in range(m_count):
