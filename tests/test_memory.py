@@ -2,7 +2,10 @@
 memory of real steps on virtual CPU devices (a ratio bound)."""
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 from unittest import mock
 
 os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')  # Allocation statistics on the CPU.
@@ -247,48 +250,79 @@ class PaperTable1Test(parameterized.TestCase):
         self.assertLess(abs(ours / paper_bytes - 1), 0.02, f'{name}: {ours} vs {paper_bytes}')
 
 
-class MeasuredTest(tf.test.TestCase, parameterized.TestCase):
-    """What a train step allocates at its peak, measured, against the plan (within 20%)."""
+# What MeasuredTest measures: (K, M, recompute) of training steps, (K, M) of inference ones.
+# Inference on one device: with several, how many micro-batches wait between two cells depends
+# on how fast each runs (a forward-only pipeline has no backward to hold the first cells back):
+# measured 4.1 to 5.9 MiB at K=2, M=4 against the plan's 4.0 (balanced cells).
+TRAIN_CASES = [(1, 1, 'always'), (1, 8, 'always'), (2, 4, 'always'), (4, 8, 'always'),
+               (1, 8, 'never'), (2, 4, 'never'), (4, 8, 'except_last')]
+INFERENCE_CASES = [(1, 1), (1, 4)]
 
-    @parameterized.parameters((1, 1, 'always'), (1, 8, 'always'), (2, 4, 'always'),
-                              (4, 8, 'always'), (1, 8, 'never'), (2, 4, 'never'),
-                              (4, 8, 'except_last'))
-    def testPlannedStepMemoryIsWithin20PercentOfMeasured(self, k, m, recompute):
-        p = _Dense(num_cells=k, m=m, recompute=recompute)
-        layer = p.Instantiate()
-        x = tf.random.stateless_normal([1024, 512], [1, 2])
-        measured = test_utils.StepBytes(layer, x)
-        planned = memory.PlanMemory(p, slots_per_param=0).step_bytes
-        print(f'K={k} M={m} {recompute}: planned {planned / MIB:.1f} MiB, measured '
-              f'{measured / MIB:.1f} MiB: {planned / measured:.3f}')
+
+def _MeasureSteps() -> dict:
+    """Each case's measured peak bytes, keyed 'K M recompute' (training) or 'K M inference'."""
+    x = tf.random.stateless_normal([1024, 512], [1, 2])
+    measured = {}
+    for k, m, recompute in TRAIN_CASES:
+        layer = _Dense(num_cells=k, m=m, recompute=recompute).Instantiate()
+        measured[f'{k} {m} {recompute}'] = test_utils.StepBytes(layer, x)
+    for k, m in INFERENCE_CASES:
+        layer = _Dense(num_cells=k, m=m).Instantiate()
+        step = tf.function(lambda x, layer=layer: layer(x))
+        with fprop_context.Scope(training=False):
+            step(x).numpy()
+            measured[f'{k} {m} inference'] = test_utils.PeakBytesOf(lambda: step(x))
+    return measured
+
+
+class MeasuredTest(tf.test.TestCase, parameterized.TestCase):
+    """What a step allocates at its peak, measured, against the plan (within 20%).
+
+    Measured in a process of its own: the allocator hands a request a whole free chunk unless
+    the chunk is at least twice as large, so after a worker's earlier tests a step's peak
+    included up to 1.5 MiB of such slack (5.5 MiB read for a step that takes 4.0 alone).
+    """
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true', TF_CPP_MIN_LOG_LEVEL='2',
+                   PYTHONPATH=os.pathsep.join(sys.path))
+        run = subprocess.run([sys.executable, __file__, '--measure_steps'], env=env,
+                             capture_output=True, text=True, timeout=600, check=False)
+        if run.returncode:
+            raise RuntimeError(f'Measuring the steps failed (exit {run.returncode}):\n'
+                               f'{run.stderr[-3000:]}')
+        cls.measured = json.loads(run.stdout.strip().splitlines()[-1])
+
+    def _Check(self, planned, key):
+        measured = self.measured[key]
+        print(f'{key}: planned {planned / MIB:.1f} MiB, measured {measured / MIB:.1f} MiB: '
+              f'{planned / measured:.3f}')
         self.assertBetween(planned / measured, 0.8, 1.2,
                            f'planned {planned / MIB:.1f} MiB, measured {measured / MIB:.1f} MiB')
+
+    @parameterized.parameters(*TRAIN_CASES)
+    def testPlannedStepMemoryIsWithin20PercentOfMeasured(self, k, m, recompute):
+        p = _Dense(num_cells=k, m=m, recompute=recompute)
+        self._Check(memory.PlanMemory(p, slots_per_param=0).step_bytes, f'{k} {m} {recompute}')
+
+    @parameterized.parameters(*INFERENCE_CASES)
+    def testPlannedInferenceMemoryIsWithin20PercentOfMeasured(self, k, m):
+        p = _Dense(num_cells=k, m=m)
+        self._Check(memory.PlanMemory(p, training=False).step_bytes, f'{k} {m} inference')
 
     def testAReadingWhileSomethingElseAllocatesIsRefused(self):
         kept = []  # Stands for another thread's allocation that outlives the step.
         with self.assertRaisesRegex(RuntimeError, 'free of other allocations'):
             test_utils.PeakBytesOf(lambda: kept.append(tf.fill([1024, 256], 1.0)))
         x = tf.fill([1024, 256], 1.0)
-        self.assertBetween(test_utils.PeakBytesOf(lambda: x + 1.0), 2**20, 2**20 + 4096)
-
-    # On one device: with several, how many micro-batches wait between two cells depends on
-    # how fast each runs (a forward-only pipeline has no backward to hold the first cells
-    # back): measured 4.1 to 5.9 MiB at K=2, M=4 against the plan's 4.0 (balanced cells).
-    @parameterized.parameters((1, 1), (1, 4))
-    def testPlannedInferenceMemoryIsWithin20PercentOfMeasured(self, k, m):
-        p = _Dense(num_cells=k, m=m)
-        layer = p.Instantiate()
-        x = tf.random.stateless_normal([1024, 512], [1, 2])
-        step = tf.function(lambda x: layer(x))
-        with fprop_context.Scope(training=False):
-            step(x).numpy()
-            measured = test_utils.PeakBytesOf(lambda: step(x))
-        planned = memory.PlanMemory(p, training=False).step_bytes
-        print(f'K={k} M={m} inference: planned {planned / MIB:.1f} MiB, measured '
-              f'{measured / MIB:.1f} MiB: {planned / measured:.3f}')
-        self.assertBetween(planned / measured, 0.8, 1.2,
-                           f'planned {planned / MIB:.1f} MiB, measured {measured / MIB:.1f} MiB')
+        # 1 MiB, or a free chunk of less than twice that (see the class).
+        self.assertBetween(test_utils.PeakBytesOf(lambda: x + 1.0), 2**20, 2**21)
 
 
 if __name__ == '__main__':
-    tf.test.main()
+    if sys.argv[1:] == ['--measure_steps']:  # MeasuredTest's process.
+        print(json.dumps(_MeasureSteps()))
+    else:
+        tf.test.main()
