@@ -299,9 +299,11 @@ class Params:
             line = raw.strip()
             if not line or line.startswith('#'):
                 continue
-            if ' : ' not in line and not line.endswith(' :'):
+            # `name : value` as ToText writes it; `name: value` and `name:value` too (a name has
+            # no colon, so the first one separates).
+            key, colon, value_text = line.partition(':')
+            if not colon or (not _KEY_RE.match(key.strip()) and ' : ' not in line):
                 raise ValueError(f'Line {lineno}: expected "name : value", got {raw!r}.')
-            key, _, value_text = line.partition(' :')
             entries.append((lineno, line, key.strip(), value_text.strip()))
         # `x.cls` lines go first, shallowest first: they create Params missing from lists or
         # None-valued fields, so text from a fuller config can fill a fresh one.
@@ -591,7 +593,9 @@ def _Eval(node, text: str) -> Any:
         try:
             return tf.as_dtype(node.id)
         except TypeError:
-            pass
+            # A bare word is most often a string without its quotes (`recompute : never`).
+            raise ValueError(f'cannot parse value {text!r}: a string is quoted, as in '
+                             f'"{node.id}".') from None
     # `type/pkg.module/Name` parses as ((type / pkg.module) / Name).
     if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and
             isinstance(node.left, ast.BinOp) and isinstance(node.left.op, ast.Div)):

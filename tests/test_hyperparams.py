@@ -379,6 +379,10 @@ class TextRoundTripTest(tf.test.TestCase):
 @pytest.mark.unit
 class FromTextErrorTest(tf.test.TestCase):
 
+    def test_the_separator_may_go_without_spaces(self):
+        p = _Params(x=0, y='', z=None).FromText('x:1\ny: "a : b"\nz :None')
+        self.assertEqual((p.x, p.y, p.z), (1, 'a : b', None))
+
     def test_line_without_separator_names_its_line(self):
         with self.assertRaisesRegex(ValueError, 'Line 2: expected "name : value"'):
             _Params(x=0, y=0).FromText('x : 1\ny = 2\n')
@@ -403,6 +407,11 @@ class FromTextErrorTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, 'Line 1 .*gpipe_tf.layers.basic has no '
                                     'NoSuchLayer'):
             _Params(cls=None).FromText('cls : type/gpipe_tf.layers.basic/NoSuchLayer')
+
+    def test_an_unquoted_string_is_named(self):
+        with self.assertRaisesRegex(ValueError, "Line 1 .*cannot parse value 'never': a string "
+                                                'is quoted, as in "never"'):
+            _Params(mode='always').FromText('mode : never')
 
     def test_arbitrary_expressions_are_not_evaluated(self):
         for text in ("__import__('os')", '1 + 2', 'x.y', 'print'):
