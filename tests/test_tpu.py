@@ -157,6 +157,33 @@ def _VariableOfRead(op, handles):
     return handles.get(op.inputs[0].ref())
 
 
+@contextlib.contextmanager
+def _LogicalDevicesOfNewVariables():
+    """A TPUStrategy creates variables on the logical device whose
+    `extended.experimental_logical_device` scope is open. Under a stand-in strategy, yields a
+    dict that records, per variable created meanwhile, that logical device (None: none open)."""
+    open_scopes, created = [], {}
+
+    @contextlib.contextmanager
+    def LogicalDevice(k):
+        open_scopes.append(k)
+        try:
+            yield
+        finally:
+            open_scopes.pop()
+
+    def Creator(next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        created[variable.name] = open_scopes[-1] if open_scopes else None
+        return variable
+
+    strategy = types.SimpleNamespace(
+        extended=types.SimpleNamespace(experimental_logical_device=LogicalDevice))
+    with mock.patch.object(tf.distribute, 'get_strategy', return_value=strategy), \
+            tf.variable_creator_scope(Creator):
+        yield created
+
+
 class LogicalDeviceTest(tf.test.TestCase, parameterized.TestCase):
     """The TF2 TPU path: cells on the logical devices of a TPUStrategy replica, annotated with
     XLA sharding ops (which run as identities on a CPU)."""
@@ -214,27 +241,7 @@ class LogicalDeviceTest(tf.test.TestCase, parameterized.TestCase):
         self.assertLess(test_utils.MaxRelativeError(grads, ref_grads), 1e-5)
 
     def testUnderATpuStrategyCellKsVariablesAreCreatedOnLogicalDeviceK(self):
-        # A TPUStrategy creates variables on the logical device whose
-        # `extended.experimental_logical_device` scope is open; a stand-in records which one.
-        open_scopes, created = [], {}
-
-        @contextlib.contextmanager
-        def LogicalDevice(k):
-            open_scopes.append(k)
-            try:
-                yield
-            finally:
-                open_scopes.pop()
-
-        def Creator(next_creator, **kwargs):
-            variable = next_creator(**kwargs)
-            created[variable.name] = open_scopes[-1] if open_scopes else None
-            return variable
-
-        strategy = types.SimpleNamespace(
-            extended=types.SimpleNamespace(experimental_logical_device=LogicalDevice))
-        with mock.patch.object(tf.distribute, 'get_strategy', return_value=strategy), \
-                tf.variable_creator_scope(Creator):
+        with _LogicalDevicesOfNewVariables() as created:
             layer = _LogicalPipeline('always')
         for k, cell in enumerate(layer.cells):
             self.assertNotEmpty(cell.variables)
@@ -268,21 +275,15 @@ class LogicalDeviceTest(tf.test.TestCase, parameterized.TestCase):
         # places them (zero_bubble_v in a V), not cell k on logical device k.
         layers = [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM,
                                                 activation='tanh') for _ in range(2 * K)]
-        opened = []
-
-        @contextlib.contextmanager
-        def LogicalDevice(k):
-            opened.append(k)
-            yield
-
-        strategy = types.SimpleNamespace(
-            extended=types.SimpleNamespace(experimental_logical_device=LogicalDevice))
-        with mock.patch.object(tf.distribute, 'get_strategy', return_value=strategy):
+        with _LogicalDevicesOfNewVariables() as created:
             layer = pipelining_layer.PipeliningLayer.Params().Set(
                 name='pipe', layer_tpl=layers, num_cells=K, virtual_stages=2,
                 schedule=kind, num_micro_batches=K, recompute='always',
                 input_shapes=[2 * K, DIM], logical_device_fn=tpu.ShardingAssign).Instantiate()
-        self.assertEqual(opened, device_of_cell)
+        for k, cell in enumerate(layer.cells):
+            self.assertNotEmpty(cell.variables)
+            for variable in cell.variables:
+                self.assertEqual(created[variable.name], device_of_cell[k], variable.name)
         self.assertEqual([layer.plan.DeviceOf(k) for k in range(2 * K)], device_of_cell)
         x = tf.random.stateless_normal([2 * K, DIM], seed=[5, 6])
 
