@@ -127,7 +127,7 @@ def PeakBytesOf(run, repeats: int = 3, attempts: int = 8) -> int:
             if len(readings) == repeats:
                 return sorted(readings)[repeats // 2]
     raise RuntimeError(f'Only {len(readings)} of {attempts} memory readings were free of other '
-                       'allocations in the process; expected ' + str(repeats) + '.')
+                       f'allocations in the process; expected {repeats}.')
 
 
 def _OnePeak(run) -> tuple:

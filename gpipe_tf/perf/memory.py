@@ -136,7 +136,8 @@ class MemoryPlan:
 
     @property
     def num_devices(self) -> int:
-        """K: the schedule's devices, each running cells k, k + K, ... (`DeviceOf`)."""
+        """K: the schedule's devices, each running the cells its placement gives it
+        (`DeviceOf`: k, k + K, ..., or in a V under zero_bubble_v)."""
         return self.schedule.num_devices if self.schedule else self.num_cells
 
     @property

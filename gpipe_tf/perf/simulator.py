@@ -17,9 +17,9 @@ runs on device s % K (in a V under zero_bubble_v). The model follows the executo
 
 A boundary between consecutive stages on two devices costs one hop; between two stages of one
 device (the turn of zero_bubble_v's V, or K = 1) it costs nothing: the executor passes the
-tensor on without a copy. Each device runs one action at a time, in its list's order; an action starts when its device is free and its inputs have arrived. Transfers
-occupy the link, not a device.
-The loss itself is free.
+tensor on without a copy. Each device runs one action at a time, in its list's order; an action
+starts when its device is free and its inputs have arrived. Transfers occupy the link, not a
+device. The loss itself is free.
 
 Because `Schedule.order` lists every action after its dependencies and keeps each device's
 order, one walk of it settles every start time exactly; no event queue is needed.

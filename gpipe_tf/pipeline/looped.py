@@ -489,9 +489,9 @@ def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool,
     for m in range(m_count):  # The inputs' gradients, joined at the end.
         Read(('d_act', 0), m, tick)
     sizes = {}
+    after = 0 if reuse_in_tick else 1
     for key in set(writes) | set(reads):
         written, read = writes.get(key, {}), reads.get(key, {})
-        after = 0 if reuse_in_tick else 1
         sizes[key] = next(r for r in range(1, m_count + 1) if all(
             written.get(m + r, float('inf')) >= read.get(m, float('-inf')) + after
             for m in range(m_count - r)))
