@@ -58,9 +58,10 @@ def _Replay(sched, phases, loss_in_loop, sizes, eager=False):
                 if eager:
                     for key, m in writes:
                         Put(key, m)
-            for _, writes in events if not eager else ():  # After every read of the tick.
-                for key, m in writes:
-                    Put(key, m)
+            if not eager:  # In a graph, after every read of the tick.
+                for _, writes in events:
+                    for key, m in writes:
+                        Put(key, m)
         if p == 0:  # The outputs, joined after the first loop.
             wrong += [(('act', last), m, Get(('act', last), m)) for m in range(m_count)
                       if Get(('act', last), m) != m]
