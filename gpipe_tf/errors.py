@@ -14,3 +14,8 @@ class UserError(Exception):
 class ConfigError(UserError, ValueError):
     """Params, flags or devices that cannot run. A ValueError too, so library callers that
     catch ValueError for bad configuration keep working."""
+
+
+class InputError(UserError, ValueError):
+    """An input the user gave (a file to decode, a data file) is not what it must be: the message
+    names the file and what was expected. A ValueError too, as ConfigError."""

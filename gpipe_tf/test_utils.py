@@ -17,10 +17,13 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
+from gpipe_tf import hyperparams
+from gpipe_tf.input import image as image_input
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import normalization
+from gpipe_tf.params.image import amoebanet as amoebanet_params
 from gpipe_tf.pipeline import devices
 from gpipe_tf.pipeline import recompute
 
@@ -162,6 +165,41 @@ def BatchNormStack(num_blocks: int, dim: int) -> list:
                    normalization.BatchNormLayer.Params().Set(dim=dim, decay=0.9),
                    basic.ActivationLayer.Params().Set(activation='tanh')]
     return layers
+
+
+class SmallAmoebaNet(amoebanet_params.AmoebaNetD_Small):
+    """AmoebaNetD_Small's network with 8 filters, K = 2, M = 4, batch 16, on synthetic images."""
+    NUM_FILTERS = 8
+    BATCH_SIZE = 16
+    NUM_CELLS = 2
+    NUM_MICRO_BATCHES = 4
+
+    def _Input(self):
+        return image_input.SyntheticImageInput.Params().Set(
+            batch_size=self.BATCH_SIZE, image_size=self.IMAGE_SIZE,
+            num_channels=self.NUM_CHANNELS, num_classes=self.NUM_CLASSES,
+            num_examples_total=64, seed=2, shuffle=False)
+
+
+def SmallAmoebaNetParams() -> hyperparams.Params:
+    """Task Params of AmoebaNet-D (3, 8) over K = 2 cells and M = 4 micro-batches of 4, with
+    every layer whose inference differs from training: batch norm, drop-path and dropout (keep
+    0.9). Its input is 64 synthetic 28 x 28 x 1 images in batches of 16, not shuffled."""
+    small = SmallAmoebaNet()
+    p = small.Task()
+    p.input = small._Input()  # pylint: disable=protected-access
+    return p
+
+
+def ScrambleMovingStatistics(task, seed: int = 0) -> None:
+    """Assigns every batch norm moving mean N(0, 0.5) and moving variance U(0.5, 2) values, so
+    that normalising with them differs clearly from normalising with a batch's statistics."""
+    rng = np.random.RandomState(seed)
+    for v in task.variables:
+        if 'moving_mean' in v.name:
+            v.assign(rng.normal(0.0, 0.5, v.shape).astype(np.float32))
+        elif 'moving_variance' in v.name:
+            v.assign(rng.uniform(0.5, 2.0, v.shape).astype(np.float32))
 
 
 def Ancestors(op) -> set:

@@ -780,10 +780,12 @@ def RunExport(config: Config, p, plan, logdir) -> str:
     if config.export_on_one_device:
         p = p.Copy()
         p.model.devices = [plan.mesh[0][0]] * (plan.num_devices * p.model.num_replicas)
+    print(f'export: restoring the newest checkpoint of {logdir}', flush=True)
     prog, step = _RestoredProgram(config, p, plan, logdir)
     try:
         path = export.Export(prog.task, p,
-                             export.VersionDir(os.path.join(logdir, 'export'), step))
+                             export.VersionDir(os.path.join(logdir, 'export'), step),
+                             report=lambda line: print(line, flush=True))
     except FileExistsError as error:
         raise errors.UserError(str(error)) from None
     print(f'exported step {step} to {path}', flush=True)

@@ -546,6 +546,15 @@ class DecodeRequestTest(TrainerTestCase):
         self.AssertFails(r"^error: decode: no image file '/nonexistent\.png'\.$",
                          f'--model={MLP}', '--decode_input=/nonexistent.png')
 
+    def testAFileThatIsNotAnImage(self):
+        path = os.path.join(self.LogDir(), 'notes.png')
+        with open(path, 'w', encoding='utf-8') as f:
+            f.write('not a picture\n')
+        result = self.AssertFails(
+            rf"^error: decode: '{re.escape(path)}' is not a PNG, JPEG, GIF or BMP image "
+            r"\(it starts with b'not a pi'\)\.$", f'--model={MLP}', f'--decode_input={path}')
+        self.assertNotIn('Traceback', result.stderr)
+
     def testATaskThatCannotDecode(self):
         self.AssertFails(r'^error: decode: SequenceTask cannot decode',
                          '--model=lm.TransformerLTiny', '--decode_input=hello')

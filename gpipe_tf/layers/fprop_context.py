@@ -64,6 +64,15 @@ def Scope(**changes):
         stack.pop()
 
 
+def Inference():
+    """The scope of an inference pass (serving, decoding, predicting): training off, so batch
+    norm normalises with its moving statistics and dropout and drop-path are off, and a layer
+    that reports a training update anyway is an error (`NoUpdates`) instead of assigning its
+    state. Every inference entry point runs its forward in it: an example's answer then does
+    not depend on the other examples of its request, and serving changes no variable."""
+    return Scope(training=False, update_collector=NoUpdates())
+
+
 class UpdateCollector:
     """Gathers the statistics layers report through `BaseLayer.AddUpdate`, keyed by layer."""
 
@@ -83,3 +92,18 @@ class UpdateCollector:
 
     def __len__(self) -> int:
         return len(self._stats)
+
+
+class NoUpdates:
+    """The collector of an inference pass: reporting a training update there is a bug."""
+
+    def Add(self, layer, stats) -> None:
+        del stats
+        raise ValueError(f'Layer {layer.path} reported a training update in an inference pass; '
+                         'inference changes no variable.')
+
+    def Items(self) -> list:
+        return []
+
+    def __len__(self) -> int:
+        return 0

@@ -84,7 +84,14 @@ class _Traced:
         for training in (True, False):
             forward = self._MakeForward(training)
             forward.__name__ = f'{name}_fwd'
-            self.forward[training] = tf.function(forward, autograph=False)
+            # The inference forward stays a call (not inlined into the caller): inside a while
+            # loop (a served model's loop over a request's batches), grappler's arithmetic
+            # optimizer made the inlined calls, ordered by `executor._Done`'s control
+            # dependencies, a graph it could not sort ("topological sort failed" error lines,
+            # and the step left unoptimised). Nothing is recorded for a backward there.
+            attributes = None if training else {'_noinline': True}
+            self.forward[training] = tf.function(forward, autograph=False,
+                                                 experimental_attributes=attributes)
         self.backward = tf.function(self._Backward, autograph=False)
         self.backward_input = tf.function(self._BackwardInput, autograph=False)
         self.backward_weight = tf.function(self._BackwardWeight, autograph=False)

@@ -14,6 +14,8 @@ evaluation combines batches, including the padding batch at the end, by weighted
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
 from gpipe_tf import hyperparams
@@ -21,6 +23,7 @@ from gpipe_tf import learning_rate
 from gpipe_tf import loss_scale
 from gpipe_tf import optimizer
 from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
 
 
@@ -61,9 +64,25 @@ def TrainParams() -> hyperparams.Params:
     return p
 
 
+def Inference(method):
+    """Marks a task method as an inference entry point (`Predict`, `Decode`, ...): its body, and
+    so every forward it traces or runs, is in `fprop_context.Inference()` whatever context the
+    caller is in (the default context is training's). Serving and decoding set the mode too
+    (`train/export.py`, `train/decode.py`); a task's own entry points set it so that a caller
+    of the library cannot forget it."""
+
+    @functools.wraps(method)
+    def InInferenceMode(*args, **kwargs):
+        with fprop_context.Inference():
+            return method(*args, **kwargs)
+
+    return InInferenceMode
+
+
 class BaseTask(base_layer.BaseLayer):
     """A model with its input, metrics and training recipe. Subclasses define `ModelInputs`
-    and `ComputeMetrics` (and `Decode` where the task can decode)."""
+    and `ComputeMetrics` (and inference entry points, decorated with `Inference`, where the
+    task serves: a classifier's `Predict`, a translation task's `Decode`)."""
 
     @classmethod
     def Params(cls):

@@ -48,8 +48,11 @@ class ClassifierTask(base_task.BaseTask):
                          accuracy=base_task.WeightedMean(out.correct, weights),
                          log_loss=base_task.WeightedMean(log_loss, weights))
 
+    @base_task.Inference
     def Predict(self, images: tf.Tensor) -> tf.Tensor:
-        """Class probabilities [B, classes] of `images` (inference; labels are not needed)."""
+        """Class probabilities [B, classes] of `images` in inference mode (batch norm with its
+        moving statistics, no dropout or drop-path, no variable changed): each image's answer is
+        the same whatever other images come with it. Labels are not needed."""
         labels = tf.zeros([tf.shape(images)[0]], tf.int32)
         batch = NestedMap(images=images, labels=labels, weights=tf.ones([tf.shape(images)[0]]))
         out = self._Outputs(batch, self.model(self.ModelInputs(batch)))

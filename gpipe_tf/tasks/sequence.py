@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import precision
 from gpipe_tf.models.transformer import decoding
 from gpipe_tf.models.transformer import network as transformer_model
@@ -67,16 +66,17 @@ class SequenceTask(base_task.BaseTask):
         return NestedMap(loss=(loss, num_tokens), accuracy=(accuracy, num_tokens),
                          num_tokens=(num_tokens, tf.constant(1.0)))
 
+    @base_task.Inference
     def Predictions(self, src_ids, src_paddings, tgt_ids):
         """Arg-max target tokens [B, T] int32 for every target position in inference mode (the
         decoder is causal: position t sees tgt_ids up to t)."""
         zeros = tf.zeros(tf.shape(tgt_ids), tf.float32)
-        with fprop_context.Scope(training=False):
-            outputs = self.model(NestedMap(
-                src_ids=src_ids, src_paddings=src_paddings, tgt_ids=tgt_ids,
-                tgt_paddings=zeros, tgt_labels=tf.zeros_like(tgt_ids), tgt_weights=zeros))
+        outputs = self.model(NestedMap(
+            src_ids=src_ids, src_paddings=src_paddings, tgt_ids=tgt_ids,
+            tgt_paddings=zeros, tgt_labels=tf.zeros_like(tgt_ids), tgt_weights=zeros))
         return tf.cast(outputs.predictions, tf.int32)
 
+    @base_task.Inference
     def GreedyIds(self, src_ids, src_paddings, max_steps: int | None = None) -> tf.Tensor:
         """Greedy target ids [B, T] int32 by incremental decoding (graph code: for a
         tf.function or an exported model); see `Decode`."""
@@ -85,6 +85,7 @@ class SequenceTask(base_task.BaseTask):
         return self._decoder.Greedy(self.model.theta, src_ids, src_paddings, self.p.bos_id,
                                     self.p.eos_id, max_steps)
 
+    @base_task.Inference
     def BeamIds(self, src_ids, src_paddings, beam_size: int, max_steps: int | None = None):
         """(ids [B, T] int32, log-probabilities [B]) of the best of `beam_size` hypotheses
         (`IncrementalDecoder.Beam`, with the Params' length_alpha); graph code."""
@@ -93,6 +94,7 @@ class SequenceTask(base_task.BaseTask):
         return self._decoder.Beam(self.model.theta, src_ids, src_paddings, self.p.bos_id,
                                   self.p.eos_id, beam_size, self.p.length_alpha, max_steps)
 
+    @base_task.Inference
     def Decode(self, src_ids, src_paddings, max_steps: int | None = None,
                beam_size: int | None = None) -> np.ndarray:
         """Translations [B, T] (numpy int32) of source batches `src_ids`/`src_paddings` ([B, T],
@@ -115,6 +117,7 @@ class SequenceTask(base_task.BaseTask):
         return self._greedy[key](tf.convert_to_tensor(src_ids, tf.int32),
                                  tf.convert_to_tensor(src_paddings, tf.float32)).numpy()
 
+    @base_task.Inference
     def DecodeByFullForward(self, src_ids, src_paddings,
                             max_steps: int | None = None) -> np.ndarray:
         """`Decode`'s result the slow way, the reference it is tested against: the whole model

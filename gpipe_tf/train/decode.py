@@ -1,7 +1,8 @@
 """Decoding with a trained task: classify image files, or translate sentences.
 
 Inputs are padded to the model's batch size (the pipeline splits a fixed batch into M
-micro-batches) and run in inference mode.
+micro-batches) and run in inference mode (`fprop_context.Inference()`), so that the padding and
+the other inputs of a request change no input's answer.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from gpipe_tf import errors
 from gpipe_tf.input import image as image_input
 from gpipe_tf.input import vocabulary
+from gpipe_tf.layers import fprop_context
 from gpipe_tf.tasks import classifier
 from gpipe_tf.tasks import sequence
 
@@ -32,9 +35,22 @@ def _Text(vocab, ids) -> str:
     return vocab.Decode(ids)
 
 
+# The first bytes of the formats `tf.io.decode_image` reads.
+_IMAGE_SIGNATURES = ((b'\x89PNG\r\n\x1a\n', 'PNG'), (b'\xff\xd8\xff', 'JPEG'),
+                     (b'GIF87a', 'GIF'), (b'GIF89a', 'GIF'), (b'BM', 'BMP'))
+
+
 def _RequireImageFile(path: str) -> None:
-    if not tf.io.gfile.exists(path):
+    """Raises FileNotFoundError for a missing file, errors.InputError for one that does not start as
+    a PNG, JPEG, GIF or BMP image does: read without TensorFlow's runtime, which a request is
+    checked before (the devices are not set up yet)."""
+    if not tf.io.gfile.exists(path) or tf.io.gfile.isdir(path):
         raise FileNotFoundError(f'decode: no image file {path!r}.')
+    with tf.io.gfile.GFile(path, 'rb') as f:
+        head = f.read(8)
+    if not any(head.startswith(signature) for signature, _ in _IMAGE_SIGNATURES):
+        raise errors.InputError(f'decode: {path!r} is not a PNG, JPEG, GIF or BMP image (it starts '
+                         f'with {head!r}).')
 
 
 def _RequireTargetLanguage(target_language: str | None) -> None:
@@ -77,14 +93,14 @@ def LoadImage(path: str, spec: ImageSpec):
     (`ImageSpec.Normalize`).
 
     Raises:
-      FileNotFoundError: for a missing file; ValueError: for a file that is not an image.
+      FileNotFoundError: for a missing file; errors.InputError: for a file that is not an image.
     """
     _RequireImageFile(path)
     try:
         pixels = tf.io.decode_image(tf.io.read_file(path), channels=spec.channels,
                                     expand_animations=False)
     except tf.errors.InvalidArgumentError as e:
-        raise ValueError(f'decode: {path!r} is not a PNG, JPEG, GIF or BMP image '
+        raise errors.InputError(f'decode: {path!r} is not a PNG, JPEG, GIF or BMP image '
                          f'({e.message}).') from None
     return spec.Normalize(pixels).numpy()
 
@@ -150,11 +166,14 @@ def CheckRequest(task_params, lines: list[str], target_language: str | None) -> 
 
 
 def Decode(task, task_params, lines: list[str], target_language: str | None):
-    """Classifies (image tasks) or translates (translation tasks) `lines`."""
-    if isinstance(task, classifier.ClassifierTask):
-        return ClassifyImages(task, task_params, lines)
-    if isinstance(task, sequence.SequenceTask) and task.p.translation:
-        return Translate(task, task_params, lines, target_language)
+    """Classifies (image tasks) or translates (translation tasks) `lines`, in inference mode
+    (`fprop_context.Inference()`): each line's answer is the same whatever other lines come with
+    it, and no variable changes."""
+    with fprop_context.Inference():
+        if isinstance(task, classifier.ClassifierTask):
+            return ClassifyImages(task, task_params, lines)
+        if isinstance(task, sequence.SequenceTask) and task.p.translation:
+            return Translate(task, task_params, lines, target_language)
     raise _CannotDecode(type(task).__name__)
 
 

@@ -15,6 +15,11 @@ raw input to readable output, so that loading needs TensorFlow alone (not gpipe_
         log-probability): beam search of the task's beam_size (1: greedy), incremental, as
         `--mode=decode`.
 
+Every function computes in inference mode (`fprop_context.Inference()`, set where each
+function's work starts): batch norm normalises with its moving statistics, dropout and drop-path
+are off, and no variable is assigned, so an input's answer is the same whatever else is in the
+request, and serving changes nothing.
+
 N is any number: the functions run the model on batches of its training batch size (the
 pipeline splits each into M micro-batches), the last one padded. The pipeline stays pipelined:
 each cell's ops keep the device they have in the exporting process, which a loading process
@@ -30,11 +35,13 @@ versions, TensorFlow Serving's model layout.
 from __future__ import annotations
 
 import os
+import time
 
 import tensorflow as tf
 
 from gpipe_tf.input import image as image_input
 from gpipe_tf.input import vocabulary
+from gpipe_tf.layers import fprop_context
 from gpipe_tf.tasks import classifier
 from gpipe_tf.tasks import sequence
 from gpipe_tf.train import decode
@@ -44,13 +51,15 @@ class ExportError(ValueError):
     """The task cannot be exported (a language model, a task of another kind)."""
 
 
-def Export(task, task_params, export_dir: str) -> str:
+def Export(task, task_params, export_dir: str, report=None) -> str:
     """Writes `task` (its variables as they are now) as a SavedModel in `export_dir`.
 
     Args:
       task: the built task, restored from a checkpoint.
       task_params: its Params (the input Params give image sizes and the vocabulary).
       export_dir: where to write; must not exist yet (a version is never overwritten).
+      report: None, or a function called with a line of progress at each phase (tracing the
+        functions, writing; each takes seconds to a minute for a pipelined model).
 
     Returns:
       export_dir.
@@ -62,14 +71,20 @@ def Export(task, task_params, export_dir: str) -> str:
     if tf.io.gfile.exists(export_dir):
         raise FileExistsError(f'export: {export_dir} exists; a version is never overwritten '
                               '(remove it, or train on and export the newer step).')
+    report = report or (lambda line: None)
+    start = time.time()
     servable = MakeServable(task, task_params)
+    report('export: tracing the serving functions')
     signatures = servable.Signatures()
+    report(f'export: traced {", ".join(signatures)} in {time.time() - start:.0f} s; writing the '
+           'SavedModel')
     # Written beside, then renamed: a server watching the base path never sees half a version.
     partial = export_dir.rstrip('/') + '.partial'
     if tf.io.gfile.exists(partial):
         tf.io.gfile.rmtree(partial)
     tf.saved_model.save(servable, partial, signatures=signatures)
     tf.io.gfile.rename(partial, export_dir)
+    report(f'export: done in {time.time() - start:.0f} s')
     return export_dir
 
 
@@ -147,12 +162,17 @@ class ClassifierServable(tf.Module):
         return {'probabilities': probabilities, 'classes': classes, 'labels': labels}
 
     def _Predict(self, images):
+        with fprop_context.Inference():
+            return self._Probabilities(images)
+
+    def _Probabilities(self, images):
         probabilities = Batched(self._predict, images, self._batch_size,
                                 tf.TensorSpec([self._batch_size, None], tf.float32))
         return self._Outputs(probabilities)
 
     def _Classify(self, images):
-        return self._Predict(self._spec.Normalize(images))
+        with fprop_context.Inference():
+            return self._Probabilities(self._spec.Normalize(images))
 
 
 class TranslationServable(tf.Module):
@@ -223,6 +243,10 @@ class TranslationServable(tf.Module):
         return tf.strings.reduce_join(tokens, axis=1)
 
     def _Translate(self, sentences, target_language):
+        with fprop_context.Inference():
+            return self._Translations(sentences, target_language)
+
+    def _Translations(self, sentences, target_language):
         src_ids, src_paddings = self._Encode(sentences, target_language)
         ids, scores = Batched(
             lambda ids, paddings: self._beam_ids(ids, paddings, self._beam_size),

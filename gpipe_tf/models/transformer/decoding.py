@@ -80,7 +80,7 @@ class IncrementalDecoder:
         inputs = NestedMap(src_ids=src_ids, src_paddings=src_paddings, tgt_ids=zeros,
                            tgt_paddings=tf.zeros_like(src_paddings), tgt_labels=zeros,
                            tgt_weights=tf.zeros_like(src_paddings))
-        with fprop_context.Scope(training=False):
+        with fprop_context.Inference():
             with self._On(self._embedding):
                 x = self._embedding.FProp(theta[self._embedding.p.name], inputs)
             for layer in self._encoder:
@@ -116,7 +116,7 @@ class IncrementalDecoder:
     def Step(self, theta, ids, t, caches: list, encoded: NestedMap, length: int):
         """Logits [B, V] of position t from its input tokens `ids` [B] (the previous position's
         output, or <s>), and the caches with position t."""
-        with fprop_context.Scope(training=False):
+        with fprop_context.Inference():
             with self._On(self._embedding):
                 x = self._EmbedTarget(theta, ids, t, length)
             new_caches = []
