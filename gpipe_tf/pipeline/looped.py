@@ -30,6 +30,7 @@ from gpipe_tf.pipeline import executor
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule as schedule_lib
+from gpipe_tf.pipeline import unfolded
 
 F, B = schedule_lib.FORWARD, schedule_lib.BACKWARD
 I, W = schedule_lib.INPUT_GRAD, schedule_lib.WEIGHT_GRAD
@@ -244,11 +245,11 @@ class LoopedSchedule:
                     # cast their weights inside, so each micro-batch's gradient comes back in
                     # the dtype of theta). Each backward adds its gradients to them one by one:
                     # packing them into one vector cost a copy of the stage's gradients per
-                    # backward.
-                    self._grads[s] = [tf.zeros_like(t) for t in self._Trainable(s)]
+                    # backward. Zeros filled each step: folded, they were held (`unfolded`).
+                    self._grads[s] = [unfolded.ZerosLike(t) for t in self._Trainable(s)]
                 if F in kinds and self._training:
                     self._stats[s] = tf.nest.map_structure(
-                        lambda spec: tf.zeros(spec.shape, spec.dtype), self._stat_specs[s])
+                        lambda spec: unfolded.Zeros(spec.shape, spec.dtype), self._stat_specs[s])
 
     def _Trainable(self, s) -> list:
         return [t for t, keep in zip(tf.nest.flatten(self._thetas[s]),

@@ -36,6 +36,7 @@ from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule as schedule_lib
+from gpipe_tf.pipeline import unfolded
 
 RECOMPUTE_MODES = plan_lib.RECOMPUTE_MODES
 PARTITION_METHODS = plan_lib.PARTITION_METHODS
@@ -522,7 +523,7 @@ def _Unflatten(thetas: list, flat) -> tuple[list, int]:
 
 
 def _FloatGrads(outputs, d_flat) -> list:
-    """Incoming gradients with zeros where none arrived (unused outputs)."""
-    return [d if d is not None or not recompute.IsFloat(y) else tf.zeros_like(y)
+    """Incoming gradients with zeros where none arrived (unused outputs), filled each step."""
+    return [d if d is not None or not recompute.IsFloat(y) else unfolded.ZerosLike(y)
             for y, d in zip(tf.nest.flatten(outputs), d_flat)]
 
