@@ -215,10 +215,10 @@ class DtypesTest(tf.test.TestCase):
         loops = [op for op in graph.get_operations() if op.type in ('While', 'StatelessWhile')]
         self.assertLen(loops, 2)  # The forwards, then the backwards.
         # The backward loop's variables include per cell a sum per weight (the dense layer's
-        # weight and bias, the layer norm's scale and bias), started from zeros of its dtype:
-        # a loop variable keeps its dtype.
+        # weight and bias, the layer norm's scale and bias), started from zeros of its dtype
+        # (filled at run time: `unfolded`): a loop variable keeps its dtype.
         starts = [op for op in graph.get_operations()
-                  if re.match(r'cell_\d+_sums(_\d+)?/zeros_like', op.name)]
+                  if re.match(r'cell_\d+_sums(_\d+)?/', op.name) and op.type == 'Fill']
         self.assertLen(starts, 3 * 4)
         for op in starts:
             self.assertEqual(op.outputs[0].dtype, tf.float32, op.name)

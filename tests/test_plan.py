@@ -133,10 +133,14 @@ class MakePlanTest(parameterized.TestCase):
                                 ('never', dict(recompute='never')),
                                 ('logical_device_fn', dict(logical_device_fn=lambda x, k: x))):
             with self.subTest(name):
-                for unroll in (False, 'auto'):
-                    p = _Params(num_layers=8, num_cells=8, num_micro_batches=16, unroll=unroll,
-                                **overrides)
-                    self.assertFalse(plan_lib.MakePlan(p, place=False).Loops(16))
+                p = _Params(num_layers=8, num_cells=8, num_micro_batches=16, unroll='auto',
+                            **overrides)
+                self.assertFalse(plan_lib.MakePlan(p, place=False).Loops(16))
+                # An explicit unroll=False the loop cannot honour is refused, naming why.
+                with self.assertRaisesRegex(errors.ConfigError,
+                                            f'unroll=False runs the schedule as a loop.*{name}'):
+                    plan_lib.MakePlan(_Params(num_layers=8, num_cells=8, num_micro_batches=16,
+                                              unroll=False, **overrides), place=False)
 
     def testZeroBubbleVPlacesItsCellsInAV(self):
         p = _Params(num_layers=8, num_cells=2, virtual_stages=2, schedule='zero_bubble_v',

@@ -102,8 +102,9 @@ class Plan:
     def Loops(self, num_micro_batches: int) -> bool:
         """Whether a step over M = `num_micro_batches` runs the schedule as a loop
         (`looped.LoopedSchedule`) rather than unrolled into the graph: the Params' `unroll`
-        (False: loop; 'auto': loop from LOOP_FROM_CELL_CALLS cell calls, v K M), where the loop
-        can run it (every cell re-materializes, no logical_device_fn)."""
+        (False: loop, which `MakePlan` refused where the loop cannot run it; 'auto': loop from
+        LOOP_FROM_CELL_CALLS cell calls, v K M, where the loop can run it: every cell
+        re-materializes, no logical_device_fn)."""
         p = self.params
         if p.unroll is True or not looped.Supports(self.recompute, p.logical_device_fn):
             return False
@@ -162,7 +163,8 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
 
     Raises:
       errors.ConfigError: for inconsistent cells, partitions or shapes, a batch that R or M do
-        not divide, or (check_devices) a device that does not exist.
+        not divide, unroll=False where the loop cannot run the pipeline, or (check_devices) a
+        device that does not exist.
     """
     if p.recompute not in RECOMPUTE_MODES:
         raise errors.ConfigError(f'recompute must be one of {RECOMPUTE_MODES}, got '
@@ -175,12 +177,20 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
         raise errors.ConfigError(f'With logical_device_fn the replicas are the strategy\'s: '
                                  f'num_replicas must be 1, got {p.num_replicas}.')
     cells, metas = Cells(p)
+    recompute = RecomputeFlags(p.recompute, len(cells))
+    if p.unroll is False and not looped.Supports(recompute, p.logical_device_fn):
+        why = ('a logical_device_fn (its XLA sharding annotations are not tried inside a loop)'
+               if p.logical_device_fn is not None else f'recompute={p.recompute!r}')
+        raise errors.ConfigError(f'{p.name}: unroll=False runs the schedule as a loop, which '
+                                 f'needs recompute="always" and no logical_device_fn; got {why}. '
+                                 'Set unroll=True (or "auto", which unrolls what the loop '
+                                 'cannot run), or recompute="always".')
     before = BeforeLayers(p)
     _CheckUniqueNames(p, before + [lp for layers in cells for lp in layers])
     batch_size = BatchSize(p)
     num_micro_batches = None if batch_size is None else NumMicroBatches(p, batch_size)
     plan = Plan(params=p, cells=cells, metas=metas, before=before,
-                recompute=RecomputeFlags(p.recompute, len(cells)), batch_size=batch_size,
+                recompute=recompute, batch_size=batch_size,
                 num_micro_batches=num_micro_batches,
                 schedule=(None if num_micro_batches is None else MakeSchedule(
                     p, len(cells) // p.virtual_stages, num_micro_batches)))
