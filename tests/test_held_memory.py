@@ -34,11 +34,13 @@ BATCH, WIDTH, LAYERS, K = 512, 256, 4, 2  # Weights 1 MiB, the step's outputs 0.
 CASES = [('gpipe', 'never', 1, True), ('gpipe', 'never', 8, True),
          ('gpipe_loss', 'never', 8, True), ('1f1b', 'never', 8, True),
          ('1f1b', 'except_last', 8, True), ('1f1b', 'always', 8, True),
-         ('interleaved_1f1b', 'never', 8, True), ('zero_bubble', 'always', 8, True),
+         ('interleaved_1f1b', 'never', 8, True), ('zero_bubble', 'never', 8, True),
+         ('zero_bubble', 'always', 8, True), ('zero_bubble_v', 'never', 8, True),
          ('zero_bubble_v', 'always', 8, True), ('gpipe', 'always', 8, False),
          ('1f1b', 'always', 8, False), ('zero_bubble', 'always', 8, False)]
 # (schedule, recompute) measured in a Session at M=2 and M=16.
-SESSION_CASES = [('gpipe', 'never'), ('gpipe_loss', 'never'), ('1f1b', 'never')]
+SESSION_CASES = [('gpipe', 'never'), ('gpipe_loss', 'never'), ('1f1b', 'never'),
+                 ('zero_bubble', 'never')]
 
 
 def _Params(kind: str, m: int, recompute: str, unroll: bool):

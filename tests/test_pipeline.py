@@ -187,8 +187,9 @@ class StructuredInputTest(tf.test.TestCase, parameterized.TestCase):
 
     # unroll=False: the loop reads micro-batches from views of the inputs and their gradients
     # (batch_dim 0) or from stacked copies (batch_dim 1); it runs where recompute is 'always'.
-    @parameterized.product(batch_dim=[0, 1], mode=pipelining_layer.RECOMPUTE_MODES,
-                           unroll=[True, False])
+    @parameterized.parameters(*[(batch_dim, mode, True) for batch_dim in (0, 1)
+                                for mode in pipelining_layer.RECOMPUTE_MODES],
+                              (0, 'always', False), (1, 'always', False))
     def testNestedMapInputsInTfFunction(self, batch_dim, mode, unroll):
         layer = self._Layer(batch_dim, mode, unroll)
         inputs = self._Inputs(batch_dim)

@@ -11,9 +11,8 @@ runs on device s % K (in a V under zero_bubble_v). The model follows the executo
 * B(s, m) or I(s, m) waits for F(s, m) and for the backward of (s+1, m) plus one transfer. A
   re-materializing stage first re-runs its forward (a 'recompute' interval) and then computes
   its gradients: B all of them, I those of its input (the backward less `weight_fraction`).
-* W(s, m) waits for I(s, m); it re-runs each layer's forward from the layer's input (kept
-  since I) when the stage re-materializes, then computes the weight gradients (the
-  backward's `weight_fraction`).
+* W(s, m) waits for I(s, m) and computes the weight gradients (the backward's
+  `weight_fraction`) from what I kept: it runs no forward (`pipeline/split_backward.py`).
 
 A boundary between consecutive stages on two devices costs one hop; between two stages of one
 device (the turn of zero_bubble_v's V, or K = 1) it costs nothing: the executor passes the
@@ -35,7 +34,7 @@ from gpipe_tf.pipeline import schedule as schedule_lib
 
 # The kinds of intervals of a fused backward (as the GPipe executor and measured traces have
 # them), and those of a split one. A split backward's I is preceded by a 'recompute' interval
-# too when its stage re-materializes; its W's own re-run is part of the 'weight_grad' interval.
+# too when its stage re-materializes; its W re-runs nothing.
 KINDS = ('forward', 'recompute', 'backward')
 SPLIT_KINDS = ('input_grad', 'weight_grad')
 # The interval kind of each action kind (a recompute before a B or I is an interval of its own).
@@ -183,8 +182,8 @@ def Simulate(costs: CellCosts, num_micro_batches: int, recompute: bool | Sequenc
       num_micro_batches: M.
       recompute: whether stages re-materialize their forward in the backward; a bool for all
         stages or one per stage (the pipeline's 'except_last' is [True] * (S - 1) + [False]).
-        The executor's split backward (zero_bubble) re-materializes every stage; False models
-        the ideal split, whose I and W re-run nothing.
+        A split backward (zero_bubble) re-materializing re-runs the forward once, before I;
+        its W never re-runs it.
       schedule: the schedule to walk, of S stages and M micro-batches; None: GPipe's
         (`schedule.Make('gpipe', S, M)`), one stage per device.
 
@@ -238,8 +237,7 @@ def Simulate(costs: CellCosts, num_micro_batches: int, recompute: bool | Sequenc
             end[action] = Run(s, m, 'forward', ready, costs.forward[s])
             continue
         if kind == schedule_lib.WEIGHT_GRAD:
-            seconds = (costs.forward[s] if recompute[s] else 0.0) + fraction * costs.backward[s]
-            end[action] = Run(s, m, 'weight_grad', ready, seconds)
+            end[action] = Run(s, m, 'weight_grad', ready, fraction * costs.backward[s])
             continue
         if s == last and schedule.forward_first:
             ready = max(end[f] for f in last_forwards)

@@ -27,6 +27,7 @@ import tensorflow as tf
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule as schedule_lib
+from gpipe_tf.pipeline import split_backward
 from gpipe_tf.pipeline import unfolded
 
 F, B, I, W = (schedule_lib.FORWARD, schedule_lib.BACKWARD, schedule_lib.INPUT_GRAD,
@@ -141,8 +142,7 @@ class UnrolledSchedule:
         at first_example + m n. The layers draw their randomness per example from it.
 
     Raises:
-      ValueError: for a schedule of another number of stages, or a split backward (I, W) on a
-        stage that does not re-materialize.
+      ValueError: for a schedule of another number of stages.
     """
 
     def __init__(self, functions, recomputes, sched, batch_dim, step, assign=None,
@@ -155,10 +155,9 @@ class UnrolledSchedule:
         self._functions = functions
         self._devices = [f.device for f in functions]
         self._recomputes = list(recomputes)
-        if sched.splits_backward and not all(self._recomputes):
-            raise ValueError(f'Schedule {sched.kind!r} splits the backward into I and W, which '
-                             're-run each layer\'s forward: every cell must re-materialize '
-                             '(recompute="always").')
+        # A split backward differentiates a per-layer forward (`split_backward`).
+        self._layered = [split_backward.LayeredCell(f) if sched.splits_backward else None
+                         for f in functions]
         self._schedule = sched
         self._num_cells = len(functions)
         self._num_micro_batches = sched.num_micro_batches
@@ -273,6 +272,7 @@ class UnrolledSchedule:
         self._d_inputs = [None] * m_count  # Gradient of the pipeline's input, per micro-batch.
         self._d_thetas = [None] * self._num_cells  # Per cell, the running gradient sum.
         self._saved = self._Grid()  # Per (cell, micro-batch), what I keeps for W.
+        self._records = self._Grid()  # Per (cell, micro-batch), a per-layer forward for I.
         self._last = [[] for _ in range(self._schedule.num_devices)]
         self._loss_fn = None  # Set by ForwardBackward: the loss per micro-batch.
         self._loss_scale = None  # Set by ForwardBackward.
@@ -321,11 +321,15 @@ class UnrolledSchedule:
                 if m == 0:
                     self._thetas[k] = recompute.Identity(self._thetas[k])
                 self._inputs[k][m] = recompute.Identity(self._Assign(k, self._acts[k][m]))
-                if self._tape:
-                    self._tape.watch(tf.nest.flatten(self._thetas[k]) +
-                                     recompute.FloatLeaves(self._inputs[k][m]))
-                outputs, self._stats[k][m] = fn.Forward(
-                    self._thetas[k], self._inputs[k][m], self._step, first)
+                if self._layered[k] is not None:  # Its I and W differentiate this forward.
+                    outputs, self._stats[k][m], self._records[k][m] = self._layered[k].Forward(
+                        self._thetas[k], self._inputs[k][m], self._step, first, self._tape)
+                else:
+                    if self._tape:
+                        self._tape.watch(tf.nest.flatten(self._thetas[k]) +
+                                         recompute.FloatLeaves(self._inputs[k][m]))
+                    outputs, self._stats[k][m] = fn.Forward(
+                        self._thetas[k], self._inputs[k][m], self._step, first)
         outputs = self._Assign(k, outputs)
         self._acts[k + 1][m] = self._outputs[k][m] = outputs
         if k == self._num_cells - 1 and self._loss_fn is not None:
@@ -383,15 +387,25 @@ class UnrolledSchedule:
 
     def _I(self, k, m):
         d_y = self._IncomingGradient(k, m)
-        d_x, self._saved[k][m] = self._functions[k].BackwardInput(
-            self._thetas[k], self._inputs[k][m], self._step, self._first_examples[m], d_y)
+        record = self._records[k][m]
+        if record is None:
+            # A re-materializing stage runs its per-layer forward once, here, when the
+            # incoming gradient exists; its statistics were the forward's.
+            with self._tape or contextlib.nullcontext(), tf.device(self._devices[k]):
+                with tf.name_scope(recompute.RECOMPUTE_SCOPE), tf.control_dependencies(d_y):
+                    theta = recompute.Identity(self._thetas[k])
+                    inputs = recompute.Identity(self._inputs[k][m])
+                _, _, record = self._layered[k].Forward(theta, inputs, self._step,
+                                                        self._first_examples[m], self._tape)
+        d_x, layer_d_outputs = self._layered[k].InputGradient(record, d_y, self._tape)
+        self._records[k][m] = None
+        self._saved[k][m] = (record, layer_d_outputs)
         d_x = self._Assign(k, d_x)
         self._PassOn(k, m, d_x)
-        return [d_x if k else None, self._saved[k][m]], None
+        return [d_x if k else None, layer_d_outputs], None
 
     def _W(self, k, m):
-        d_theta = self._functions[k].BackwardWeight(
-            self._thetas[k], self._saved[k][m], self._step, self._first_examples[m])
+        d_theta = self._layered[k].WeightGradient(*self._saved[k][m], self._tape)
         self._saved[k][m] = None
         return None, self._Assign(k, d_theta)
 

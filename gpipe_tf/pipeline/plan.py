@@ -169,10 +169,6 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
     if p.recompute not in RECOMPUTE_MODES:
         raise errors.ConfigError(f'recompute must be one of {RECOMPUTE_MODES}, got '
                                  f'{p.recompute!r}.')
-    if p.schedule in ('zero_bubble', 'zero_bubble_v') and p.recompute != 'always':
-        raise errors.ConfigError(f'schedule {p.schedule} splits each backward into an input and a '
-                                 f'weight gradient that re-run the cell\'s forward: it needs '
-                                 f'recompute="always", got {p.recompute!r}.')
     if p.logical_device_fn is not None and p.num_replicas != 1:
         raise errors.ConfigError(f'With logical_device_fn the replicas are the strategy\'s: '
                                  f'num_replicas must be 1, got {p.num_replicas}.')

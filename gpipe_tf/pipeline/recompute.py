@@ -22,6 +22,8 @@ import tensorflow as tf
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import cell as cell_lib
+from gpipe_tf.pipeline import unfolded
 
 # The name scope of a backward's re-materialized forward, so a trace tells it from the gradients.
 RECOMPUTE_SCOPE = 'recompute'
@@ -238,8 +240,10 @@ class CellFunctions:
         if key not in shared:
             shared[key] = _Traced(cell, batch_dim)
         self._shared = shared[key]
+        self._shared_by_structure = shared
         self._own = None  # This cell's own trace, for functions whose shared one is seeded.
         self._layers = [d for layer in cell.sequence for d in layer.Descendants()]
+        self._per_layer = None  # `Layers`, made when first asked for.
 
     def _For(self, kind: str) -> _Traced:
         """The traced functions to run function `kind` with: the shared ones, unless their
@@ -251,18 +255,34 @@ class CellFunctions:
             self._own = _Traced(self.cell, self.batch_dim)
         return self._own
 
+    def Layers(self) -> list:
+        """Per layer of the cell, the CellFunctions of a cell of that layer alone, on this
+        device (their traces shared by layer structure): a split backward's per-layer forward
+        (`split_backward`)."""
+        if self._per_layer is None:
+            self._per_layer = [
+                CellFunctions(cell_lib.Cell([layer], f'{self.cell.path}.{layer.p.name}'),
+                              self.device, self.batch_dim, self._shared_by_structure)
+                for layer in self.cell.sequence]
+        return self._per_layer
+
     @property
     def update_layers(self) -> list | None:
         """Layers that report training updates, in the order they report them; None until the
-        training forward is first traced."""
+        training forward (the cell's, or each of its layers' `Layers`) is first traced."""
         positions = self._For('fwd_True').update_positions
-        return None if positions is None else [self._layers[i] for i in positions]
+        if positions is not None:
+            return [self._layers[i] for i in positions]
+        per_layer = [f.update_layers for f in self._per_layer or []]
+        if not per_layer or None in per_layer:
+            return None
+        return [layer for layers in per_layer for layer in layers]
 
     def _LayerThetas(self, theta) -> list:
         """The traced functions' first argument: this cell's theta, one entry per layer."""
         return [theta[layer.p.name] for layer in self.cell.sequence]
 
-    def _Flat(self, layer_thetas) -> list:
+    def Flat(self, layer_thetas) -> list:
         """Per-layer values as a flat list over the leaves of this cell's theta."""
         return tf.nest.flatten(NestedMap(
             {layer.p.name: t for layer, t in zip(self.cell.sequence, layer_thetas)}))
@@ -296,7 +316,7 @@ class CellFunctions:
         with tf.device(self.device):
             d_theta, d_inputs = self._For('bwd').backward(self._LayerThetas(theta), inputs, step,
                                                           first_example, d_outputs)
-            return self._Flat(d_theta), d_inputs
+            return self.Flat(d_theta), d_inputs
 
     def BackwardInput(self, theta, inputs, step, first_example, d_outputs):
         """(flat d_inputs, saved for `BackwardWeight`) for one micro-batch, recomputing its
@@ -308,8 +328,28 @@ class CellFunctions:
     def BackwardWeight(self, theta, saved, step, first_example):
         """Flat d_theta for one micro-batch from what `BackwardInput` saved."""
         with tf.device(self.device):
-            return self._Flat(self._For('bwd_weight').backward_weight(
+            return self.Flat(self._For('bwd_weight').backward_weight(
                 self._LayerThetas(theta), saved, step, first_example))
+
+
+def WithOtherOutputs(ys: list, d_ys: list) -> tuple:
+    """`ys` and their gradients `d_ys` for tf.gradients, with every other float output of the
+    call ops that produced them (a cell's statistics; the intermediates an earlier gradient of
+    the call made it return) given a zero gradient filled at run time. Left out, tf.gradients
+    gives each a zeros_like, which constant folding turns into a constant of its size, held
+    while the graph lives (`unfolded`): per micro-batch, every layer's activations once a
+    split backward differentiated its calls a second time."""
+    ys, d_ys = list(ys), list(d_ys)
+    given = {y.ref() for y in ys}
+    ops = {y.op.name: y.op for y in ys
+           if y.op.type in ('PartitionedCall', 'StatefulPartitionedCall')}
+    for op in ops.values():
+        for t in op.outputs:
+            if t.dtype.is_floating and t.ref() not in given:
+                given.add(t.ref())
+                ys.append(t)
+                d_ys.append(unfolded.ZerosLike(t))
+    return ys, d_ys
 
 
 def Differentiate(outputs, theta, inputs, d_outputs, trainable, tape=None):
@@ -335,6 +375,7 @@ def Differentiate(outputs, theta, inputs, d_outputs, trainable, tape=None):
         grads = tape.gradient(ys, sources + xs, output_gradients=dys,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
     else:
+        ys, dys = WithOtherOutputs(ys, dys)
         grads = tf.gradients(ys, sources + xs, grad_ys=dys,
                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
     theta_grads = iter(grads[:len(sources)])
