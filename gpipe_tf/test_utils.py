@@ -7,6 +7,7 @@ import contextlib
 import gc
 import glob
 import io
+import json
 import logging
 import os
 import re
@@ -104,6 +105,24 @@ def StepBytes(layer, inputs, loss_fn=None) -> int:
 
     tf.nest.map_structure(lambda t: t.numpy(), Step(inputs))
     return PeakBytesOf(lambda: Step(inputs))
+
+
+def MeasureInOwnProcess(script: str, flag: str, timeout: int = 600):
+    """The JSON that `python script flag` prints last, run in a process of its own with the
+    BFC allocator's statistics on (a fresh allocator: its counters are process-wide, and a
+    worker's earlier tests leave slack in its chunks).
+
+    Raises:
+      RuntimeError: with the end of its stderr, if the process fails.
+    """
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true', TF_CPP_MIN_LOG_LEVEL='2',
+               PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run([sys.executable, script, flag], env=env, capture_output=True,
+                         text=True, timeout=timeout, check=False)
+    if run.returncode:
+        raise RuntimeError(f'Measuring in {os.path.basename(script)} failed (exit '
+                           f'{run.returncode}):\n{run.stderr[-3000:]}')
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def PeakBytesOf(run, repeats: int = 3, attempts: int = 8) -> int:

@@ -19,13 +19,14 @@ into it and held):
 
 import json
 import os
-import subprocess
 import sys
 
 os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')  # Allocation statistics on the CPU.
 
 from absl.testing import absltest  # pylint: disable=g-import-not-at-top
 from absl.testing import parameterized  # pylint: disable=g-import-not-at-top
+
+from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
 
 MIB = 2**20
 BATCH, WIDTH, LAYERS, K = 512, 256, 4, 2  # Weights 1 MiB, the step's outputs 0.5 MiB.
@@ -44,7 +45,6 @@ SESSION_CASES = [('gpipe', 'never'), ('gpipe_loss', 'never'), ('1f1b', 'never'),
 
 
 def _Params(kind: str, m: int, recompute: str, unroll: bool):
-    from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
     from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
     from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
     devices = test_utils.ConfigureVirtualCpus(K)
@@ -156,14 +156,7 @@ class HeldBetweenStepsTest(parameterized.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true', TF_CPP_MIN_LOG_LEVEL='2',
-                   PYTHONPATH=os.pathsep.join(sys.path))
-        run = subprocess.run([sys.executable, __file__, '--measure'], env=env,
-                             capture_output=True, text=True, timeout=600, check=False)
-        if run.returncode:
-            raise RuntimeError(f'Measuring the steps failed (exit {run.returncode}):\n'
-                               f'{run.stderr[-3000:]}')
-        cls.measured = json.loads(run.stdout.strip().splitlines()[-1])
+        cls.measured = test_utils.MeasureInOwnProcess(__file__, '--measure')
         cls.weights = cls.measured['weights']
 
     @parameterized.named_parameters(*[(_Name(_Key(case)), _Key(case)) for case in CASES])

@@ -4,7 +4,6 @@ memory of real steps on virtual CPU devices (a ratio bound)."""
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from unittest import mock
 
@@ -286,14 +285,7 @@ class MeasuredTest(tf.test.TestCase, parameterized.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true', TF_CPP_MIN_LOG_LEVEL='2',
-                   PYTHONPATH=os.pathsep.join(sys.path))
-        run = subprocess.run([sys.executable, __file__, '--measure_steps'], env=env,
-                             capture_output=True, text=True, timeout=600, check=False)
-        if run.returncode:
-            raise RuntimeError(f'Measuring the steps failed (exit {run.returncode}):\n'
-                               f'{run.stderr[-3000:]}')
-        cls.measured = json.loads(run.stdout.strip().splitlines()[-1])
+        cls.measured = test_utils.MeasureInOwnProcess(__file__, '--measure_steps')
 
     def _Check(self, planned, key):
         measured = self.measured[key]

@@ -87,6 +87,23 @@ def ReferenceStep(layer, x, loss_inputs, num_micro_batches=1):
     return loss, outputs, tape.gradient(loss, [x] + list(layer.trainable_variables))
 
 
+def V1StepAndReference(*pipeline_args, **overrides):
+    """(PipelineStep's results, ReferenceStep's) of `Pipeline(*pipeline_args, **overrides)`,
+    built in a tf.compat.v1 graph and run in a Session."""
+    def Build():
+        layer = Pipeline(*pipeline_args, **overrides).Instantiate()
+        x, loss_inputs = Data()
+        with fprop_context.Scope(step=5):
+            outputs, loss, _ = layer.FPropLoss(layer.theta, x, LossFn, loss_inputs)
+            ref_outputs = test_utils.Unpartitioned(layer, x, 1, step=5)
+        ref_loss, _ = LossFn(ref_outputs, loss_inputs)
+        sources = [x] + list(layer.trainable_variables)
+        return ((loss, outputs, tf.compat.v1.gradients(loss, sources)),
+                (ref_loss, ref_outputs, tf.compat.v1.gradients(ref_loss, sources)))
+
+    return test_utils.RunV1(Build)
+
+
 class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
 
     def assertSameStep(self, got, want, rtol=RTOL, d_x_rtol=RTOL):
@@ -112,19 +129,7 @@ class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.named_parameters(*UNROLLED[1:4], *LOOPED[:1], *LOOPED[3:4], *LOOPED[5:])
     def testV1GraphEqualsTheLayersInSequence(self, kind, k, v, m, r, unroll):
-        def Build():
-            layer = Pipeline(kind, k, v, m, r, unroll=unroll).Instantiate()
-            x, loss_inputs = Data()
-            with fprop_context.Scope(step=5):
-                outputs, loss, _ = layer.FPropLoss(layer.theta, x, LossFn, loss_inputs)
-                ref_outputs = test_utils.Unpartitioned(layer, x, 1, step=5)
-            ref_loss, _ = LossFn(ref_outputs, loss_inputs)
-            sources = [x] + list(layer.trainable_variables)
-            return ((loss, outputs, tf.compat.v1.gradients(loss, sources)),
-                    (ref_loss, ref_outputs, tf.compat.v1.gradients(ref_loss, sources)))
-
-        got, want = test_utils.RunV1(Build)
-        self.assertSameStep(got, want)
+        self.assertSameStep(*V1StepAndReference(kind, k, v, m, r, unroll=unroll))
 
     @parameterized.named_parameters(*UNROLLED[1:4], *UNROLLED[5:], *LOOPED[1:2], *LOOPED[5:])
     def testBatchNormStatisticsAndGradientsEqualGPipes(self, kind, k, v, m, r, unroll):
@@ -197,20 +202,8 @@ class SplitBackwardTest(tf.test.TestCase, parameterized.TestCase):
         with self.subTest('function'):
             self.assertSameStep(tf.function(lambda x: PipelineStep(layer, x, loss_inputs))(x),
                                 want)
-
-        def Build():
-            layer = Pipeline(kind, k, v, 4, 1, recompute=recompute).Instantiate()
-            x, loss_inputs = Data()
-            with fprop_context.Scope(step=5):
-                outputs, loss, _ = layer.FPropLoss(layer.theta, x, LossFn, loss_inputs)
-                ref_outputs = test_utils.Unpartitioned(layer, x, 1, step=5)
-            ref_loss, _ = LossFn(ref_outputs, loss_inputs)
-            sources = [x] + list(layer.trainable_variables)
-            return ((loss, outputs, tf.compat.v1.gradients(loss, sources)),
-                    (ref_loss, ref_outputs, tf.compat.v1.gradients(ref_loss, sources)))
-
         with self.subTest('v1'):
-            self.assertSameStep(*test_utils.RunV1(Build))
+            self.assertSameStep(*V1StepAndReference(kind, k, v, 4, 1, recompute=recompute))
 
     @parameterized.named_parameters(*SPLIT_CASES)
     def testBatchNormStatisticsAndGradientsEqualGPipes(self, kind, k, v, recompute):
