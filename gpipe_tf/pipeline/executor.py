@@ -391,8 +391,9 @@ class UnrolledSchedule:
         if record is None:
             # A re-materializing stage runs its per-layer forward once, here, when the
             # incoming gradient exists; its statistics were the forward's.
-            with self._tape or contextlib.nullcontext(), tf.device(self._devices[k]):
-                with tf.name_scope(recompute.RECOMPUTE_SCOPE), tf.control_dependencies(d_y):
+            with self._tape or contextlib.nullcontext(), tf.device(self._devices[k]), \
+                    tf.name_scope(recompute.RECOMPUTE_SCOPE):
+                with tf.control_dependencies(d_y):
                     theta = recompute.Identity(self._thetas[k])
                     inputs = recompute.Identity(self._inputs[k][m])
                 _, _, record = self._layered[k].Forward(theta, inputs, self._step,
