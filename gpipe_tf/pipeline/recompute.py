@@ -352,6 +352,16 @@ def WithOtherOutputs(ys: list, d_ys: list) -> tuple:
     return ys, d_ys
 
 
+def Gradients(ys: list, xs: list, d_ys: list, tape=None) -> list:
+    """Gradients of `ys` (given theirs, `d_ys`) w.r.t. `xs`, zero where unconnected: from
+    `tape` if one recorded them (eager mode), else tf.gradients (`WithOtherOutputs`)."""
+    if tape is not None:
+        return tape.gradient(ys, xs, output_gradients=d_ys,
+                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    ys, d_ys = WithOtherOutputs(ys, d_ys)
+    return tf.gradients(ys, xs, grad_ys=d_ys, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+
 def Differentiate(outputs, theta, inputs, d_outputs, trainable, tape=None):
     """Gradients of `outputs` w.r.t. the trainable leaves of theta and the float leaves of
     `inputs`.
@@ -371,13 +381,7 @@ def Differentiate(outputs, theta, inputs, d_outputs, trainable, tape=None):
     dys = list(d_outputs)
     sources = [t for t, keep in zip(tf.nest.flatten(theta), trainable) if keep]
     xs = FloatLeaves(inputs)
-    if tape is not None:
-        grads = tape.gradient(ys, sources + xs, output_gradients=dys,
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    else:
-        ys, dys = WithOtherOutputs(ys, dys)
-        grads = tf.gradients(ys, sources + xs, grad_ys=dys,
-                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    grads = Gradients(ys, sources + xs, dys, tape)
     theta_grads = iter(grads[:len(sources)])
     d_theta = [next(theta_grads) if keep else None for keep in trainable]
     return d_theta, WithFloatLeaves(inputs, grads[len(sources):])

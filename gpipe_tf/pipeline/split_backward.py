@@ -35,14 +35,6 @@ class Record(NamedTuple):
     outputs: list  # Per layer, its outputs.
 
 
-def _Gradients(ys, xs, d_ys, tape):
-    if tape is not None:
-        return tape.gradient(ys, xs, output_gradients=d_ys,
-                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    ys, d_ys = recompute.WithOtherOutputs(ys, d_ys)
-    return tf.gradients(ys, xs, grad_ys=d_ys, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-
-
 class LayeredCell:
     """A cell's forward as one call per layer, and the two halves of its backward.
 
@@ -95,7 +87,7 @@ class LayeredCell:
         with tf.device(self._functions.device):
             for j in reversed(range(len(self._layers))):
                 layer_d_outputs[j] = d_y
-                d_y = _Gradients(recompute.FloatLeaves(record.outputs[j]),
+                d_y = recompute.Gradients(recompute.FloatLeaves(record.outputs[j]),
                                  recompute.FloatLeaves(record.inputs[j]), d_y, tape)
         return recompute.WithFloatLeaves(record.inputs[0], d_y), layer_d_outputs
 
@@ -112,7 +104,8 @@ class LayeredCell:
                 layer = fn.cell.sequence[0]
                 theta = tf.nest.flatten(record.theta[layer.p.name])
                 sources = [t for t, keep in zip(theta, fn.trainable) if keep]
-                grads = iter(_Gradients(recompute.FloatLeaves(outputs), sources, d_y, tape))
+                grads = iter(recompute.Gradients(recompute.FloatLeaves(outputs), sources, d_y,
+                                                 tape))
                 per_layer.append(tf.nest.pack_sequence_as(
                     record.theta[layer.p.name],
                     [next(grads) if keep else None for keep in fn.trainable]))
