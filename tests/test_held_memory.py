@@ -38,7 +38,10 @@ CASES = [('gpipe', 'never', 1, True), ('gpipe', 'never', 8, True),
          ('interleaved_1f1b', 'never', 8, True), ('zero_bubble', 'never', 8, True),
          ('zero_bubble', 'always', 8, True), ('zero_bubble_v', 'never', 8, True),
          ('zero_bubble_v', 'always', 8, True), ('gpipe', 'always', 8, False),
-         ('1f1b', 'always', 8, False), ('zero_bubble', 'always', 8, False)]
+         ('1f1b', 'always', 8, False), ('zero_bubble', 'always', 8, False),
+         ('gpipe', 'never', 8, False), ('1f1b', 'never', 8, False),
+         ('1f1b', 'except_last', 8, False), ('zero_bubble', 'never', 8, False),
+         ('zero_bubble_v', 'never', 8, False)]
 # (schedule, recompute) measured in a Session at M=2 and M=16.
 SESSION_CASES = [('gpipe', 'never'), ('gpipe_loss', 'never'), ('1f1b', 'never'),
                  ('zero_bubble', 'never')]

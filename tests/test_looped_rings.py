@@ -14,27 +14,31 @@ pytestmark = pytest.mark.unit
 F, B, I, W = 'F', 'B', 'I', 'W'
 
 
-def _Events(action, last, loss_in_loop):
+def _Events(action, last, loss_in_loop, keeps):
     """(reads, writes) of an action as (array, micro-batch) pairs: an independent statement of
-    what the executor's actions read and write."""
+    what the executor's actions read and write. A stage that keeps its activations (`keeps`)
+    has its forward write its residuals ('kept') and its backward read them, not its input."""
     s, m = action.stage, action.micro_batch
     if action.kind == F:
         writes = [(('act', s + 1), m)]
         if s == last - 1 and loss_in_loop:
             writes.append((('d_act', last), m))
+        if keeps[s]:
+            writes.append((('kept', s), m))
         return [(('act', s), m)], writes
     if action.kind == W:
         return [(('saved', s), m)], []
     writes = [(('d_act', s), m)] + ([(('saved', s), m)] if action.kind == I else [])
-    return [(('act', s), m), (('d_act', s + 1), m)], writes
+    return [(('kept' if keeps[s] else 'act', s), m), (('d_act', s + 1), m)], writes
 
 
-def _Replay(sched, phases, loss_in_loop, sizes, eager=False):
+def _Replay(sched, phases, loss_in_loop, sizes, eager=False, keeps=None):
     """Runs the loops' ticks on rings of `sizes`; returns the reads that found another
     micro-batch than theirs (as (array, wanted, found)). In a graph every read of a tick sees
     the rings as the tick began; `eager`: device by device, each seeing the writes of the
     devices before it in the tick (an eager TensorArray write changes it in place)."""
     m_count, last = sched.num_micro_batches, sched.num_stages
+    keeps = keeps or [False] * last
     rings = {}
 
     def Put(key, m):
@@ -52,7 +56,7 @@ def _Replay(sched, phases, loss_in_loop, sizes, eager=False):
             for m in range(m_count):
                 Put(('d_act', last), m)
         for tick in schedule_lib.Ticks(sched, kinds):
-            events = [_Events(a, last, loss_in_loop) for a in tick if a is not None]
+            events = [_Events(a, last, loss_in_loop, keeps) for a in tick if a is not None]
             for reads, writes in events:
                 wrong += [(key, m, Get(key, m)) for key, m in reads if Get(key, m) != m]
                 if eager:
@@ -126,6 +130,23 @@ class RingTest(parameterized.TestCase):
                 smaller = {**sizes, key: size - 1}
                 self.assertNotEqual(_Replay(sched, phases, loss_in_loop, smaller), [], key)
 
+    @parameterized.parameters(*_Cases())
+    def testKeptResidualsRingsAreRightAndNoneCanBeSmaller(self, kind, k, m, v):
+        sched = schedule_lib.Make(kind, k, m, v)
+        phases, loss_in_loop = _Phases(kind)
+        # Every other stage keeps its activations (recompute 'never' on those).
+        keeps = [s % 2 == 0 for s in range(sched.num_stages)]
+        sizes = looped._RingSizes(  # pylint: disable=protected-access
+            sched, phases, loss_in_loop, keeps=keeps)
+        self.assertEqual(_Replay(sched, phases, loss_in_loop, sizes, keeps=keeps), [])
+        self.assertEqual({key for key in sizes if key[0] == 'kept'},
+                         {('kept', s) for s in range(sched.num_stages) if keeps[s]})
+        for key, size in sizes.items():
+            if size > 1:
+                smaller = {**sizes, key: size - 1}
+                self.assertNotEqual(
+                    _Replay(sched, phases, loss_in_loop, smaller, keeps=keeps), [], key)
+
     def testOneFOneBKeepsAboutKMinusBMicroBatchesAtBoundaryB(self):
         k, m = 4, 16
         sizes = looped._RingSizes(  # pylint: disable=protected-access
@@ -134,6 +155,11 @@ class RingTest(parameterized.TestCase):
             self.assertLessEqual(sizes['act', b], k - b + 1)
         for b in range(1, k + 1):
             self.assertLessEqual(sizes['d_act', b], 2)
+        # Keeping its activations, stage s holds about K - s micro-batches' residuals.
+        kept = looped._RingSizes(  # pylint: disable=protected-access
+            schedule_lib.Make('1f1b', k, m), [(F, B, I, W)], True, keeps=[True] * k)
+        for s in range(k):
+            self.assertLessEqual(kept['kept', s], k - s + 1)
         # GPipe keeps every micro-batch's boundaries for its backwards, and the inputs,
         # outputs and input gradients are whole under every schedule.
         gpipe = looped._RingSizes(  # pylint: disable=protected-access

@@ -129,18 +129,20 @@ class MakePlanTest(parameterized.TestCase):
         self.assertTrue(plan_lib.MakePlan(_Params(num_cells=2, unroll=False), place=False).Loops(2))
         p = _Params(num_layers=8, num_cells=8, num_micro_batches=16, unroll=True)
         self.assertFalse(plan_lib.MakePlan(p, place=False).Loops(16))
-        for name, overrides in (('except_last', dict(recompute='except_last')),
-                                ('never', dict(recompute='never')),
-                                ('logical_device_fn', dict(logical_device_fn=lambda x, k: x))):
-            with self.subTest(name):
+        for mode in plan_lib.RECOMPUTE_MODES:
+            with self.subTest(mode):
+                # 'auto' loops from LOOP_FROM_CELL_CALLS cell calls whatever the mode.
                 p = _Params(num_layers=8, num_cells=8, num_micro_batches=16, unroll='auto',
-                            **overrides)
-                self.assertFalse(plan_lib.MakePlan(p, place=False).Loops(16))
-                # An explicit unroll=False the loop cannot honour is refused, naming why.
-                with self.assertRaisesRegex(errors.ConfigError,
-                                            f'unroll=False runs the schedule as a loop.*{name}'):
-                    plan_lib.MakePlan(_Params(num_layers=8, num_cells=8, num_micro_batches=16,
-                                              unroll=False, **overrides), place=False)
+                            recompute=mode)
+                self.assertTrue(plan_lib.MakePlan(p, place=False).Loops(16))
+                self.assertFalse(plan_lib.MakePlan(p, place=False).Loops(4))
+        p = _Params(num_layers=8, num_cells=8, num_micro_batches=16, unroll='auto',
+                    logical_device_fn=lambda x, k: x)
+        self.assertFalse(plan_lib.MakePlan(p, place=False).Loops(16))
+        # An explicit unroll=False the loop cannot honour is refused, naming why.
+        with self.assertRaisesRegex(errors.ConfigError,
+                                    'unroll=False runs the schedule as a loop.*logical_device_fn'):
+            plan_lib.MakePlan(p.Set(unroll=False), place=False)
 
     def testZeroBubbleVPlacesItsCellsInAV(self):
         p = _Params(num_layers=8, num_cells=2, virtual_stages=2, schedule='zero_bubble_v',

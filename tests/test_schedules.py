@@ -283,6 +283,63 @@ class ForwardOnlyScheduleTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllEqual(b, v.numpy(), msg=v.name)
 
 
+# The loop with cells that keep their activations (`residuals`: the forward hands what the
+# backward reads on in TensorArrays); 'always' is ScheduleContractTest's LOOPED grid.
+# (Replicas are ScheduleContractTest's: each replica's pipeline is the same.)
+LOOPED_KEEPING = [(f'{case[0]}_{recompute}',) + case[1:] + (recompute,) for case in CASES
+                  for recompute in ('never', 'except_last')
+                  if case[5] == 1 and (recompute == 'never' or
+                                       case[0] in ('1f1b', 'zero_bubble'))]
+
+
+def _RecomputeOps(graph) -> int:
+    """The ops under a re-materializing forward's name scope, in `graph` and its functions."""
+    graph_def = graph.as_graph_def()
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    return sum('recompute/' in n.name for n in nodes)
+
+
+class LoopedKeepingTest(tf.test.TestCase, parameterized.TestCase):
+    """The loop runs every recompute mode: a cell that keeps its activations runs no forward
+    again, and every schedule still equals the layers in sequence."""
+
+    assertSameStep = ScheduleContractTest.assertSameStep
+
+    @parameterized.named_parameters(*LOOPED_KEEPING)
+    def testFunctionWithBatchNormEqualsTheLayersInSequence(self, kind, k, v, m, r, recompute):
+        x, loss_inputs = Data()
+        layer = Pipeline(kind, k, v, m, r, batch_norm=True, recompute=recompute,
+                         unroll=False).Instantiate()
+        got = tf.function(lambda x: PipelineStep(layer, x, loss_inputs))(x)
+        # Batch norm per micro-batch of two examples: float32 order shows at up to 6e-5.
+        self.assertSameStep(got, ReferenceStep(layer, x, loss_inputs, m), rtol=1e-4,
+                            d_x_rtol=1e-4)
+        reference = Pipeline('gpipe', k, v, m, r, batch_norm=True).Instantiate()
+        PipelineStep(reference, x, loss_inputs)
+        want = {v.name: v.numpy() for v in reference.variables if 'moving' in v.name}
+        self.assertNotEmpty(want)
+        for var in layer.variables:
+            if 'moving' in var.name:
+                self.assertAllClose(var.numpy(), want[var.name], rtol=RTOL, msg=var.name)
+
+    @parameterized.named_parameters(*LOOPED_KEEPING)
+    def testV1GraphEqualsTheLayersInSequence(self, kind, k, v, m, r, recompute):
+        self.assertSameStep(*V1StepAndReference(kind, k, v, m, r, unroll=False,
+                                                recompute=recompute))
+
+    @parameterized.parameters('1f1b', 'zero_bubble')
+    def testNeverRunsNoForwardAgain(self, kind):
+        x, loss_inputs = Data()
+        ops = {}
+        for recompute in ('never', 'always'):
+            layer = Pipeline(kind, 2, 1, 4, 1, recompute=recompute, unroll=False).Instantiate()
+            ops[recompute] = _RecomputeOps(tf.function(
+                lambda x, layer=layer: PipelineStep(layer, x, loss_inputs)
+            ).get_concrete_function(x).graph)
+        self.assertEqual(ops['never'], 0)
+        self.assertGreater(ops['always'], 0)
+
+
 class LoopedGraphSizeTest(tf.test.TestCase):
 
     def testLoopedGraphCallsTheCellsAsOftenAtEveryM(self):

@@ -54,7 +54,7 @@ class OpEvent:
 def ClassifyOp(name: str) -> tuple[int, int | None, str] | None:
     """(cell, micro-batch, kind) of a pipeline op from its name, kind in `simulator.KINDS` or
     `simulator.SPLIT_KINDS`; None for ops outside the schedule (the update, transfers). A split
-    backward's W re-runs each layer's forward: it is all 'weight_grad'. The micro-batch is
+    backward's W runs no forward: it is all 'weight_grad'. The micro-batch is
     None for the looped executor's ops (the same name for every micro-batch)."""
     if _TRANSFER.search(name):
         return None

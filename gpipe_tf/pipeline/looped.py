@@ -16,10 +16,14 @@ read or write. Weight gradients
 device. The values equal the unrolled executor's: the same traced cell
 functions run on the same micro-batches, and each device runs its actions in its list's order.
 
-It runs schedules whose cells all re-materialize (the stored input is all a backward needs),
-with fused (B) or split (I and W) backwards: what a stage's I saves for its W (each layer's
-input and output gradient) waits in TensorArrays of its own. With `logical_device_fn` (XLA)
-the unrolled executor runs.
+Every recompute mode runs. A re-materializing stage keeps only its input and its backward B
+recomputes the forward (`recompute`); a stage that keeps its activations runs, in training,
+its forward and backward as the parts of `residuals.SplitCell`, the forward writing what the
+backward reads of it (the residuals) to TensorArrays of their own ('kept'). Zero-bubble's split
+backward uses the same parts: I reads the kept residuals (a re-materializing stage first runs
+the forward again, once, after its incoming gradient exists) and writes what W reads (each
+layer's pre-activation gradient, the residuals W needs) to 'saved'; W runs no forward. With
+`logical_device_fn` (XLA) the unrolled executor runs.
 """
 
 from __future__ import annotations
@@ -38,24 +42,25 @@ I, W = schedule_lib.INPUT_GRAD, schedule_lib.WEIGHT_GRAD
 _SCOPES = {F: 'fwd', B: 'bwd', I: 'bwd_input', W: 'bwd_weight'}
 
 
-def Supports(recomputes, assign) -> bool:
-    """Whether a LoopedSchedule can run this pipeline (any schedule)."""
-    return all(recomputes) and assign is None
+def Supports(assign) -> bool:
+    """Whether a LoopedSchedule can run this pipeline (any schedule, any recompute mode): not
+    with a logical_device_fn's `assign` (XLA sharding annotations are not tried in a loop)."""
+    return assign is None
 
 
 class LoopedSchedule:
     """One step of a pipeline of S stages over M micro-batches, its clock in a while loop.
 
-    Args: as `executor.UnrolledSchedule` (`assign` must be None and every stage must
-      re-materialize: see `Supports`).
+    Args: as `executor.UnrolledSchedule` (`assign` must be None: see `Supports`).
     """
 
     def __init__(self, functions, recomputes, sched, batch_dim, step, assign=None,
                  first_example=0):
-        if not Supports(recomputes, assign):
-            raise ValueError('LoopedSchedule runs re-materializing cells and no '
-                             'logical_device_fn; use executor.UnrolledSchedule.')
+        if not Supports(assign):
+            raise ValueError('LoopedSchedule runs no logical_device_fn; use '
+                             'executor.UnrolledSchedule.')
         self._functions = functions
+        self._recomputes = list(recomputes)
         self._devices = [f.device for f in functions]
         self._schedule = sched
         self._num_stages = len(functions)
@@ -117,8 +122,10 @@ class LoopedSchedule:
         m_count, batch_dim = self._num_micro_batches, self._batch_dim
         # Eagerly, a TensorArray write changes it in place: a device later in the same tick
         # would read it, so a slot is not reused in the tick of its last read.
+        # Per stage, whether its training forward keeps its residuals for its backward.
+        self._keeps = [training and not r for r in self._recomputes]
         self._ring = _RingSizes(self._schedule, phases, loss_in_loop,
-                                reuse_in_tick=not tf.executing_eagerly())
+                                reuse_in_tick=not tf.executing_eagerly(), keeps=self._keeps)
         self._loop_keys = None  # While a loop is built, the state it carries (`_Loop`).
         self._training = training
         self._thetas = list(thetas)
@@ -153,18 +160,21 @@ class LoopedSchedule:
                                                 ('d_act', b), b)
         self._grads = [None] * self._num_stages
         self._stats = [None] * self._num_stages
+        # Per stage that runs them, its forward's and backward's parts (`residuals`): where it
+        # keeps its residuals or splits its backward.
+        self._splits = [
+            fn.Split(self._thetas[s], tf.nest.map_structure(_Spec, self._structures[s]),
+                     step_spec)
+            if self._keeps[s] or (training and self._schedule.splits_backward) else None
+            for s, fn in enumerate(self._functions)]
+        self._kept = [None if not keep else self._EmptyArrays(
+            self._splits[s].kept_specs, ('kept', s), s) for s, keep in enumerate(self._keeps)]
         self._saved = [None] * self._num_stages  # Per stage, its I's saved values for its W.
-        self._saved_specs = [None] * self._num_stages
 
     def _StartSaved(self):
         """TensorArrays for what each stage's I saves for its W (a split backward)."""
-        step_spec = tf.TensorSpec([], tf.int64)
-        for s, fn in enumerate(self._functions):
-            self._saved_specs[s] = fn.BackwardInputSpecs(
-                self._thetas[s], tf.nest.map_structure(_Spec, self._structures[s]), step_spec,
-                recompute.FloatLeaves(tf.nest.map_structure(_Spec, self._structures[s + 1])))
-            self._saved[s] = self._EmptyArrays(tf.nest.flatten(self._saved_specs[s]),
-                                               ('saved', s), s)
+        for s, split in enumerate(self._splits):
+            self._saved[s] = self._EmptyArrays(split.saved_specs, ('saved', s), s)
 
     def _EmptyArrays(self, specs, key, stage):
         """Empty TensorArrays for `key`'s leaves of `specs`, of its ring's size, on the device
@@ -267,6 +277,7 @@ class LoopedSchedule:
                  if self._d_acts[b] is not None]
         keys += [('grad', s) for s in range(self._num_stages) if self._grads[s] is not None]
         keys += [('stats', s) for s in range(self._num_stages) if self._stats[s] is not None]
+        keys += [('kept', s) for s in range(self._num_stages) if self._kept[s] is not None]
         keys += [('saved', s) for s in range(self._num_stages) if self._saved[s] is not None]
         keys += [('token', d) for d in range(len(self._tokens))]
         if self._loss_fn is not None:
@@ -278,7 +289,8 @@ class LoopedSchedule:
 
     def _Table(self, kind) -> list:
         return {'act': self._acts, 'd_act': self._d_acts, 'grad': self._grads,
-                'stats': self._stats, 'token': self._tokens, 'saved': self._saved}[kind]
+                'stats': self._stats, 'token': self._tokens, 'kept': self._kept,
+                'saved': self._saved}[kind]
 
     def _Value(self, key):
         kind, i = key
@@ -303,14 +315,14 @@ class LoopedSchedule:
     def _Reads(self, device_branches):
         """The state a device's actions read (`_ArrayAccess`)."""
         return [key for kind, s in device_branches for key in
-                _ArrayAccess(kind, s, self._num_stages, self._loss_fn is not None)[0]]
+                self._Access(kind, s)[0]]
 
     def _Writes(self, device_branches):
         """The state a device's actions change: the TensorArrays they write (`_ArrayAccess`),
         the weight-gradient (B, W) and statistics (F) sums, and the loss on the last stage."""
         keys = []
         for kind, s in device_branches:
-            keys += _ArrayAccess(kind, s, self._num_stages, self._loss_fn is not None)[1]
+            keys += self._Access(kind, s)[1]
             if kind == F and self._stats[s] is not None:
                 keys.append(('stats', s))
             if kind == F and s == self._num_stages - 1 and self._loss_fn is not None:
@@ -318,6 +330,9 @@ class LoopedSchedule:
             if kind in (B, W):
                 keys.append(('grad', s))
         return list(dict.fromkeys(keys))
+
+    def _Access(self, kind, s) -> tuple:
+        return _ArrayAccess(kind, s, self._num_stages, self._loss_fn is not None, self._keeps[s])
 
     # ---- the actions ------------------------------------------------------------------------
     def _Read(self, key, structure, m):
@@ -347,10 +362,9 @@ class LoopedSchedule:
         # the branch's ops back once lowered.)
         values[token] = tf.identity(values[token])
         with tf.control_dependencies([values[token]]):
-            if kind == W:  # What its I saved.
-                x = self._Read(('saved', s), self._saved_specs[s], m)
-            else:
-                x = self._Read(('act', s), self._structures[s], m)
+            # Its input: the stage's input, the residuals its forward kept, or what its I saved.
+            key = self._Access(kind, s)[0][0]
+            x = self._Read(key, self._structures[s] if key[0] == 'act' else None, m)
         with tf.name_scope(f'cell_{s}_{_SCOPES[kind]}'):
             self._Run(kind, s, m, values, fn, first, x)
         done = [t.flow if isinstance(t, tf.TensorArray) else t
@@ -360,11 +374,16 @@ class LoopedSchedule:
         return [values[k] for k in keys]
 
     def _Run(self, kind, s, m, values, fn, first, x):
-        """Runs action (kind, stage s, micro-batch m) on its input `x` (W: what I saved),
-        updating `values` (the state the action writes)."""
+        """Runs action (kind, stage s, micro-batch m) on its input `x` (the stage's input, the
+        residuals its forward kept, or, for W, what I saved), updating `values` (the state the
+        action writes)."""
+        theta, split, step = self._thetas[s], self._splits[s], self._step
         if kind == F:
-            outputs, stats = fn.Forward(self._thetas[s], x, self._step, first,
-                                        training=self._training)
+            if self._keeps[s]:
+                outputs, stats, kept = split.Forward(theta, x, step, first)
+                self._Write(values, ('kept', s), m, kept)
+            else:
+                outputs, stats = fn.Forward(theta, x, step, first, training=self._training)
             self._Write(values, ('act', s + 1), m, tf.nest.flatten(outputs))
             if self._stats[s] is not None:
                 values[('stats', s)] = tf.nest.map_structure(
@@ -374,18 +393,24 @@ class LoopedSchedule:
                 self._Write(values, ('d_act', s + 1), m, d_y)
                 values[('loss', 0)] = [values[('loss', 0)][0] + total,
                                        values[('loss', 0)][1] + weight]
-        elif kind == W:
-            d_theta = fn.BackwardWeight(self._thetas[s], x, self._step, first)
-            values[('grad', s)] = _Add(values[('grad', s)], d_theta)
+            return
+        if kind == W:
+            values[('grad', s)] = _Add(values[('grad', s)], split.Weight(theta, x, step, first))
+            return
+        d_y = self._Read(('d_act', s + 1), None, m)
+        if kind == B and self._keeps[s]:
+            d_theta, d_x = split.Backward(theta, x, step, first, d_y)
+        elif kind == B:
+            d_theta, d_x = fn.Backward(theta, x, step, first, d_y)
         else:
-            d_y = self._Read(('d_act', s + 1), None, m)
-            if kind == B:
-                d_theta, d_x = fn.Backward(self._thetas[s], x, self._step, first, d_y)
-                values[('grad', s)] = _Add(values[('grad', s)], d_theta)
-            else:
-                d_x, saved = fn.BackwardInput(self._thetas[s], x, self._step, first, d_y)
-                self._Write(values, ('saved', s), m, tf.nest.flatten(saved))
-            self._Write(values, ('d_act', s), m, [g for g in d_x if g is not None])
+            if not self._keeps[s]:  # The forward again, once, after the gradient exists.
+                with tf.name_scope(recompute.RECOMPUTE_SCOPE), tf.control_dependencies(d_y):
+                    _, _, x = split.Forward(theta, recompute.Identity(x), step, first)
+            d_x, saved = split.Input(theta, x, step, first, d_y)
+            self._Write(values, ('saved', s), m, saved)
+        if kind == B:
+            values[('grad', s)] = _Add(values[('grad', s)], d_theta)
+        self._Write(values, ('d_act', s), m, [g for g in d_x if g is not None])
 
     def _Loss(self, outputs, m):
         loss_inputs = (None if self._loss_inputs is None else
@@ -425,25 +450,28 @@ class LoopedSchedule:
         return grads, d_inputs
 
 
-def _ArrayAccess(kind: str, s: int, num_stages: int, loss_in_loop: bool) -> tuple:
-    """(the TensorArray keys action (kind, stage s) reads, those it writes), each for its
-    micro-batch: F reads its input and writes its output (the last stage, with the loss in the
-    loop, the outputs' gradient too); B and I read the input and the output's gradient and write
-    the input's gradient, I also what it saves for its W; W reads what its I saved."""
+def _ArrayAccess(kind: str, s: int, num_stages: int, loss_in_loop: bool,
+                 keep: bool = False) -> tuple:
+    """(the TensorArray keys action (kind, stage s) reads, its input first, and those it writes),
+    each for its micro-batch: F reads its input and writes its output (the last stage, with the
+    loss in the loop, the outputs' gradient too; a stage that keeps its residuals, `keep`, also
+    those); B and I read the input (`keep`: the kept residuals) and the output's gradient and
+    write the input's gradient, I also what it saves for its W; W reads what its I saved."""
     if kind == F:
         writes = [('act', s + 1)]
         if s == num_stages - 1 and loss_in_loop:
             writes.append(('d_act', num_stages))
-        return [('act', s)], writes
+        return [('act', s)], writes + ([('kept', s)] if keep else [])
     if kind == W:
         return [('saved', s)], []
-    return [('act', s), ('d_act', s + 1)], [('d_act', s)] + ([('saved', s)] if kind == I else [])
+    source = ('kept', s) if keep else ('act', s)
+    return [source, ('d_act', s + 1)], [('d_act', s)] + ([('saved', s)] if kind == I else [])
 
 
 def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool,
-               reuse_in_tick: bool = True) -> dict:
-    """Per TensorArray key ('act', b), ('d_act', b) or ('saved', s), how many micro-batches it
-    holds: the smallest R such that micro-batch m + R is written (slot (m + R) mod R) no earlier
+               reuse_in_tick: bool = True, keeps=None) -> dict:
+    """Per TensorArray key ('act', b), ('d_act', b), ('kept', s) or ('saved', s), how many
+    micro-batches it holds: the smallest R such that micro-batch m + R is written (slot (m + R) mod R) no earlier
     than the tick of micro-batch m's last read. A loop's tick reads the arrays as they were
     when it began, so a write in the tick of the last read is safe. Values no longer in a ring
     are freed: with 1F1B a boundary holds about K - b micro-batches, a gradient one or two,
@@ -457,8 +485,11 @@ def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool,
       reuse_in_tick: whether a slot may be written in the tick of its last read (in a graph,
         where a tick reads the arrays as they were when it began); False: only after it (when
         executing eagerly, where a write changes the array in place).
+      keeps: per stage, whether its forward keeps its residuals for its backward (default:
+        none does).
     """
     m_count, last = sched.num_micro_batches, sched.num_stages
+    keeps = keeps or [False] * last
     writes, reads = {}, {}  # key -> {micro-batch: tick}
 
     def Write(key, m, tick):
@@ -478,7 +509,8 @@ def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool,
             for a in actions:
                 if a is None:
                     continue
-                read, written = _ArrayAccess(a.kind, a.stage, last, loss_in_loop)
+                read, written = _ArrayAccess(a.kind, a.stage, last, loss_in_loop,
+                                             keeps[a.stage])
                 for key in read:
                     Read(key, a.micro_batch, tick)
                 for key in written:

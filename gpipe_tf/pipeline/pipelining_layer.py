@@ -109,7 +109,7 @@ class PipeliningLayer(BaseLayer):
         p.Define('unroll', 'auto',
                  'True: the schedule is unrolled into the graph (v K M calls of the cells); '
                  'False: it runs as a loop over its clock, whose graph does not grow with M '
-                 '(needs recompute="always" and no logical_device_fn: else a ConfigError); '
+                 '(any recompute mode; a logical_device_fn is a ConfigError); '
                  f'"auto": a loop from {plan_lib.LOOP_FROM_CELL_CALLS} cell calls (v K M), '
                  'where the unrolled graph takes long to optimize, else unrolled (its steps '
                  'are as fast or faster).', check=hyperparams.OneOf(*plan_lib.UNROLL_MODES))

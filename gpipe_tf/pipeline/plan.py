@@ -102,11 +102,10 @@ class Plan:
     def Loops(self, num_micro_batches: int) -> bool:
         """Whether a step over M = `num_micro_batches` runs the schedule as a loop
         (`looped.LoopedSchedule`) rather than unrolled into the graph: the Params' `unroll`
-        (False: loop, which `MakePlan` refused where the loop cannot run it; 'auto': loop from
-        LOOP_FROM_CELL_CALLS cell calls, v K M, where the loop can run it: every cell
-        re-materializes, no logical_device_fn)."""
+        (False: loop, which `MakePlan` refused with a logical_device_fn; 'auto': loop from
+        LOOP_FROM_CELL_CALLS cell calls, v K M, unless a logical_device_fn is given)."""
         p = self.params
-        if p.unroll is True or not looped.Supports(self.recompute, p.logical_device_fn):
+        if p.unroll is True or not looped.Supports(p.logical_device_fn):
             return False
         return p.unroll is False or self.num_cells * num_micro_batches >= LOOP_FROM_CELL_CALLS
 
@@ -174,13 +173,11 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
                                  f'num_replicas must be 1, got {p.num_replicas}.')
     cells, metas = Cells(p)
     recompute = RecomputeFlags(p.recompute, len(cells))
-    if p.unroll is False and not looped.Supports(recompute, p.logical_device_fn):
-        why = ('a logical_device_fn (its XLA sharding annotations are not tried inside a loop)'
-               if p.logical_device_fn is not None else f'recompute={p.recompute!r}')
+    if p.unroll is False and not looped.Supports(p.logical_device_fn):
         raise errors.ConfigError(f'{p.name}: unroll=False runs the schedule as a loop, which '
-                                 f'needs recompute="always" and no logical_device_fn; got {why}. '
-                                 'Set unroll=True (or "auto", which unrolls what the loop '
-                                 'cannot run), or recompute="always".')
+                                 'cannot run a logical_device_fn (its XLA sharding annotations '
+                                 'are not tried inside a loop). Set unroll=True or "auto", '
+                                 'which unrolls it.')
     before = BeforeLayers(p)
     _CheckUniqueNames(p, before + [lp for layers in cells for lp in layers])
     batch_size = BatchSize(p)

@@ -23,6 +23,7 @@ from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import cell as cell_lib
+from gpipe_tf.pipeline import residuals
 from gpipe_tf.pipeline import unfolded
 
 # The name scope of a backward's re-materialized forward, so a trace tells it from the gradients.
@@ -78,7 +79,7 @@ class _Traced:
         # Positions in `layers` of the layers that report training updates, in the order they
         # report them; set when the training forward is first traced.
         self.update_positions: list | None = None
-        # Per function traced ('fwd_True', 'fwd_False', 'bwd', 'bwd_input', 'bwd_weight'),
+        # Per function traced ('fwd_True', 'fwd_False', 'bwd', 'split'),
         # whether its trace drew a layer's seed.
         self._seeded = {}
         name = cell.path.replace('.', '_')
@@ -95,8 +96,7 @@ class _Traced:
             self.forward[training] = tf.function(forward, autograph=False,
                                                  experimental_attributes=attributes)
         self.backward = tf.function(self._Backward, autograph=False)
-        self.backward_input = tf.function(self._BackwardInput, autograph=False)
-        self.backward_weight = tf.function(self._BackwardWeight, autograph=False)
+        self._splits = {}  # `Split`'s, by input specs.
 
     def _Theta(self, layer_thetas) -> NestedMap:
         return NestedMap({layer.p.name: t for layer, t in zip(self.cell.sequence, layer_thetas)})
@@ -160,60 +160,19 @@ class _Traced:
         d_theta, d_inputs = Differentiate(outputs, theta, inputs, d_outputs, self.trainable)
         return self._PerLayer(d_theta), d_inputs
 
-    def _BackwardInput(self, layer_thetas, inputs, step, first_example, d_outputs):
-        """The input gradient alone (a zero-bubble schedule's I): recomputes the forward layer
-        by layer once `d_outputs` exist, then takes each layer's input gradient from its output
-        gradient, last layer first.
-
-        Returns:
-          (d_inputs, flat over the leaves of `inputs` (None where not floating point);
-          per layer its input arguments and the gradients of its float outputs, what
-          `_BackwardWeight` needs).
-        """
-        self._Start('bwd_input')
-        layers = self.cell.sequence
-        with tf.name_scope(RECOMPUTE_SCOPE):
-            with tf.control_dependencies(d_outputs):
-                layer_thetas = Identity(layer_thetas)
-                args = Identity(base_layer.AsArgs(inputs))
-            layer_inputs, layer_outputs = [], []
-            with self._Scope(step, first_example, training=True):
-                for layer, theta in zip(layers, layer_thetas):
-                    # Fresh sources per layer, so each layer is differentiated alone.
-                    args = Identity(args)
-                    layer_inputs.append(args)
-                    layer_outputs.append(layer.FProp(theta, *args))
-                    args = base_layer.AsArgs(layer_outputs[-1])
-        d_y = list(d_outputs)
-        layer_d_outputs = [None] * len(layers)
-        for i in reversed(range(len(layers))):
-            layer_d_outputs[i] = d_y
-            d_y = tf.gradients(FloatLeaves(layer_outputs[i]), FloatLeaves(layer_inputs[i]),
-                               grad_ys=d_y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return WithFloatLeaves(inputs, d_y), (layer_inputs, layer_d_outputs)
-
-    def _BackwardWeight(self, layer_thetas, saved, step, first_example):
-        """The weight gradient (a zero-bubble schedule's W) from what `_BackwardInput` saved:
-        each layer's forward re-run from its input, differentiated w.r.t. its weights alone.
-
-        Returns:
-          d_theta per layer (None where a leaf is not trainable).
-        """
-        self._Start('bwd_weight')
-        layer_inputs, layer_d_outputs = saved
-        d_theta = []
-        for layer, theta, args, d_y in zip(self.cell.sequence, layer_thetas, layer_inputs,
-                                           layer_d_outputs):
-            theta = Identity(theta)
-            with tf.name_scope(RECOMPUTE_SCOPE), self._Scope(step, first_example, True):
-                outputs = layer.FProp(theta, *args)
-            trainable = [v.trainable for v in tf.nest.flatten(layer.vars)]
-            sources = [t for t, keep in zip(tf.nest.flatten(theta), trainable) if keep]
-            grads = iter(tf.gradients(FloatLeaves(outputs), sources, grad_ys=d_y,
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO))
-            d_theta.append(tf.nest.pack_sequence_as(
-                theta, [next(grads) if keep else None for keep in trainable]))
-        return d_theta
+    def Split(self, layer_thetas, input_spec, step_spec) -> residuals.SplitCell:
+        """The cell's forward and backward parts joined by residuals (`residuals.SplitCell`)
+        for inputs of `input_spec`, traced when first asked for."""
+        key = repr(tf.nest.map_structure(lambda x: x, input_spec))
+        if key not in self._splits:
+            def Run(layer_thetas, inputs, step, first_example):
+                self._Start('split')
+                return self._Run(self._Theta(layer_thetas), inputs, step, first_example, True)
+            trainable = [v.trainable for layer in self.cell.sequence
+                         for v in tf.nest.flatten(layer.vars)]
+            self._splits[key] = residuals.SplitCell(Run, layer_thetas, trainable, input_spec,
+                                                    step_spec)
+        return self._splits[key]
 
 
 class CellFunctions:
@@ -296,14 +255,6 @@ class CellFunctions:
             lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype),
             concrete.structured_outputs)
 
-    def BackwardInputSpecs(self, theta, input_spec, step_spec, d_output_specs):
-        """TensorSpecs of what `BackwardInput` saves for `BackwardWeight` on inputs of
-        `input_spec` and output gradients of `d_output_specs` (tracing it if it was not)."""
-        concrete = self._For('bwd_input').backward_input.get_concrete_function(
-            self._LayerThetas(theta), input_spec, step_spec, step_spec, d_output_specs)
-        return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype),
-                                     concrete.structured_outputs[1])
-
     def Forward(self, theta, inputs, step, first_example, training: bool = True):
         """(outputs, update stats) of the cell on one micro-batch whose first example has index
         `first_example` (scalar int64 tensor) in the mini-batch; one call op on the device."""
@@ -318,18 +269,47 @@ class CellFunctions:
                                                           first_example, d_outputs)
             return self.Flat(d_theta), d_inputs
 
-    def BackwardInput(self, theta, inputs, step, first_example, d_outputs):
-        """(flat d_inputs, saved for `BackwardWeight`) for one micro-batch, recomputing its
-        forward."""
-        with tf.device(self.device):
-            return self._For('bwd_input').backward_input(self._LayerThetas(theta), inputs, step,
-                                                         first_example, d_outputs)
+    def Split(self, theta, input_spec, step_spec) -> CellSplit:
+        """This cell's forward and backward parts joined by residuals, for inputs of
+        `input_spec` (`residuals.SplitCell`), on this device."""
+        return CellSplit(self, self._For('split').Split(self._LayerThetas(theta), input_spec,
+                                                        step_spec), input_spec)
 
-    def BackwardWeight(self, theta, saved, step, first_example):
-        """Flat d_theta for one micro-batch from what `BackwardInput` saved."""
-        with tf.device(self.device):
-            return self.Flat(self._For('bwd_weight').backward_weight(
-                self._LayerThetas(theta), saved, step, first_example))
+
+class CellSplit:
+    """A cell's `residuals.SplitCell` on its device, taking the cell's theta and giving its
+    gradients as `CellFunctions.Backward` does: d_theta flat (None for non-trainable leaves),
+    d_inputs flat over the input's leaves (None where not floating point)."""
+
+    def __init__(self, functions: CellFunctions, split: residuals.SplitCell, input_spec):
+        self._functions = functions
+        self._split = split
+        self._input_spec = input_spec
+        self.kept_specs = split.kept_specs
+        self.saved_specs = split.saved_specs
+
+    def _Call(self, part, theta, *args):
+        fn = self._functions
+        with tf.device(fn.device):
+            return getattr(self._split, part)(fn._LayerThetas(theta), *args)  # pylint: disable=protected-access
+
+    def Forward(self, theta, inputs, step, first_example):
+        """(outputs, statistics, kept residuals) of one micro-batch."""
+        return self._Call('Forward', theta, inputs, step, first_example)
+
+    def Backward(self, theta, kept, step, first_example, d_outputs):
+        """B: (flat d_theta, flat d_inputs)."""
+        d_theta, d_x = self._Call('Backward', theta, kept, step, first_example, d_outputs)
+        return self._functions.Flat(d_theta), WithFloatLeaves(self._input_spec, d_x)
+
+    def Input(self, theta, kept, step, first_example, d_outputs):
+        """I: (flat d_inputs, what W reads)."""
+        d_x, saved = self._Call('Input', theta, kept, step, first_example, d_outputs)
+        return WithFloatLeaves(self._input_spec, d_x), saved
+
+    def Weight(self, theta, saved, step, first_example) -> list:
+        """W: flat d_theta."""
+        return self._functions.Flat(self._Call('Weight', theta, saved, step, first_example))
 
 
 def WithOtherOutputs(ys: list, d_ys: list) -> tuple:

@@ -14,9 +14,9 @@ between its layers, so a stage with a split backward runs its forward as one cal
 W runs no forward: TensorFlow's gradient of each call reads the intermediates the call kept
 (the forward's outputs and whatever its gradient needs). Each layer's own backward up to its
 weights (a dense layer's activation gradient) is computed by I and again by W; the matrix
-products of the two halves are apart. (The looped schedule, `looped.py`, runs the traced split
-of `recompute.CellFunctions.BackwardInput`/`BackwardWeight`, whose W re-runs each layer's
-forward.)
+products of the two halves are apart. (The looped schedule, `looped.py`, whose I and W run in
+other iterations than their forward, splits the cell's traced gradient instead and hands the
+residuals on: `residuals.SplitCell`.)
 """
 
 from __future__ import annotations
