@@ -13,6 +13,7 @@ measurement runs in a process of its own:
            together (the BFC allocator's statistics: TF_CPU_ALLOCATOR_USE_BFC=true)
 
     python benchmarks/schedule_build.py [--runs=looped:gpipe:8,unrolled:gpipe:32,...]
+        (a run: executor:schedule:M[:recompute], recompute 'always' unless given)
         [--out=benchmarks/results/schedule_build.json]
 
 Prints a table and writes every row to JSON.
@@ -29,11 +30,12 @@ import time
 
 DEFAULT_RUNS = ('looped:gpipe:8,looped:gpipe:32,looped:gpipe:128,looped:1f1b:32,'
                 'looped:interleaved_1f1b:32,looped:zero_bubble:32,looped:zero_bubble_v:32,'
+                'looped:1f1b:32:never,looped:zero_bubble:32:never,'
                 'unrolled:gpipe:8,unrolled:gpipe:32,unrolled:1f1b:32')
 K = 8
 
 
-def Measure(executor: str, kind: str, m: int) -> dict:
+def Measure(executor: str, kind: str, m: int, recompute: str = 'always') -> dict:
     """One measurement, in this process (a fresh one: see Main)."""
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -51,7 +53,7 @@ def Measure(executor: str, kind: str, m: int) -> dict:
     start = time.perf_counter()
     layer = pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', layer_tpl=layers, num_cells=K // virtual, virtual_stages=virtual,
-        num_micro_batches=m, schedule=kind, unroll=executor == 'unrolled',
+        num_micro_batches=m, schedule=kind, unroll=executor == 'unrolled', recompute=recompute,
         partition_method='uniform',
         input_shapes={'vec': [batch, length, dim], 'paddings': [batch, length]},
         devices=devices[:K // virtual]).Instantiate()
@@ -84,7 +86,8 @@ def Measure(executor: str, kind: str, m: int) -> dict:
         Step(inputs).numpy()
         times.append(time.perf_counter() - begin)
     peak = test_utils.PeakBytesOf(lambda: Step(inputs).numpy())
-    return dict(executor=executor, schedule=kind, k=K, v=virtual, m=m, batch=batch,
+    return dict(executor=executor, schedule=kind, recompute=recompute, k=K, v=virtual, m=m,
+                batch=batch,
                 layer_s=built - start, trace_s=traced - built, first_step_s=first - traced,
                 build_and_first_s=first - start, step_s=sorted(times)[2], peak_bytes=peak)
 
@@ -92,18 +95,20 @@ def Measure(executor: str, kind: str, m: int) -> dict:
 def Main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--runs', default=DEFAULT_RUNS,
-                        help='Comma-separated executor:schedule:M (executor looped|unrolled).')
+                        help='Comma-separated executor:schedule:M[:recompute] (executor '
+                        'looped|unrolled).')
     parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
                                                       'schedule_build.json'))
     parser.add_argument('--one', default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:  # A child process: one measurement, printed as JSON.
-        executor, kind, m = args.one.split(':')
-        print('RESULT ' + json.dumps(Measure(executor, kind, int(m))), flush=True)
+        executor, kind, m, *recompute = args.one.split(':')
+        print('RESULT ' + json.dumps(Measure(executor, kind, int(m), *recompute)), flush=True)
         return
     rows = []
-    print(f'{"executor":9s} {"schedule":17s} {"M":>4s} {"layer":>6s} {"trace":>6s} '
-          f'{"first":>7s} {"total":>7s} {"step":>6s}  (seconds) {"peak MB":>8s}', flush=True)
+    print(f'{"executor":9s} {"schedule":17s} {"recompute":11s} {"M":>4s} {"layer":>6s} '
+          f'{"trace":>6s} {"first":>7s} {"total":>7s} {"step":>6s}  (seconds) {"peak MB":>8s}',
+          flush=True)
     for run in args.runs.split(','):
         result = subprocess.run([sys.executable, __file__, f'--one={run}'], capture_output=True,
                                 text=True, check=False,
@@ -115,9 +120,10 @@ def Main() -> None:
             continue
         row = json.loads(lines[-1][len('RESULT '):])
         rows.append(row)
-        print(f'{row["executor"]:9s} {row["schedule"]:17s} {row["m"]:4d} {row["layer_s"]:6.1f} '
-              f'{row["trace_s"]:6.1f} {row["first_step_s"]:7.1f} {row["build_and_first_s"]:7.1f} '
-              f'{row["step_s"]:6.2f}            {row["peak_bytes"] / 2**20:8.0f}', flush=True)
+        print(f'{row["executor"]:9s} {row["schedule"]:17s} {row["recompute"]:11s} {row["m"]:4d} '
+              f'{row["layer_s"]:6.1f} {row["trace_s"]:6.1f} {row["first_step_s"]:7.1f} '
+              f'{row["build_and_first_s"]:7.1f} {row["step_s"]:6.2f}            '
+              f'{row["peak_bytes"] / 2**20:8.0f}', flush=True)
     if not rows:
         sys.exit('error: every run failed (see above); nothing written')
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -7,6 +7,8 @@ per micro-batch inside the pipeline (`FPropLoss`) for every schedule but gpipe, 
 the pipeline. Each configuration runs in a process of its own (a fresh allocator), built as a
 tf.function or in a tf.compat.v1 graph run by a Session, the batch fed to each step:
 
+  executor      'looped' or 'unrolled' (`--unroll`, by default 'auto': a loop from 64 cell
+                calls, so K=4, M=32 loops)
   between_mib   `tf.config.experimental.get_memory_info('CPU:0')['current']` after the first
                 step: the weights and whatever the step's graph keeps alive between steps
   peak_mib      the peak of the second step (the allocator's statistics reset before it),
@@ -23,7 +25,7 @@ weight or two (4 MiB each here) in some runs and not in others.
 A configuration the pipeline refuses (a ConfigError) is a row with its message.
 
     python benchmarks/schedule_memory.py [--m=32] [--schedules=gpipe,1f1b] \
-        [--recompute=never,always] [--graph_modes=function,v1] \
+        [--recompute=never,always] [--graph_modes=function,v1] [--unroll=auto|true|false] \
         [--out=benchmarks/results/schedule_memory.json]
 """
 
@@ -41,7 +43,8 @@ KINDS = ('gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble', 'zero_bubble_v')
 MODES = ('never', 'except_last', 'always')
 
 
-def MeasureHere(kind: str, k: int, m: int, recompute: str, graph_mode: str) -> dict:
+def MeasureHere(kind: str, k: int, m: int, recompute: str, graph_mode: str,
+                unroll='auto') -> dict:
     """Measures one configuration in this process (which must not have run another)."""
     os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
@@ -58,7 +61,8 @@ def MeasureHere(kind: str, k: int, m: int, recompute: str, graph_mode: str) -> d
               for i in range(LAYERS)]
     params = pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', layer_tpl=layers, num_cells=k, virtual_stages=virtual, num_micro_batches=m,
-        schedule=kind, recompute=recompute, input_shapes=[BATCH, WIDTH], devices=devices[:k])
+        schedule=kind, recompute=recompute, input_shapes=[BATCH, WIDTH], devices=devices[:k],
+        unroll=unroll)
     row = dict(schedule=kind, k=k, m=m, recompute=recompute, graph_mode=graph_mode)
 
     def Loss(outputs, _):
@@ -101,6 +105,8 @@ def MeasureHere(kind: str, k: int, m: int, recompute: str, graph_mode: str) -> d
         run()
     except errors.ConfigError as error:
         return dict(row, refused=str(error))
+    row['executor'] = 'looped' if layer.plan.Loops(m) else 'unrolled'
+
     row['between_mib'] = Info()['current'] / MIB
     tf.config.experimental.reset_memory_stats('CPU:0')
     run()
@@ -116,19 +122,21 @@ def MeasureHere(kind: str, k: int, m: int, recompute: str, graph_mode: str) -> d
     return row
 
 
-def Measure(kind: str, k: int, m: int, recompute: str, graph_mode: str) -> dict:
+def Measure(kind: str, k: int, m: int, recompute: str, graph_mode: str, unroll='auto') -> dict:
     """One configuration, measured in a fresh process; in a v1 graph, the lesser of two
     processes' bytes between steps (a Session's copy-on-write copies of a weight or two vary
     from run to run)."""
     if graph_mode == 'v1':
-        rows = [_MeasureOnce(kind, k, m, recompute, graph_mode) for _ in range(2)]
+        rows = [_MeasureOnce(kind, k, m, recompute, graph_mode, unroll) for _ in range(2)]
         return min(rows, key=lambda row: row.get('between_mib', 0))
-    return _MeasureOnce(kind, k, m, recompute, graph_mode)
+    return _MeasureOnce(kind, k, m, recompute, graph_mode, unroll)
 
 
-def _MeasureOnce(kind: str, k: int, m: int, recompute: str, graph_mode: str) -> dict:
+def _MeasureOnce(kind: str, k: int, m: int, recompute: str, graph_mode: str,
+                 unroll) -> dict:
     result = subprocess.run(
-        [sys.executable, __file__, '--one', json.dumps([kind, k, m, recompute, graph_mode])],
+        [sys.executable, __file__, '--one',
+         json.dumps([kind, k, m, recompute, graph_mode, unroll])],
         capture_output=True, text=True, check=False)
     if result.returncode:
         raise RuntimeError(f'{kind} K={k} M={m} {recompute} {graph_mode} failed:\n'
@@ -146,6 +154,8 @@ def Main() -> None:
     parser.add_argument('--schedules', default=','.join(KINDS))
     parser.add_argument('--recompute', default=','.join(MODES))
     parser.add_argument('--graph_modes', default='function,v1')
+    parser.add_argument('--unroll', default='auto', choices=('auto', 'true', 'false'),
+                        help="The pipeline's unroll ('auto': a loop from 64 cell calls).")
     parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
                                                       'schedule_memory.json'))
     parser.add_argument('--one', default=None, help=argparse.SUPPRESS)
@@ -153,24 +163,27 @@ def Main() -> None:
     if args.one:
         print(json.dumps(MeasureHere(*json.loads(args.one))))
         return
+    unroll = {'auto': 'auto', 'true': True, 'false': False}[args.unroll]
     rows = []
-    print(f'{"graph":8s} {"schedule":17s} {"recompute":11s} {"between MiB":>11s} '
+    print(f'{"graph":8s} {"schedule":17s} {"recompute":11s} {"executor":9s} {"between MiB":>11s} '
           f'{"x un-pipelined":>14s} {"peak MiB":>9s} {"step holds MiB":>14s}', flush=True)
     for graph_mode in args.graph_modes.split(','):
         base = Measure('gpipe', 1, 1, 'never', graph_mode)
         base['between_ratio'] = 1.0
         rows.append(base)
-        print(f'{graph_mode:8s} {"(un-pipelined)":17s} {"":11s} {base["between_mib"]:11.1f} '
+        print(f'{graph_mode:8s} {"(un-pipelined)":17s} {"":11s} {"":9s} '
+              f'{base["between_mib"]:11.1f} '
               f'{1.0:14.2f} {base["peak_mib"]:9.1f} {_Held(base)}', flush=True)
         for kind in args.schedules.split(','):
             for recompute in args.recompute.split(','):
-                row = Measure(kind, K, args.m, recompute, graph_mode)
+                row = Measure(kind, K, args.m, recompute, graph_mode, unroll)
                 if 'refused' in row:
                     print(f'{graph_mode:8s} {kind:17s} {recompute:11s} refused: '
                           f'{row["refused"][:70]}', flush=True)
                 else:
                     row['between_ratio'] = row['between_mib'] / base['between_mib']
-                    print(f'{graph_mode:8s} {kind:17s} {recompute:11s} {row["between_mib"]:11.1f} '
+                    print(f'{graph_mode:8s} {kind:17s} {recompute:11s} {row["executor"]:9s} '
+                          f'{row["between_mib"]:11.1f} '
                           f'{row["between_ratio"]:14.2f} {row["peak_mib"]:9.1f} {_Held(row)}',
                           flush=True)
                 rows.append(row)

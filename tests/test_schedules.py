@@ -327,6 +327,12 @@ class LoopedKeepingTest(tf.test.TestCase, parameterized.TestCase):
         self.assertSameStep(*V1StepAndReference(kind, k, v, m, r, unroll=False,
                                                 recompute=recompute))
 
+    def testEagerEqualsTheLayersInSequence(self):
+        layer = Pipeline('zero_bubble', 3, 1, 4, 1, recompute='never', unroll=False).Instantiate()
+        x, loss_inputs = Data()
+        self.assertSameStep(PipelineStep(layer, x, loss_inputs),
+                            ReferenceStep(layer, x, loss_inputs))
+
     @parameterized.parameters('1f1b', 'zero_bubble')
     def testNeverRunsNoForwardAgain(self, kind):
         x, loss_inputs = Data()
