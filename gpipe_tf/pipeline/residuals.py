@@ -118,7 +118,9 @@ class SplitCell:
     def _Given(self, theta, step, first_example) -> list:
         """What every part is given first: the cell's theta (flat), the step, the first example."""
         theta = tf.nest.flatten(theta)
-        return theta + [tf.cast(step, tf.int64), tf.cast(first_example, tf.int64)]
+        # As tensors: a variable (the global step) would not bind to a pruned function.
+        return [tf.convert_to_tensor(t) for t in theta] + [
+            tf.cast(tf.convert_to_tensor(x), tf.int64) for x in (step, first_example)]
 
     def Forward(self, theta, inputs, step, first_example):
         """(outputs, statistics, the kept residuals as a flat list) for one micro-batch."""
