@@ -120,10 +120,10 @@ class LoopedSchedule:
         micro-batches as the loops `phases` (per loop, the kinds of action it runs) have alive
         in it at once (`_RingSizes`)."""
         m_count, batch_dim = self._num_micro_batches, self._batch_dim
-        # Eagerly, a TensorArray write changes it in place: a device later in the same tick
-        # would read it, so a slot is not reused in the tick of its last read.
         # Per stage, whether its training forward keeps its residuals for its backward.
         self._keeps = [training and not r for r in self._recomputes]
+        # Eagerly, a TensorArray write changes it in place: a device later in the same tick
+        # would read it, so a slot is not reused in the tick of its last read.
         self._ring = _RingSizes(self._schedule, phases, loss_in_loop,
                                 reuse_in_tick=not tf.executing_eagerly(), keeps=self._keeps)
         self._loop_keys = None  # While a loop is built, the state it carries (`_Loop`).
