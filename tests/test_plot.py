@@ -129,7 +129,7 @@ class TimelineFigureTest(parameterized.TestCase):
         ax = plot.TimelineFigure(timeline, title='K=4 M=8',
                                  ideal_utilisation=simulator.IdealUtilisation(8, 4)).axes[0]
         self.assertEqual(ax.get_title(),
-                         'K=4 M=8: utilisation 72.7% (ideal M/(M+K-1) = 72.7%)')
+                         'K=4 M=8: utilisation 72.7% (ideal 72.7%)')
         self.assertEqual(plot.TimelineFigure(timeline).axes[0].get_title(), 'utilisation 72.7%')
 
     def testShortStepsAreInMillisecondsLongOnesInSeconds(self):

@@ -89,6 +89,17 @@ class MeasuredTimelineTest(tf.test.TestCase):
         self.assertEqual(timeline.makespan, 7.0)
         self.assertAllClose(timeline.busy, [1.5, 3.0001])
 
+    def testASplitBackwardsGradientSumIsPartOfItsW(self):
+        events = [trace.OpEvent('cell_0_mb_0_bwd_input/MatMul', 0.0, 1.0),
+                  trace.OpEvent('cell_0_mb_0_bwd_weight/MatMul', 2.0, 3.0),
+                  trace.OpEvent('cell_0_mb_0_grad_sum/add', 3.0, 3.5),
+                  trace.OpEvent('cell_0_mb_1_bwd/MatMul', 4.0, 5.0),
+                  trace.OpEvent('cell_0_mb_1_grad_sum/add', 5.0, 5.5)]
+        boxes = {(i.micro_batch, i.kind): (i.start, i.end)
+                 for i in trace.MeasuredTimeline(events, 1).intervals}
+        self.assertEqual(boxes, {(0, 'input_grad'): (0.0, 1.0), (0, 'weight_grad'): (2.0, 3.5),
+                                 (1, 'backward'): (4.0, 5.5)})
+
     def testOneReplicaAtATime(self):
         events = [trace.OpEvent('replica_0/cell_0_mb_0_fwd/MatMul', 0.0, 1.0),
                   trace.OpEvent('replica_1/cell_0_mb_0_fwd/MatMul', 0.5, 3.0)]

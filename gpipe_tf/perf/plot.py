@@ -159,7 +159,7 @@ def TimelineFigure(timeline: simulator.Timeline, title: str = '',
               loc='upper left', bbox_to_anchor=(1.01, 1), frameon=False)
     summary = f'utilisation {_Percent(timeline.utilisation)}'
     if ideal_utilisation is not None:
-        summary += f' (ideal M/(M+K-1) = {_Percent(ideal_utilisation)})'
+        summary += f' (ideal {_Percent(ideal_utilisation)})'
     ax.set_title(f'{title}: {summary}' if title else summary)
     return figure
 

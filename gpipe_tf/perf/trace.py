@@ -197,6 +197,11 @@ def MeasuredTimeline(events: list[OpEvent], num_cells: int, replica: int = 0,
         raise ValueError(f'None of the {len(events)} traced ops is a pipeline op (named under '
                          'cell_<k>_mb_<m>_<part> or cell_<k>_<part>): was the right step '
                          'traced?')
+    # A micro-batch's gradient sum (`grad_sum`, read as 'backward') follows the action that
+    # computed the gradient: under a split backward that is its W, whose box it joins.
+    for cell, m, kind in list(ops):
+        if kind == 'backward' and (cell, m, 'weight_grad') in ops:
+            ops[cell, m, 'weight_grad'] += ops.pop((cell, m, kind))
     origin = min(e.start for e in events)
     intervals = []
     for (cell, m, kind), box_ops in ops.items():

@@ -209,6 +209,12 @@ class PipeliningLayer(BaseLayer):
                     theta[layer.p.name] = layer.theta
         return theta
 
+    def CellTheta(self, k: int) -> NestedMap:
+        """Cell k's theta, as its `cell_functions[k]` take it (its layers' variable values,
+        read on its device)."""
+        with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_theta'):
+            return self._cells[k].Theta(self.theta)
+
     def Layers(self) -> list:
         """Every layer, in the order the pipeline applies them (before_tpl layers first)."""
         return self._before + [layer for cell in self._cells for layer in cell.sequence]

@@ -1,0 +1,121 @@
+r"""The looped step of every schedule as K grows, for the same work: is any slower than gpipe's?
+
+A dense stack of 2K layers of 64 (tanh), M = 4K micro-batches of 8 examples, K cells on K
+virtual CPU devices (2K cells, two per device, for interleaved_1f1b and zero_bubble_v), run as
+a loop (unroll=False). TensorFlow's default threads: the devices share this machine's cores, so
+a step's time is its total work plus the loop's own cost, and the schedules, doing the same
+arithmetic, should take the same time. Per (K, schedule):
+
+  first_step_s   building the step and running it once
+  step_ms        median of 5 train steps (loss per micro-batch via FPropLoss, SGD update)
+  over_gpipe     step_ms over looped gpipe's at the same K
+
+    python benchmarks/looped_scaling.py [--ks=8,16,32] [--recompute=always] [--schedules=...]
+        [--out=benchmarks/results/looped_scaling.json]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import argparse  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import json
+import statistics
+import time
+
+import tensorflow as tf  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
+WIDTH, MICRO_BATCH = 64, 8
+
+
+def Build(kind, k, devices, recompute):
+    from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
+    virtual = 2 if kind in ('interleaved_1f1b', 'zero_bubble_v') else 1
+    m = 4 * k
+    layers = [basic.DenseLayer.Params().Set(name=f'dense_{i}', input_dim=WIDTH,
+                                            output_dim=WIDTH, activation='tanh')
+              for i in range(2 * k)]
+    return pipelining_layer.PipeliningLayer.Params().Set(
+        name='pipe', layer_tpl=layers, num_cells=k, virtual_stages=virtual,
+        num_micro_batches=m, schedule=kind, recompute=recompute, unroll=False,
+        input_shapes=[MICRO_BATCH * m, WIDTH], devices=devices[:k]).Instantiate()
+
+
+def LossFn(outputs, _):
+    return tf.reduce_mean(tf.square(outputs)), tf.constant(1.0)
+
+
+def MakeStep(layer):
+    variables = layer.trainable_variables
+
+    @tf.function
+    def Step(x):
+        with tf.GradientTape() as tape:
+            _, loss, _ = layer.FPropLoss(layer.theta, x, LossFn)
+        for v, g in zip(variables, tape.gradient(loss, variables)):
+            v.assign_sub(1e-4 * g)
+        return loss
+    return Step
+
+
+def Measure(kind, k, devices, recompute) -> dict:
+    layer = Build(kind, k, devices, recompute)
+    assert layer.plan.Loops(layer.plan.num_micro_batches), 'the benchmark measures the loop'
+    step = MakeStep(layer)
+    x = tf.random.stateless_normal([MICRO_BATCH * 4 * k, WIDTH], [1, 2])
+    start = time.perf_counter()
+    step(x).numpy()
+    first = time.perf_counter() - start
+    step(x).numpy()
+    times = []
+    for _ in range(5):
+        begin = time.perf_counter()
+        step(x).numpy()
+        times.append(time.perf_counter() - begin)
+    return dict(schedule=kind, k=k, m=4 * k, layers=2 * k, recompute=recompute,
+                first_step_s=first, step_ms=1e3 * statistics.median(times))
+
+
+def Main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--ks', default='8,16,32', help='Comma-separated K values.')
+    parser.add_argument('--recompute', default='always', choices=('always', 'except_last',
+                                                                  'never'))
+    parser.add_argument('--schedules', default=None,
+                        help='Comma-separated kinds (default: every kind; gpipe always runs '
+                             'first, as the reference).')
+    parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
+                                                      'looped_scaling.json'))
+    args = parser.parse_args()
+    ks = [int(v) for v in args.ks.split(',')]
+    from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.pipeline import schedule  # pylint: disable=g-import-not-at-top
+    devices = test_utils.ConfigureVirtualCpus(max(ks))
+    kinds = args.schedules.split(',') if args.schedules else list(schedule.KINDS)
+    kinds = ['gpipe'] + [kind for kind in kinds if kind != 'gpipe']
+    print(f'TensorFlow {tf.__version__}, {os.cpu_count()} CPU cores; 2K dense layers of {WIDTH}, '
+          f'M=4K micro-batches of {MICRO_BATCH}, looped, recompute {args.recompute}')
+    print(f'{"schedule":17s} {"K":>3s} {"M":>4s} {"first step s":>12s} {"step ms":>8s} '
+          f'{"/gpipe":>7s}', flush=True)
+    rows = []
+    for k in ks:
+        reference = None
+        for kind in kinds:
+            row = Measure(kind, k, devices, args.recompute)
+            reference = reference or row['step_ms']
+            row['over_gpipe'] = row['step_ms'] / reference
+            rows.append(row)
+            print(f'{kind:17s} {k:3d} {4 * k:4d} {row["first_step_s"]:12.1f} '
+                  f'{row["step_ms"]:8.1f} {row["over_gpipe"]:7.2f}', flush=True)
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, 'w', encoding='utf-8') as f:  # After every row: nothing lost.
+                json.dump({'tensorflow': tf.__version__, 'cpu_cores': os.cpu_count(),
+                           'rows': rows}, f, indent=1)
+    print(f'wrote {args.out}')
+
+
+if __name__ == '__main__':
+    Main()
