@@ -1,6 +1,7 @@
 r"""Every schedule on 8 virtual CPU devices: step time, memory, simulated and measured bubble.
 
-A 16-layer dense stack (512 wide, ReLU, batch 256), re-materializing, K in {4, 8} devices (2K
+A 16-layer dense stack (512 wide, ReLU, batch 256), re-materializing (or as `--recompute`
+says), K in {4, 8} devices (2K
 cells of interleaved_1f1b and zero_bubble_v) and M in {8, 32}, one thread per op and as many ops
 in flight as devices, so that each virtual device acts as one core of its own (the machine has
 fewer cores than devices: expect contention). Per schedule and (K, M):
@@ -16,6 +17,7 @@ fewer cores than devices: expect contention). Per schedule and (K, M):
                     update included in the makespan
 
     python benchmarks/schedules.py [--quick] [--unroll=true|false|auto] [--schedules=gpipe,...]
+        [--recompute=always|except_last|never]
         [--plot_dir=benchmarks/results/schedule_timelines]
         [--out=benchmarks/results/schedules.json]
 
@@ -49,7 +51,7 @@ def Setup() -> list[str]:
     return test_utils.ConfigureVirtualCpus(NUM_DEVICES)
 
 
-def Build(kind, k, m, devices, unroll=True):
+def Build(kind, k, m, devices, unroll=True, recompute='always'):
     from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
     from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
     virtual = 2 if kind in ('interleaved_1f1b', 'zero_bubble_v') else 1
@@ -59,7 +61,7 @@ def Build(kind, k, m, devices, unroll=True):
     return pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', layer_tpl=layers, num_cells=k, virtual_stages=virtual,
         num_micro_batches=m, schedule=kind, input_shapes=[BATCH, WIDTH],
-        devices=devices[:k], unroll=unroll).Instantiate()
+        devices=devices[:k], unroll=unroll, recompute=recompute).Instantiate()
 
 
 def LossFn(outputs, _):
@@ -82,11 +84,11 @@ def MakeStep(layer, kind):
     return Step
 
 
-def Measure(kind, k, m, devices, unroll=True, plot_dir=None) -> dict:
+def Measure(kind, k, m, devices, unroll=True, plot_dir=None, recompute='always') -> dict:
     from gpipe_tf.perf import memory  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import simulator  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import trace  # pylint: disable=g-import-not-at-top
-    layer = Build(kind, k, m, devices, unroll)
+    layer = Build(kind, k, m, devices, unroll, recompute)
     step = MakeStep(layer, kind)
     x = tf.random.stateless_normal([BATCH, WIDTH], [1, 2])
     start = time.perf_counter()
@@ -116,8 +118,10 @@ def Measure(kind, k, m, devices, unroll=True, plot_dir=None) -> dict:
         for name, timeline in (('predicted', simulated), ('measured', measured)):
             plot.SavePng(plot.TimelineFigure(
                 timeline, title=f'{kind}, K={k}, M={m}: {name}, bubble {timeline.bubble:.2f}'),
-                os.path.join(plot_dir, f'{kind}_k{k}_m{m}_{name}.png'))
+                os.path.join(plot_dir, f'{kind}{"" if recompute == "always" else "_" + recompute}'
+                                       f'_k{k}_m{m}_{name}.png'))
     return dict(schedule=kind, k=k, v=plan.virtual_stages, m=m, looped=plan.Loops(m),
+                recompute=recompute,
                 first_step_s=first,
                 step_ms=1e3 * statistics.median(times), peak_mib=peak / MIB,
                 planned_mib=sum(planned.device_totals) / MIB,
@@ -137,6 +141,9 @@ def Main() -> None:
                         help='Comma-separated kinds to measure (default: every kind).')
     parser.add_argument('--unroll', default='true', choices=('true', 'false', 'auto'),
                         help="The pipeline's unroll: unrolled, a loop, or by the plan's rule.")
+    parser.add_argument('--recompute', default='always', choices=('always', 'except_last',
+                                                                  'never'),
+                        help="The pipeline's recompute mode.")
     args = parser.parse_args()
     unroll = {'true': True, 'false': False, 'auto': 'auto'}[args.unroll]
     devices = Setup()
@@ -147,7 +154,7 @@ def Main() -> None:
     for k in ([4] if args.quick else [4, 8]):
         for m in ([8] if args.quick else [8, 32]):
             for kind in (args.schedules.split(',') if args.schedules else schedule.KINDS):
-                row = Measure(kind, k, m, devices, unroll, args.plot_dir)
+                row = Measure(kind, k, m, devices, unroll, args.plot_dir, args.recompute)
                 rows.append(row)
                 print(f'{kind:17s} {k:2d} {m:3d} {row["step_ms"]:8.1f} {row["peak_mib"]:9.1f} '
                       f'{row["planned_mib"]:8.1f} {row["bubble_simulated"]:10.3f} '

@@ -46,7 +46,6 @@ from gpipe_tf.perf import trace  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import executor  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import recompute as recompute_lib  # pylint: disable=g-import-not-at-top
-from gpipe_tf.pipeline import split_backward  # pylint: disable=g-import-not-at-top
 
 NUM_CELLS = 2
 TOLERANCE = 0.20
@@ -59,15 +58,17 @@ def Setup() -> list[str]:
     return test_utils.ConfigureVirtualCpus(NUM_CELLS)
 
 
-def Median(fn, repeats: int) -> float:
-    """Median wall seconds of `fn()` (which returns something with .numpy()), after a warm-up."""
-    tf.nest.map_structure(lambda t: t.numpy(), fn())
-    times = []
-    for _ in range(repeats):
+def Medians(fns, repeats: int) -> list[float]:
+    """Median wall seconds of each `fn()` (which returns tensors), after a warm-up, the calls
+    taken in turn, round after round, so that a slower phase of the machine falls on all."""
+    def Time(fn):
         start = time.perf_counter()
         tf.nest.map_structure(lambda t: t.numpy(), fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return time.perf_counter() - start
+    for fn in fns:
+        Time(fn)
+    rounds = [[Time(fn) for fn in fns] for _ in range(repeats)]
+    return [statistics.median(times) for times in zip(*rounds)]
 
 
 def BoxSeconds(fn, args, repeats: int) -> dict:
@@ -123,16 +124,16 @@ def KeptCellCosts(layer, micro_batch_size: int, width: int, repeats: int,
                   split: bool) -> simulator.CellCosts:
     """Each cell's forward and backward on one micro-batch when it keeps its activations
     (recompute never), traced alone: the backward fused (gpipe, 1f1b) or, with `split`, the
-    input gradient and the weight gradient apart (zero_bubble), as the unrolled executor runs
-    them (`split_backward.LayeredCell`); its `weight_fraction` is their measured ratio."""
+    input gradient and the weight gradient apart (zero_bubble), as the executors run them
+    (the parts of `residuals.SplitCell`); its `weight_fraction` is their measured ratio."""
     step, micro_batch = tf.constant(0, tf.int64), tf.constant(0, tf.int64)
     forward, backward, fractions = [], [], []
     for k, fn in enumerate(layer.cell_functions):
         theta = layer.CellTheta(k)
-        layered = split_backward.LayeredCell(fn)
         with tf.device(fn.device):
             x = tf.random.stateless_normal([micro_batch_size, width], [k, 1])
             dy = [tf.random.stateless_normal([micro_batch_size, width], [k, 2])]
+        parts = fn.Split(theta, tf.TensorSpec(x.shape, x.dtype), tf.TensorSpec([], tf.int64))
 
         @tf.function
         def Fused(x, dy, k=k, fn=fn, theta=theta):
@@ -145,15 +146,13 @@ def KeptCellCosts(layer, micro_batch_size: int, width: int, repeats: int,
             return [g for g in tf.nest.flatten(grads) if g is not None]
 
         @tf.function
-        def Split(x, dy, k=k, fn=fn, theta=theta, layered=layered):
-            with tf.device(fn.device):
-                theta, x = recompute_lib.Identity(theta), recompute_lib.Identity(x)
-                with tf.name_scope(executor.OpScope(k, 0, 'fwd')):
-                    _, _, record = layered.Forward(theta, x, step, micro_batch)
-                with tf.name_scope(executor.OpScope(k, 0, 'bwd_input')):
-                    d_x, layer_d_outputs = layered.InputGradient(record, dy)
-                with tf.name_scope(executor.OpScope(k, 0, 'bwd_weight')):
-                    d_theta = layered.WeightGradient(record, layer_d_outputs)
+        def Split(x, dy, k=k, theta=theta, parts=parts):
+            with tf.name_scope(executor.OpScope(k, 0, 'fwd')):
+                _, _, kept = parts.Forward(theta, x, step, micro_batch)
+            with tf.name_scope(executor.OpScope(k, 0, 'bwd_input')):
+                d_x, saved = parts.Input(theta, kept, step, micro_batch, dy)
+            with tf.name_scope(executor.OpScope(k, 0, 'bwd_weight')):
+                d_theta = parts.Weight(theta, saved, step, micro_batch)
             return [g for g in tf.nest.flatten((d_x, d_theta)) if g is not None]
 
         if split:
@@ -233,13 +232,15 @@ def main():
     rows = []
     x = tf.random.stateless_normal([args.batch, args.width], [1, 2])
     for m in [int(v) for v in args.micro_batches.split(',')]:
+        runs = []
         for kind in args.schedules.split(','):
             layer = BuildPipeline(args, devices, m, kind, args.recompute)
             costs = Costs(layer, kind, args.recompute, args, args.batch // m)
+            runs.append((kind, layer, costs, TrainStep(layer, kind=kind)))
+        times = Medians([lambda step=step: step(x) for *_, step in runs], args.repeats)
+        for (kind, layer, costs, step), measured_s in zip(runs, times):
             predicted = simulator.Simulate(costs, m, layer.plan.recompute,
                                            schedule=layer.plan.schedule)
-            step = TrainStep(layer, kind=kind)
-            measured_s = Median(lambda: step(x), args.repeats)
             measured = trace.MeasuredTimeline(trace.TraceFunction(step, x), NUM_CELLS)
             ideal = simulator.IdealUtilisation(m, NUM_CELLS, kind)
             ratio = predicted.makespan / measured_s

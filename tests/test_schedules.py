@@ -149,7 +149,8 @@ class ScheduleContractTest(tf.test.TestCase, parameterized.TestCase):
             statistics[name] = {v.name: v.numpy() for v in layer.variables
                                 if 'moving' in v.name}
         # Eagerly, the same ops run on the same values in another order: bit for bit. A split
-        # backward differentiates each layer alone (`split_backward`): the sums' order differs.
+        # backward runs the pruned parts of the cell's traced gradient (`residuals`): the
+        # sums' order differs.
         exact = 1e-4 if kind.startswith('zero_bubble') else 1e-30
         self.assertSameStep(steps['tested'], steps['reference'], rtol=exact, d_x_rtol=exact)
         self.assertNotEmpty(statistics['reference'])
@@ -174,21 +175,28 @@ SPLIT_CASES = [(f'{kind}_{recompute}', kind, k, v, recompute)
                for recompute in ('never', 'except_last', 'always')]
 
 
-def _ForwardCalls(graph, part: str) -> int:
-    """The calls of traced forward functions (not of their gradients) under the name scopes of
-    `part` ('fwd', 'bwd_input', 'bwd_weight') in `graph`."""
-    count = 0
-    for op in graph.get_operations():
-        if (op.type in ('PartitionedCall', 'StatefulPartitionedCall') and
-                re.match(rf'cell_\d+_mb_\d+_{part}/', op.name)):
-            name = op.get_attr('f').name
-            count += '_fwd_' in name and 'backward' not in name
-    return count
+def _Forwards(graph, part: str) -> int:
+    """The dense layers' forward activations (Tanh ops; their gradients are TanhGrad) that the
+    function calls under the name scopes of `part` ('fwd', 'bwd_input', 'bwd_weight') of
+    `graph` run, through nested calls."""
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+
+    def Count(function_name):
+        count = 0
+        for node in library[function_name].node_def:
+            count += node.op == 'Tanh'
+            count += sum(Count(value.func.name) for value in node.attr.values()
+                         if value.func.name in library)
+        return count
+
+    return sum(Count(op.get_attr('f').name) for op in graph.get_operations()
+               if op.type in ('PartitionedCall', 'StatefulPartitionedCall') and
+               re.match(rf'cell_\d+_mb_\d+_{part}/', op.name))
 
 
 class SplitBackwardTest(tf.test.TestCase, parameterized.TestCase):
-    """zero_bubble's I and W differentiate one forward: with recompute 'never' the forward's
-    own (one call per layer), re-materializing one re-run before I; W runs no forward."""
+    """zero_bubble's I and W read one forward's residuals: with recompute 'never' the
+    forward's own, re-materializing one re-run before I; W runs no forward."""
 
     assertSameStep = ScheduleContractTest.assertSameStep
 
@@ -228,18 +236,16 @@ class SplitBackwardTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.parameters(('never', 0), ('always', 1))
     def testForwardsPerMicroBatch(self, recompute, reruns):
-        """Per micro-batch and cell: the forward (one call per layer when it keeps its
-        activations), a re-run before I only when re-materializing, none in W."""
+        """Per micro-batch and cell: its forward at F, a re-run before I only when
+        re-materializing, none in W."""
         k, m = 2, 4
-        layers_per_cell = len(Layers()) // k
         layer = Pipeline('zero_bubble', k, 1, m, 1, recompute=recompute).Instantiate()
         x, loss_inputs = Data()
         graph = tf.function(lambda x: PipelineStep(layer, x, loss_inputs)).get_concrete_function(
             x).graph
-        per_forward = 1 if reruns else layers_per_cell
-        self.assertEqual(_ForwardCalls(graph, 'fwd'), k * m * per_forward)
-        self.assertEqual(_ForwardCalls(graph, 'bwd_input'), k * m * layers_per_cell * reruns)
-        self.assertEqual(_ForwardCalls(graph, 'bwd_weight'), 0)
+        self.assertEqual(_Forwards(graph, 'fwd'), m * NUM_BLOCKS)
+        self.assertEqual(_Forwards(graph, 'bwd_input'), m * NUM_BLOCKS * reruns)
+        self.assertEqual(_Forwards(graph, 'bwd_weight'), 0)
 
 
 class ForwardOnlyScheduleTest(tf.test.TestCase, parameterized.TestCase):

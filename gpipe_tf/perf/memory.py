@@ -18,10 +18,10 @@ walking each stage's actions in the order its device runs them (`pipeline/schedu
 * While its backward runs, a micro-batch holds its recomputed (or kept) activations, which
   its weight gradients replace layer by layer, and two activation gradients (the incoming one
   and the one computed from it; counted at the stage's largest layer output).
-* A split backward's I keeps, for its W, the activations of its per-layer forward (the
-  forward's own on a stage that keeps them; on a re-materializing one, those of the forward I
-  re-runs) and the gradient of each layer's output; W, which runs no forward, frees them
-  (`pipeline/split_backward.py`).
+* A split backward's I keeps, for its W, the forward's activations W reads (the forward's
+  own on a stage that keeps them; on a re-materializing one, those of the forward I re-runs)
+  and the gradient of each layer's output; W, which runs no forward, frees them
+  (`pipeline/residuals.py`).
 * The last stage also holds the pipeline's output: for the whole mini-batch under a schedule
   that runs every forward first (the loss reads the whole batch), else per micro-batch until
   its backward (the loss is computed per micro-batch).
@@ -373,8 +373,8 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1,
             # joined into the mini-batch's at the end (both with M > 1).
             pending_input=input_bytes // m if not training and k == 0 and m > 1 else 0,
             joins_output=not training and k == num - 1 and m > 1,
-            # A split backward's I keeps for W the per-layer forward's activations (made at F,
-            # or re-made by I when re-materializing) and each layer's output gradient.
+            # A split backward's I keeps for W the forward's activations (made at F, or re-made
+            # by I when re-materializing) and each layer's output gradient.
             window=(input_bytes + max(meta.activation_bytes - output_bytes, 0)
                     + sum(layer_outputs)) // m,
             output=output_bytes if k == num - 1 else 0,

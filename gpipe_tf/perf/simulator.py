@@ -12,7 +12,7 @@ runs on device s % K (in a V under zero_bubble_v). The model follows the executo
   re-materializing stage first re-runs its forward (a 'recompute' interval) and then computes
   its gradients: B all of them, I those of its input (the backward less `weight_fraction`).
 * W(s, m) waits for I(s, m) and computes the weight gradients (the backward's
-  `weight_fraction`) from what I kept: it runs no forward (`pipeline/split_backward.py`).
+  `weight_fraction`) from what I kept: it runs no forward (`pipeline/residuals.py`).
 
 A boundary between consecutive stages on two devices costs one hop; between two stages of one
 device (the turn of zero_bubble_v's V, or K = 1) it costs nothing: the executor passes the

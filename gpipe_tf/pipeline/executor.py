@@ -2,9 +2,12 @@
 
 `UnrolledSchedule` walks a `schedule.Schedule`'s actions in their build order (`Schedule.order`)
 and builds each under its stage's device: F calls the stage's traced forward on a micro-batch
-and keeps what its backward needs (its input when re-materializing, else a tape of its
-forward); B runs the stage's backward (recompute, then gradients); I and W, the split backward
-of zero-bubble schedules, run the input gradient and, later, the weight gradient. Each device
+and keeps what its backward needs (its input when re-materializing, else its forward's call,
+which B differentiates); B runs the stage's backward (recompute, then gradients); I and W, the
+split backward of zero-bubble schedules, run the input gradient and, later, the weight
+gradient, as the parts of the cell's traced gradient (`residuals.SplitCell`, which the loop
+runs too): F keeps the residuals I reads, or I re-runs the forward once on a re-materializing
+stage, and I keeps what W reads. Each device
 runs its actions in its list's order: every action waits (a control dependency) for what the
 device's previous action produced. Weight gradients are summed over micro-batches on the
 stage's device as they come.
@@ -27,7 +30,6 @@ import tensorflow as tf
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule as schedule_lib
-from gpipe_tf.pipeline import split_backward
 from gpipe_tf.pipeline import unfolded
 
 F, B, I, W = (schedule_lib.FORWARD, schedule_lib.BACKWARD, schedule_lib.INPUT_GRAD,
@@ -155,9 +157,6 @@ class UnrolledSchedule:
         self._functions = functions
         self._devices = [f.device for f in functions]
         self._recomputes = list(recomputes)
-        # A split backward differentiates a per-layer forward (`split_backward`).
-        self._layered = [split_backward.LayeredCell(f) if sched.splits_backward else None
-                         for f in functions]
         self._schedule = sched
         self._num_cells = len(functions)
         self._num_micro_batches = sched.num_micro_batches
@@ -272,7 +271,11 @@ class UnrolledSchedule:
         self._d_inputs = [None] * m_count  # Gradient of the pipeline's input, per micro-batch.
         self._d_thetas = [None] * self._num_cells  # Per cell, the running gradient sum.
         self._saved = self._Grid()  # Per (cell, micro-batch), what I keeps for W.
-        self._records = self._Grid()  # Per (cell, micro-batch), a per-layer forward for I.
+        self._kept = self._Grid()  # Per (cell, micro-batch), the residuals its forward kept.
+        # A split backward's forward, I and W: the parts of the cell's traced gradient, joined
+        # by residuals (`residuals.SplitCell`), as the loop runs them. Made at a cell's first
+        # training forward, for its input's spec.
+        self._splits = [None] * self._num_cells
         self._last = [[] for _ in range(self._schedule.num_devices)]
         self._loss_fn = None  # Set by ForwardBackward: the loss per micro-batch.
         self._loss_scale = None  # Set by ForwardBackward.
@@ -314,6 +317,10 @@ class UnrolledSchedule:
             self._inputs[k][m] = self._Assign(k, self._acts[k][m])
             outputs, self._stats[k][m] = fn.Forward(
                 self._thetas[k], self._inputs[k][m], self._step, first, training=self._training)
+        elif self._schedule.splits_backward:  # I reads the residuals this forward keeps.
+            self._inputs[k][m] = self._Assign(k, self._acts[k][m])
+            outputs, self._stats[k][m], self._kept[k][m] = self._Split(k).Forward(
+                self._thetas[k], self._inputs[k][m], self._step, first)
         else:
             # Fresh identities as differentiation sources: tf.gradients would otherwise also
             # differentiate the op that produced them (the previous cell's call).
@@ -321,15 +328,11 @@ class UnrolledSchedule:
                 if m == 0:
                     self._thetas[k] = recompute.Identity(self._thetas[k])
                 self._inputs[k][m] = recompute.Identity(self._Assign(k, self._acts[k][m]))
-                if self._layered[k] is not None:  # Its I and W differentiate this forward.
-                    outputs, self._stats[k][m], self._records[k][m] = self._layered[k].Forward(
-                        self._thetas[k], self._inputs[k][m], self._step, first, self._tape)
-                else:
-                    if self._tape:
-                        self._tape.watch(tf.nest.flatten(self._thetas[k]) +
-                                         recompute.FloatLeaves(self._inputs[k][m]))
-                    outputs, self._stats[k][m] = fn.Forward(
-                        self._thetas[k], self._inputs[k][m], self._step, first)
+                if self._tape:
+                    self._tape.watch(tf.nest.flatten(self._thetas[k]) +
+                                     recompute.FloatLeaves(self._inputs[k][m]))
+                outputs, self._stats[k][m] = fn.Forward(
+                    self._thetas[k], self._inputs[k][m], self._step, first)
         outputs = self._Assign(k, outputs)
         self._acts[k + 1][m] = self._outputs[k][m] = outputs
         if k == self._num_cells - 1 and self._loss_fn is not None:
@@ -385,28 +388,34 @@ class UnrolledSchedule:
         # nothing may need it, and waiting would force it to be computed).
         return (d_x if k else None), d_theta
 
+    def _Split(self, k):
+        if self._splits[k] is None:
+            spec = tf.nest.map_structure(lambda x: tf.TensorSpec(x.shape, x.dtype),
+                                         self._inputs[k][0])
+            self._splits[k] = self._functions[k].Split(
+                self._thetas[k], spec, tf.TensorSpec([], tf.int64))
+        return self._splits[k]
+
     def _I(self, k, m):
         d_y = self._IncomingGradient(k, m)
-        record = self._records[k][m]
-        if record is None:
-            # A re-materializing stage runs its per-layer forward once, here, when the
-            # incoming gradient exists; its statistics were the forward's.
-            with self._tape or contextlib.nullcontext(), tf.device(self._devices[k]), \
-                    tf.name_scope(recompute.RECOMPUTE_SCOPE):
+        kept, first = self._kept[k][m], self._first_examples[m]
+        if kept is None:
+            # A re-materializing stage runs its forward once more, here, when the incoming
+            # gradient exists, for the residuals; its statistics were the first forward's.
+            with tf.device(self._devices[k]), tf.name_scope(recompute.RECOMPUTE_SCOPE):
                 with tf.control_dependencies(d_y):
-                    theta = recompute.Identity(self._thetas[k])
                     inputs = recompute.Identity(self._inputs[k][m])
-                _, _, record = self._layered[k].Forward(theta, inputs, self._step,
-                                                        self._first_examples[m], self._tape)
-        d_x, layer_d_outputs = self._layered[k].InputGradient(record, d_y, self._tape)
-        self._records[k][m] = None
-        self._saved[k][m] = (record, layer_d_outputs)
+                _, _, kept = self._Split(k).Forward(self._thetas[k], inputs, self._step, first)
+        d_x, self._saved[k][m] = self._Split(k).Input(self._thetas[k], kept, self._step, first,
+                                                      d_y)
+        self._kept[k][m] = None
         d_x = self._Assign(k, d_x)
         self._PassOn(k, m, d_x)
-        return [d_x if k else None, layer_d_outputs], None
+        return [d_x if k else None, self._saved[k][m]], None
 
     def _W(self, k, m):
-        d_theta = self._layered[k].WeightGradient(*self._saved[k][m], self._tape)
+        d_theta = self._Split(k).Weight(self._thetas[k], self._saved[k][m], self._step,
+                                        self._first_examples[m])
         self._saved[k][m] = None
         return None, self._Assign(k, d_theta)
 

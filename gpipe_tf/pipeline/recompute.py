@@ -22,7 +22,6 @@ import tensorflow as tf
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
-from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import residuals
 from gpipe_tf.pipeline import unfolded
 
@@ -199,10 +198,8 @@ class CellFunctions:
         if key not in shared:
             shared[key] = _Traced(cell, batch_dim)
         self._shared = shared[key]
-        self._shared_by_structure = shared
         self._own = None  # This cell's own trace, for functions whose shared one is seeded.
         self._layers = [d for layer in cell.sequence for d in layer.Descendants()]
-        self._per_layer = None  # `Layers`, made when first asked for.
 
     def _For(self, kind: str) -> _Traced:
         """The traced functions to run function `kind` with: the shared ones, unless their
@@ -214,28 +211,12 @@ class CellFunctions:
             self._own = _Traced(self.cell, self.batch_dim)
         return self._own
 
-    def Layers(self) -> list:
-        """Per layer of the cell, the CellFunctions of a cell of that layer alone, on this
-        device (their traces shared by layer structure): a split backward's per-layer forward
-        (`split_backward`)."""
-        if self._per_layer is None:
-            self._per_layer = [
-                CellFunctions(cell_lib.Cell([layer], f'{self.cell.path}.{layer.p.name}'),
-                              self.device, self.batch_dim, self._shared_by_structure)
-                for layer in self.cell.sequence]
-        return self._per_layer
-
     @property
     def update_layers(self) -> list | None:
         """Layers that report training updates, in the order they report them; None until the
-        training forward (the cell's, or each of its layers' `Layers`) is first traced."""
+        training forward is first traced."""
         positions = self._For('fwd_True').update_positions
-        if positions is not None:
-            return [self._layers[i] for i in positions]
-        per_layer = [f.update_layers for f in self._per_layer or []]
-        if not per_layer or None in per_layer:
-            return None
-        return [layer for layers in per_layer for layer in layers]
+        return None if positions is None else [self._layers[i] for i in positions]
 
     def _LayerThetas(self, theta) -> list:
         """The traced functions' first argument: this cell's theta, one entry per layer."""
