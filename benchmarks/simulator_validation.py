@@ -44,6 +44,7 @@ from gpipe_tf.perf import plot  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import simulator  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import trace  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import executor  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import leaves  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import recompute as recompute_lib  # pylint: disable=g-import-not-at-top
 
@@ -138,7 +139,7 @@ def KeptCellCosts(layer, micro_batch_size: int, width: int, repeats: int,
         @tf.function
         def Fused(x, dy, k=k, fn=fn, theta=theta):
             with tf.device(fn.device):
-                theta, x = recompute_lib.Identity(theta), recompute_lib.Identity(x)
+                theta, x = leaves.Identity(theta), leaves.Identity(x)
                 with tf.name_scope(executor.OpScope(k, 0, 'fwd')):
                     y, _ = fn.Forward(theta, x, step, micro_batch)
                 with tf.name_scope(executor.OpScope(k, 0, 'bwd')):

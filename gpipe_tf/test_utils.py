@@ -26,7 +26,7 @@ from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import normalization
 from gpipe_tf.params.image import amoebanet as amoebanet_params
 from gpipe_tf.pipeline import devices
-from gpipe_tf.pipeline import recompute
+from gpipe_tf.pipeline import leaves
 
 # Tests split the CPU into this many logical devices, enough for K = 8 cells.
 NUM_VIRTUAL_CPUS = 8
@@ -63,7 +63,7 @@ def MaxRelativeError(actual, expected) -> float:
     return worst
 
 
-FloatLeaves = recompute.FloatLeaves
+FloatLeaves = leaves.FloatLeaves
 
 
 def DamageFile(path: str, how: str) -> None:
@@ -319,7 +319,7 @@ def AssertGradientsMatchFiniteDifferences(test: tf.test.TestCase,
     """
     variables = list(layer.trainable_variables)
     flat_inputs = tf.nest.flatten(inputs)
-    float_positions = [i for i, x in enumerate(flat_inputs) if recompute.IsFloat(x)]
+    float_positions = [i for i, x in enumerate(flat_inputs) if leaves.IsFloat(x)]
     sources = [v.read_value() for v in variables] + [flat_inputs[i] for i in float_positions]
     names = [v.name for v in variables] + [f'input leaf {i}' for i in float_positions]
     for name, x in zip(names, sources):
@@ -331,11 +331,11 @@ def AssertGradientsMatchFiniteDifferences(test: tf.test.TestCase,
         theta = layer.vars.Transform(
             lambda v: values[source_of[v.ref()]] if v.ref() in source_of else
             v.read_value() if isinstance(v, tf.Variable) else v)
-        leaves = list(flat_inputs)
+        flat = list(flat_inputs)
         for i, x in zip(float_positions, values[len(variables):]):
-            leaves[i] = x
+            flat[i] = x
         with fprop_context.Scope(update_collector=fprop_context.UpdateCollector()):
-            return FloatLeaves(layer.FProp(theta, *tf.nest.pack_sequence_as(inputs, leaves)))
+            return FloatLeaves(layer.FProp(theta, *tf.nest.pack_sequence_as(inputs, flat)))
 
     weights = [tf.random.stateless_normal(tf.shape(y), [k, 7], dtype=y.dtype)
                for k, y in enumerate(FloatOutputs(sources))]

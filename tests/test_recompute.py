@@ -18,6 +18,7 @@ from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import sequential
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import cell as cell_lib
+from gpipe_tf.pipeline import leaves
 from gpipe_tf.pipeline import recompute
 
 pytestmark = pytest.mark.unit
@@ -159,7 +160,7 @@ class CellFunctionsTest(tf.test.TestCase, parameterized.TestCase):
             functions = recompute.CellFunctions(cell, DEVICE)
             theta = cell.theta
             with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
-                sources = recompute.Identity([theta, tf.constant(x)])
+                sources = leaves.Identity([theta, tf.constant(x)])
                 tape.watch(tf.nest.flatten(sources))
                 kept, _ = functions.Forward(*sources, Ids(0), Ids(0))
             # Without recompute: differentiate the forward that ran (as the executor does).
@@ -427,14 +428,14 @@ class NestHelpersTest(tf.test.TestCase):
     def testFloatLeavesKeepFloatsInNestOrder(self):
         a, b = tf.constant([1.0]), tf.constant([2.0], tf.float64)
         nest = NestedMap(z=a, y=tf.constant([1]), x=[None, b], w=tf.constant(True))
-        self.assertEqual(recompute.FloatLeaves(nest), [b, a])
-        self.assertTrue(recompute.IsFloat(tf.constant(1.0, tf.bfloat16)))
-        self.assertFalse(recompute.IsFloat(None))
-        self.assertFalse(recompute.IsFloat(tf.constant(1)))
+        self.assertEqual(leaves.FloatLeaves(nest), [b, a])
+        self.assertTrue(leaves.IsFloat(tf.constant(1.0, tf.bfloat16)))
+        self.assertFalse(leaves.IsFloat(None))
+        self.assertFalse(leaves.IsFloat(tf.constant(1)))
 
     def testIdentityKeepsStructureValuesAndNone(self):
         nest = NestedMap(x=tf.constant([1.0, 2.0]), n=None, ids=(tf.constant([4]),))
-        got = recompute.Identity(nest)
+        got = leaves.Identity(nest)
         tf.nest.assert_same_structure(got, nest)
         self.assertIsNone(got.n)
         self.assertAllEqual(got.x, [1.0, 2.0])
@@ -442,7 +443,7 @@ class NestHelpersTest(tf.test.TestCase):
 
     def testWithFloatLeavesFillsFloatsInOrderAndNoneElsewhere(self):
         nest = [tf.constant(1.0), tf.constant(2), None, tf.constant([3.0])]
-        self.assertEqual(recompute.WithFloatLeaves(nest, ['a', 'b']), ['a', None, None, 'b'])
+        self.assertEqual(leaves.WithFloatLeaves(nest, ['a', 'b']), ['a', None, None, 'b'])
 
 
 if __name__ == '__main__':

@@ -27,6 +27,7 @@ import contextlib
 
 import tensorflow as tf
 
+from gpipe_tf.pipeline import leaves
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule as schedule_lib
@@ -87,10 +88,10 @@ def MicroBatchLoss(loss_fn, outputs, loss_inputs, loss_scale=None):
       (value * weight, weight, the gradient of value * weight (times loss_scale) w.r.t. the
       float leaves of `outputs`, in their dtypes).
     """
-    ys = recompute.FloatLeaves(outputs)
+    ys = leaves.FloatLeaves(outputs)
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         tape.watch(ys)
-        value, weight = loss_fn(recompute.Identity(outputs), loss_inputs)
+        value, weight = loss_fn(leaves.Identity(outputs), loss_inputs)
         weight = tf.stop_gradient(tf.cast(weight, value.dtype))
         total = value * weight
         scaled = total if loss_scale is None else total * tf.cast(loss_scale, total.dtype)
@@ -326,11 +327,11 @@ class UnrolledSchedule:
             # differentiate the op that produced them (the previous cell's call).
             with self._tape or contextlib.nullcontext(), tf.device(self._devices[k]):
                 if m == 0:
-                    self._thetas[k] = recompute.Identity(self._thetas[k])
-                self._inputs[k][m] = recompute.Identity(self._Assign(k, self._acts[k][m]))
+                    self._thetas[k] = leaves.Identity(self._thetas[k])
+                self._inputs[k][m] = leaves.Identity(self._Assign(k, self._acts[k][m]))
                 if self._tape:
                     self._tape.watch(tf.nest.flatten(self._thetas[k]) +
-                                     recompute.FloatLeaves(self._inputs[k][m]))
+                                     leaves.FloatLeaves(self._inputs[k][m]))
                 outputs, self._stats[k][m] = fn.Forward(
                     self._thetas[k], self._inputs[k][m], self._step, first)
         outputs = self._Assign(k, outputs)
@@ -349,7 +350,7 @@ class UnrolledSchedule:
         return d_y
 
     def _IncomingGradient(self, k, m):
-        return self._Assign(k, recompute.FloatLeaves(self._d_acts[k][m]))
+        return self._Assign(k, leaves.FloatLeaves(self._d_acts[k][m]))
 
     def _PassOn(self, k, m, d_x):
         """Hands the input gradient of (k, m) to the previous stage (or the pipeline's input)."""
@@ -404,7 +405,7 @@ class UnrolledSchedule:
             # gradient exists, for the residuals; its statistics were the first forward's.
             with tf.device(self._devices[k]), tf.name_scope(recompute.RECOMPUTE_SCOPE):
                 with tf.control_dependencies(d_y):
-                    inputs = recompute.Identity(self._inputs[k][m])
+                    inputs = leaves.Identity(self._inputs[k][m])
                 _, _, kept = self._Split(k).Forward(self._thetas[k], inputs, self._step, first)
         d_x, self._saved[k][m] = self._Split(k).Input(self._thetas[k], kept, self._step, first,
                                                       d_y)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from gpipe_tf.pipeline import executor
+from gpipe_tf.pipeline import leaves
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule as schedule_lib
@@ -88,7 +89,7 @@ class LoopedSchedule:
         with tf.device(self._devices[-1]):
             self._d_acts[-1] = [
                 _Stacked(x, self._num_micro_batches, self._batch_dim)
-                for x in recompute.FloatLeaves(d_outputs)]
+                for x in leaves.FloatLeaves(d_outputs)]
         self._Loop((B,))
         return self._Gradients()
 
@@ -106,7 +107,7 @@ class LoopedSchedule:
                 *microbatch.Split(loss_inputs, m_count, self._batch_dim)))
             self._loss = [tf.zeros([]), tf.zeros([])]
             # The outputs' gradients come from the loss, written as each forward ends.
-            self._d_acts[-1] = self._EmptyArrays(recompute.FloatLeaves(self._output_specs),
+            self._d_acts[-1] = self._EmptyArrays(leaves.FloatLeaves(self._output_specs),
                                                  ('d_act', self._num_stages), self._num_stages)
         if self._schedule.splits_backward:
             self._StartSaved()
@@ -156,7 +157,7 @@ class LoopedSchedule:
             enumerate(self._structures[1:])]
         self._d_acts = [None] * (self._num_stages + 1)
         for b in range(self._num_stages):  # Boundary b's gradient is written by stage b.
-            self._d_acts[b] = self._EmptyArrays(recompute.FloatLeaves(self._structures[b]),
+            self._d_acts[b] = self._EmptyArrays(leaves.FloatLeaves(self._structures[b]),
                                                 ('d_act', b), b)
         self._grads = [None] * self._num_stages
         self._stats = [None] * self._num_stages
@@ -343,13 +344,13 @@ class LoopedSchedule:
         # mini-batch (`_Stacked`): micro-batch m is their element m.
         slot = (self._Slot(key, m) if any(isinstance(x, tf.TensorArray) for x in stores)
                 else m)
-        leaves = [_ReadSlot(store, slot) for store in stores]
-        return leaves if structure is None else tf.nest.pack_sequence_as(structure, leaves)
+        flat = [_ReadSlot(store, slot) for store in stores]
+        return flat if structure is None else tf.nest.pack_sequence_as(structure, flat)
 
-    def _Write(self, values, key, m, leaves):
-        """`values[key]`'s TensorArrays with micro-batch m's `leaves` written."""
+    def _Write(self, values, key, m, flat):
+        """`values[key]`'s TensorArrays with micro-batch m's `flat` leaves written."""
         slot = self._Slot(key, m)
-        values[key] = [ta.write(slot, x) for ta, x in zip(values[key], leaves)]
+        values[key] = [ta.write(slot, x) for ta, x in zip(values[key], flat)]
 
     def _Action(self, kind, s, m, keys):
         values = dict(zip(keys, self._Get(keys)))
@@ -405,7 +406,7 @@ class LoopedSchedule:
         else:
             if not self._keeps[s]:  # The forward again, once, after the gradient exists.
                 with tf.name_scope(recompute.RECOMPUTE_SCOPE), tf.control_dependencies(d_y):
-                    _, _, x = split.Forward(theta, recompute.Identity(x), step, first)
+                    _, _, x = split.Forward(theta, leaves.Identity(x), step, first)
             d_x, saved = split.Input(theta, x, step, first, d_y)
             self._Write(values, ('saved', s), m, saved)
         if kind == B:
@@ -441,7 +442,7 @@ class LoopedSchedule:
         with tf.device(self._devices[0]):
             arrays = iter(self._d_acts[0])
             d_inputs = tf.nest.pack_sequence_as(self._input_structure, [
-                self._Joined(next(arrays)) if recompute.IsFloat(x) else None
+                self._Joined(next(arrays)) if leaves.IsFloat(x) else None
                 for x in tf.nest.flatten(self._input_structure)])
         grads = []
         for s in range(self._num_stages):

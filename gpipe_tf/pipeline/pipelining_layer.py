@@ -30,6 +30,7 @@ from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import executor
+from gpipe_tf.pipeline import leaves
 from gpipe_tf.pipeline import looped
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import partition
@@ -530,6 +531,6 @@ def _Unflatten(thetas: list, flat) -> tuple[list, int]:
 
 def _FloatGrads(outputs, d_flat) -> list:
     """Incoming gradients with zeros where none arrived (unused outputs), filled each step."""
-    return [d if d is not None or not recompute.IsFloat(y) else unfolded.ZerosLike(y)
+    return [d if d is not None or not leaves.IsFloat(y) else unfolded.ZerosLike(y)
             for y, d in zip(tf.nest.flatten(outputs), d_flat)]
 

@@ -22,32 +22,12 @@ import tensorflow as tf
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import leaves
 from gpipe_tf.pipeline import residuals
 from gpipe_tf.pipeline import unfolded
 
 # The name scope of a backward's re-materialized forward, so a trace tells it from the gradients.
 RECOMPUTE_SCOPE = 'recompute'
-
-
-def IsFloat(x) -> bool:
-    return x is not None and x.dtype.is_floating
-
-
-def FloatLeaves(structure) -> list:
-    """The floating-point tensors of a nest, in `tf.nest` order: what gradients flow through."""
-    return [x for x in tf.nest.flatten(structure) if IsFloat(x)]
-
-
-def Identity(structure):
-    """`tf.identity` of every tensor of a nest (None leaves stay None)."""
-    return tf.nest.map_structure(lambda x: tf.identity(x) if x is not None else None, structure)
-
-
-def WithFloatLeaves(structure, float_values) -> list:
-    """The flat leaves of `structure` with its float leaves replaced by `float_values` and the
-    others by None."""
-    values = iter(float_values)
-    return [next(values) if IsFloat(x) else None for x in tf.nest.flatten(structure)]
 
 
 def StructureKey(cell) -> tuple:
@@ -153,8 +133,8 @@ class _Traced:
         self._Start('bwd')
         with tf.name_scope(RECOMPUTE_SCOPE):
             with tf.control_dependencies(d_outputs):
-                theta = Identity(self._Theta(layer_thetas))
-                inputs = Identity(inputs)
+                theta = leaves.Identity(self._Theta(layer_thetas))
+                inputs = leaves.Identity(inputs)
             outputs, _ = self._Run(theta, inputs, step, first_example, training=True)
         d_theta, d_inputs = Differentiate(outputs, theta, inputs, d_outputs, self.trainable)
         return self._PerLayer(d_theta), d_inputs
@@ -281,12 +261,12 @@ class CellSplit:
     def Backward(self, theta, kept, step, first_example, d_outputs):
         """B: (flat d_theta, flat d_inputs)."""
         d_theta, d_x = self._Call('Backward', theta, kept, step, first_example, d_outputs)
-        return self._functions.Flat(d_theta), WithFloatLeaves(self._input_spec, d_x)
+        return self._functions.Flat(d_theta), leaves.WithFloatLeaves(self._input_spec, d_x)
 
     def Input(self, theta, kept, step, first_example, d_outputs):
         """I: (flat d_inputs, what W reads)."""
         d_x, saved = self._Call('Input', theta, kept, step, first_example, d_outputs)
-        return WithFloatLeaves(self._input_spec, d_x), saved
+        return leaves.WithFloatLeaves(self._input_spec, d_x), saved
 
     def Weight(self, theta, saved, step, first_example) -> list:
         """W: flat d_theta."""
@@ -338,12 +318,12 @@ def Differentiate(outputs, theta, inputs, d_outputs, trainable, tape=None):
       (flat d_theta with None for non-trainable leaves, flat d_inputs with None for non-float
       leaves).
     """
-    ys = FloatLeaves(outputs)
+    ys = leaves.FloatLeaves(outputs)
     dys = list(d_outputs)
     sources = [t for t, keep in zip(tf.nest.flatten(theta), trainable) if keep]
-    xs = FloatLeaves(inputs)
+    xs = leaves.FloatLeaves(inputs)
     grads = Gradients(ys, sources + xs, dys, tape)
     theta_grads = iter(grads[:len(sources)])
     d_theta = [next(theta_grads) if keep else None for keep in trainable]
-    return d_theta, WithFloatLeaves(inputs, grads[len(sources):])
+    return d_theta, leaves.WithFloatLeaves(inputs, grads[len(sources):])
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from gpipe_tf.pipeline import leaves
+
 # Classes of the traced graph's ops: computed from the weights, step and constants alone (each
 # part computes its own); from the cell's input (the forward); from the outputs' gradient (the
 # backward).
@@ -52,15 +54,15 @@ class SplitCell:
 
         def Trace(theta_flat, input_flat, step, first_example):
             layer_thetas = tf.nest.pack_sequence_as(theta, list(theta_flat))
-            leaves = iter(input_flat)
+            given = iter(input_flat)
             inputs = tf.nest.pack_sequence_as(input_spec, [
-                None if x is None else next(leaves) for x in tf.nest.flatten(input_spec)])
+                None if x is None else next(given) for x in tf.nest.flatten(input_spec)])
             outputs, stats = run(layer_thetas, inputs, step, first_example)
-            ys = _FloatLeaves(outputs)
+            ys = leaves.FloatLeaves(outputs)
             # The outputs' gradients: fed to the backward parts, never to the whole graph.
             d_ys = [tf.compat.v1.placeholder(y.dtype, y.shape, name='d_output') for y in ys]
             sources = [t for t, keep in zip(theta_flat, trainable) if keep]
-            grads = tf.gradients(ys, sources + _FloatLeaves(inputs), grad_ys=d_ys,
+            grads = tf.gradients(ys, sources + leaves.FloatLeaves(inputs), grad_ys=d_ys,
                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
             traced.update(outputs=outputs, stats=stats, d_ys=d_ys,
                           d_theta=grads[:len(sources)], d_x=grads[len(sources):])
@@ -161,10 +163,6 @@ class SplitCell:
         grads = iter(grads)
         return tf.nest.pack_sequence_as(self._theta_structure, [
             next(grads) if keep else None for keep in self._trainable])
-
-
-def _FloatLeaves(structure) -> list:
-    return [x for x in tf.nest.flatten(structure) if x is not None and x.dtype.is_floating]
 
 
 def _Classes(order: dict, inputs, d_outputs) -> dict:

@@ -1,0 +1,28 @@
+"""The leaves of nests of tensors that gradients flow through: a pipeline's inputs, outputs and
+boundaries are nests whose float tensors are differentiated and whose other leaves (integer ids,
+masks, None) are carried along."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def IsFloat(x) -> bool:
+    return x is not None and x.dtype.is_floating
+
+
+def FloatLeaves(structure) -> list:
+    """The floating-point tensors of a nest, in `tf.nest` order: what gradients flow through."""
+    return [x for x in tf.nest.flatten(structure) if IsFloat(x)]
+
+
+def Identity(structure):
+    """`tf.identity` of every tensor of a nest (None leaves stay None)."""
+    return tf.nest.map_structure(lambda x: tf.identity(x) if x is not None else None, structure)
+
+
+def WithFloatLeaves(structure, float_values) -> list:
+    """The flat leaves of `structure` with its float leaves replaced by `float_values` and the
+    others by None."""
+    values = iter(float_values)
+    return [next(values) if IsFloat(x) else None for x in tf.nest.flatten(structure)]
