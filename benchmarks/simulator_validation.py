@@ -134,7 +134,8 @@ def KeptCellCosts(layer, micro_batch_size: int, width: int, repeats: int,
         with tf.device(fn.device):
             x = tf.random.stateless_normal([micro_batch_size, width], [k, 1])
             dy = [tf.random.stateless_normal([micro_batch_size, width], [k, 2])]
-        parts = fn.Split(theta, tf.TensorSpec(x.shape, x.dtype), tf.TensorSpec([], tf.int64))
+        parts = (fn.Split(theta, leaves.Specs(x), tf.TensorSpec([], tf.int64)) if split
+                 else None)
 
         @tf.function
         def Fused(x, dy, k=k, fn=fn, theta=theta):

@@ -391,10 +391,8 @@ class UnrolledSchedule:
 
     def _Split(self, k):
         if self._splits[k] is None:
-            spec = tf.nest.map_structure(lambda x: tf.TensorSpec(x.shape, x.dtype),
-                                         self._inputs[k][0])
             self._splits[k] = self._functions[k].Split(
-                self._thetas[k], spec, tf.TensorSpec([], tf.int64))
+                self._thetas[k], leaves.Specs(self._inputs[k][0]), tf.TensorSpec([], tf.int64))
         return self._splits[k]
 
     def _I(self, k, m):

@@ -26,3 +26,9 @@ def WithFloatLeaves(structure, float_values) -> list:
     others by None."""
     values = iter(float_values)
     return [next(values) if IsFloat(x) else None for x in tf.nest.flatten(structure)]
+
+
+def Specs(structure):
+    """The TensorSpec of every tensor of a nest (None leaves stay None)."""
+    return tf.nest.map_structure(
+        lambda x: None if x is None else tf.TensorSpec(x.shape, x.dtype), structure)

@@ -147,7 +147,7 @@ class LoopedSchedule:
         self._stat_specs = []  # Per stage, its training statistics' specs.
         step_spec = tf.TensorSpec([], tf.int64)
         for s, fn in enumerate(self._functions):
-            spec = tf.nest.map_structure(_Spec, self._structures[-1])
+            spec = leaves.Specs(self._structures[-1])
             outputs, stats = fn.ForwardSpecs(self._thetas[s], spec, step_spec, training)
             self._structures.append(outputs)
             self._stat_specs.append(stats)
@@ -164,7 +164,7 @@ class LoopedSchedule:
         # Per stage that runs them, its forward's and backward's parts (`residuals`): where it
         # keeps its residuals or splits its backward.
         self._splits = [
-            fn.Split(self._thetas[s], tf.nest.map_structure(_Spec, self._structures[s]),
+            fn.Split(self._thetas[s], leaves.Specs(self._structures[s]),
                      step_spec)
             if self._keeps[s] or (training and self._schedule.splits_backward) else None
             for s, fn in enumerate(self._functions)]
@@ -555,10 +555,6 @@ def _Add(sums: list, grads: list) -> list:
     """Each sum plus its gradient (`grads` flat over theta, None for non-trainable leaves)."""
     grads = [g for g in grads if g is not None]
     return [total + tf.convert_to_tensor(g) for total, g in zip(sums, grads)]
-
-
-def _Spec(x):
-    return None if x is None else tf.TensorSpec(x.shape, x.dtype)
 
 
 def _AsList(results):
