@@ -22,7 +22,10 @@ setuptools.setup(
         'matplotlib',  # Timeline, cell cost and memory pictures (gpipe_tf/perf/plot.py).
     ],
     extras_require={
-        'test': ['pytest', 'pytest-xdist'],  # -n 2: the suite on two worker processes.
+        # -n 2: the suite on two worker processes; keras-hub's Transformer blocks are the
+        # Keras tests' and examples' (gpipe_tf.keras itself needs only Keras).
+        'test': ['pytest', 'pytest-xdist', 'keras-hub>=0.32'],
+        'keras_hub': ['keras-hub>=0.32'],
     },
     entry_points={'console_scripts': ['gpipe-train = gpipe_tf.trainer:Run']},
     license='Apache-2.0',

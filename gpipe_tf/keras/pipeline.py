@@ -65,6 +65,7 @@ from tensorflow.python.ops import control_flow_util  # pylint: disable=g-direct-
 
 from gpipe_tf import errors
 from gpipe_tf import hyperparams
+from gpipe_tf.keras import keras_layer
 from gpipe_tf.keras import pipeline_params
 from gpipe_tf.keras import weights
 from gpipe_tf.layers import fprop_context
@@ -102,10 +103,19 @@ class Pipeline(keras.layers.Layer):
         if not params.name:
             params.name = self.name
         self._pipeline = params.Instantiate()
+        cells = [layer for layer in self._pipeline.Layers()
+                 if isinstance(layer, keras_layer.KerasLayer)]
+        # Keras layers in the cells are this layer's sublayers: Keras tracks their own weights
+        # (training, saving) as it tracks any sublayer's.
+        self._keras_layers = [layer.keras_layer for layer in cells]
+        _CheckKerasPlacement(self._pipeline)
         # An attribute holding Keras variables is how a Keras layer tracks them (weights,
         # saving, the optimizer); the name scope gives their paths (`pipeline/layer_003.w`).
+        gpipe_vars = type(self._pipeline.vars)(
+            {name: v for name, v in self._pipeline.vars.items()
+             if name not in {layer.p.name for layer in cells}})
         with keras.name_scope(self.name, caller=self):
-            self._pipeline_weights = weights.Wrap(self._pipeline.vars)
+            self._pipeline_weights = weights.Wrap(gpipe_vars)
         self._step = self.add_weight(name='step', shape=(), dtype='int64',
                                      initializer='zeros', trainable=False)
         self._devices = _DistinctDevices(self._pipeline.mesh)
@@ -125,6 +135,40 @@ class Pipeline(keras.layers.Layer):
         """
         return cls(pipeline_params.FromLayers(layers, num_cells, num_micro_batches, devices,
                                               input_shape), **kwargs)
+
+    @classmethod
+    def FromKeras(cls, layers, num_cells: int, num_micro_batches: int | None = None,
+                  input_shape=None, balance=None, name: str | None = None,
+                  dtype=None, **params) -> 'Pipeline':
+        """The pipeline of Keras `layers` (a list, or a `keras.Sequential`'s layers) in K =
+        `num_cells` cells over M = `num_micro_batches` micro-batches: the very layer objects,
+        each built and its weights created on its cell's device.
+
+        Args:
+          layers: Keras layers (keras.layers, keras_hub blocks), applied in order.
+          num_cells: K.
+          num_micro_batches: M (or give micro_batch_size=).
+          input_shape: one example's input shape (batch excluded), or a list of them; None
+            takes a `keras.Sequential`'s input.
+          balance: layers per cell (torchgpipe's balance); None balances parameter counts
+            (or partition_method="uniform", or boundaries [0, b_1, ..., L]).
+          name: the Keras layer's name.
+          dtype: the Keras layer's dtype policy (see `Pipeline`).
+          **params: any PipeliningLayer Param: devices, recompute, schedule,
+            micro_batch_size, virtual_stages, num_replicas, unroll, partition_method...
+
+        Raises:
+          errors.ConfigError: see `pipeline_params.FromKeras` and `Pipeline`.
+        """
+        p = pipeline_params.FromKeras(layers, num_cells, num_micro_batches, input_shape,
+                                      balance, **params)
+        return cls(p, name=name, dtype=dtype)
+
+    @property
+    def keras_layers(self) -> list:
+        """The Keras layers in the cells, in order (empty for a pipeline of gpipe_tf
+        layers)."""
+        return list(self._keras_layers)
 
     @property
     def pipeline(self) -> pipelining_layer.PipeliningLayer:
@@ -186,12 +230,24 @@ class Pipeline(keras.layers.Layer):
         return outputs
 
     def get_config(self) -> dict:
-        return {**super().get_config(), 'params': pipeline_params.ToText(self._pipeline.p)}
+        config = {**super().get_config(),
+                  'params': pipeline_params.ToText(_WithoutKerasLayers(self._pipeline.p))}
+        if self._keras_layers:
+            # Without their build configs: Keras would build them on loading, on its default
+            # device; the pipeline builds each on its cell's.
+            config['keras_layers'] = [
+                {k: v for k, v in keras.saving.serialize_keras_object(layer).items()
+                 if k != 'build_config'} for layer in self._keras_layers]
+        return config
 
     @classmethod
     def from_config(cls, config: dict) -> 'Pipeline':
         config = dict(config)
         params = pipeline_params.FromText(config.pop('params', None))
+        # Keras's own deserialization (safe mode: registered classes only) makes the layers.
+        layers = [keras.saving.deserialize_keras_object(c)
+                  for c in config.pop('keras_layers', [])]
+        _WithKerasLayers(params, layers)
         return cls(params, **config)  # The dtype policy saved agrees with the Params'.
 
     # ---- checks -------------------------------------------------------------------------------
@@ -232,6 +288,53 @@ def _TrainingFlag(training, name: str) -> bool:
                 'training.')
         return bool(value)
     return bool(training)
+
+
+def _KerasLayerParams(params) -> list:
+    """The KerasLayer Params among a pipeline's layer Params, in order."""
+    layers = list(params.layer_tpl or [])
+    for cell in params.cell_tpl or []:
+        layers += list(cell) if isinstance(cell, (list, tuple)) else [cell]
+    return [lp for lp in layers if lp.cls is keras_layer.KerasLayer]
+
+
+def _WithoutKerasLayers(params):
+    """A copy of `params` whose Keras layers' handles are None: what a config can hold (the
+    layers go into it through Keras's own serialization)."""
+    params = params.Copy()
+    for lp in _KerasLayerParams(params):
+        lp.layer = None
+    return params
+
+
+def _WithKerasLayers(params, layers: list) -> None:
+    """Sets the handles of `params`' Keras layers (in place) to `layers`, in order."""
+    keras_params = _KerasLayerParams(params)
+    if len(keras_params) != len(layers):
+        raise errors.ConfigError(
+            f'{pipeline_params.LAYER}: the config names {len(layers)} Keras layers but its '
+            f'Params hold {len(keras_params)}.')
+    for lp, layer in zip(keras_params, layers):
+        lp.layer = keras_layer.Handle(layer)
+
+
+def _CheckKerasPlacement(pipeline) -> None:
+    """Raises errors.ConfigError for a Keras layer built before the pipeline whose weights are
+    not on its cell's device (a built layer's variables cannot move)."""
+    for k, cell in enumerate(pipeline.cells):
+        want = _DistinctDevices([[pipeline.devices[k]]])
+        for layer in cell.sequence:
+            if not isinstance(layer, keras_layer.KerasLayer) or want == {''}:
+                continue
+            on = _DistinctDevices([[v.device for v in tf.nest.flatten(layer.vars)]])
+            if on - want:
+                raise errors.ConfigError(
+                    f'{pipeline_params.LAYER}: the Keras layer {layer.keras_layer.name} of cell '
+                    f'{k} was built before the pipeline, with its weights on '
+                    f'{", ".join(sorted(on))}, not on its cell\'s device {pipeline.devices[k]}. '
+                    'Pass layers that are not built yet (a keras.Sequential without a '
+                    'keras.Input, and input_shape=...): the pipeline builds each on its '
+                    'device.')
 
 
 def _DistinctDevices(mesh: list[list[str]]) -> set[str]:

@@ -13,7 +13,10 @@ import tensorflow as tf
 
 from gpipe_tf import errors
 from gpipe_tf import hyperparams
+from gpipe_tf.keras import keras_layer
 from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import sequential
+from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import pipelining_layer
 
 # What the messages call the layer.
@@ -127,6 +130,129 @@ def FromLayers(layers, num_cells: int, num_micro_batches: int,
             partition_method='uniform' if input_shape is None else 'flops')
     except ValueError as error:
         raise errors.ConfigError(f'{LAYER}.FromLayers: {error}') from None
+
+
+def FromKeras(layers, num_cells: int, num_micro_batches: int, input_shape=None, balance=None,
+              **params) -> hyperparams.Params:
+    """PipeliningLayer Params whose layers are the given Keras layers, in order.
+
+    Args:
+      layers: a list of Keras layers, or a `keras.Sequential` (its layers). Layers not yet
+        built are built by the pipeline under their cell's device; built ones keep their
+        weights where they are (`Pipeline` checks they are on their cell's device).
+      num_cells: K.
+      num_micro_batches: M (None with micro_batch_size).
+      input_shape: the shape of one example of the first layer's input (batch excluded), or a
+        list of such shapes for a first layer of several inputs; None takes it from a
+        `keras.Sequential` built with a `keras.Input`.
+      balance: None, or the number of layers of each of the v K cells (torchgpipe's
+        `balance=[...]`); without it `partition_method` decides: "params" (the default: equal
+        parameter counts, optimal min-max), "uniform", or boundaries [0, b_1, ..., L].
+      **params: any other PipeliningLayer Param (`devices`, `recompute`, `schedule`,
+        `micro_batch_size`, `virtual_stages`, `num_replicas`, `unroll`, ...).
+
+    Raises:
+      errors.ConfigError: for anything but Keras layers, a missing or wrong input shape, an
+        unknown Param or a bad value, a balance that does not add up to the layers.
+    """
+    layers, input_shape = _KerasLayers(layers, input_shape)
+    shapes = _InputShapes(input_shape)
+    layer_params = [keras_layer.KerasLayer.Params().Set(layer=keras_layer.Handle(layer))
+                    for layer in layers]
+    p = pipelining_layer.PipeliningLayer.Params()
+    try:
+        p.Set(layer_tpl=layer_params, num_cells=num_cells,
+              num_micro_batches=num_micro_batches, partition_method='params')
+        p.Set(**params)
+    except (AttributeError, ValueError, TypeError) as error:
+        raise errors.ConfigError(f'{LAYER}.FromKeras: {error}') from None
+    # Each layer's input shape, chained through the layers on one example: what each is built
+    # for (with an unknown batch) and what its parameters are counted on.
+    metas, args = [], [tf.TensorShape([1] + s) for s in shapes]
+    for i, lp in enumerate(layer_params):
+        lp.input_shapes = [[None] + s.as_list()[1:] for s in args]
+        try:
+            meta = sequential.Meta(lp.Copy().Set(name=f'layer_{i:03d}'), *args)
+        except (ValueError, TypeError, NotImplementedError) as error:
+            raise errors.ConfigError(
+                f'{LAYER}.FromKeras: layers[{i}] ({layers[i].name}) does not take inputs of '
+                f'shapes {[a.as_list()[1:] for a in args]} (per example): {error}') from None
+        metas.append(meta)
+        args = base_layer.AsArgs(meta.out_shapes)
+    num_stages = p.num_cells * p.virtual_stages
+    p.partition_method = _KerasBoundaries(p.partition_method, balance, metas, num_stages)
+    return p
+
+
+def _KerasLayers(layers, input_shape) -> tuple[list, object]:
+    """(the Keras layers of a list or a Sequential, the input shape: given, or the
+    Sequential's)."""
+    if isinstance(layers, keras.Sequential):
+        if input_shape is None and layers.inputs:
+            input_shape = list(layers.inputs[0].shape[1:])
+        layers = list(layers.layers)
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise errors.ConfigError(f'{LAYER}.FromKeras: layers must be a non-empty list of Keras '
+                                 f'layers or a keras.Sequential; got {_Describe(layers)}.')
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, keras.layers.Layer) or isinstance(layer, keras.Model):
+            raise errors.ConfigError(
+                f'{LAYER}.FromKeras: layers[{i}] is {_Describe(layer)}; expected a Keras layer '
+                '(keras.layers.Dense(...), a keras_hub block). For gpipe_tf layer Params use '
+                f'{LAYER}.FromLayers.')
+    if input_shape is None:
+        raise errors.ConfigError(
+            f'{LAYER}.FromKeras: give input_shape, the shape of one example (batch '
+            'excluded), such as input_shape=(16,); the cells are built for it on their devices.')
+    return list(layers), input_shape
+
+
+def _InputShapes(input_shape) -> list[list]:
+    """`input_shape` as a list of per-example shapes (one per input of the first layer)."""
+    def IsShape(value):
+        return isinstance(value, (list, tuple)) and all(
+            d is None or (isinstance(d, int) and not isinstance(d, bool) and d > 0)
+            for d in value)
+
+    if isinstance(input_shape, tf.TensorShape) and input_shape.rank is not None:
+        input_shape = input_shape.as_list()
+    if IsShape(input_shape):
+        return [list(input_shape)]
+    if (isinstance(input_shape, (list, tuple)) and input_shape and
+            all(IsShape(s) for s in input_shape)):
+        return [list(s) for s in input_shape]
+    raise errors.ConfigError(
+        f'{LAYER}.FromKeras: input_shape must be the shape of one example (a tuple of positive '
+        f'ints, batch excluded), or a list of them; got {_Describe(input_shape)}.')
+
+
+def _KerasBoundaries(method, balance, metas: list, num_stages: int) -> list[int]:
+    """Cell boundaries [0, ..., L] from `balance` (layers per cell) or `method`."""
+    num_layers = len(metas)
+    try:
+        if balance is not None:
+            if (not isinstance(balance, (list, tuple)) or
+                    not all(isinstance(n, int) and n > 0 for n in balance)):
+                raise ValueError(f'balance must be a list of positive layer counts, one per '
+                                 f'cell; got {balance!r}')
+            if len(balance) != num_stages or sum(balance) != num_layers:
+                raise ValueError(
+                    f'balance {list(balance)} must give {num_stages} cells (sum of '
+                    f'{len(balance)} entries) and {num_layers} layers (sum {sum(balance)})')
+            bounds = [0]
+            for n in balance:
+                bounds.append(bounds[-1] + n)
+            return bounds
+        if isinstance(method, (list, tuple)):
+            return partition.CheckBoundaries(list(method), num_layers, num_stages)
+        if method == 'params':
+            return partition.OptimalBoundaries([m.num_params for m in metas], num_stages)
+        if method == 'uniform':
+            return partition.UniformBoundaries(num_layers, num_stages)
+        raise ValueError(f'partition_method for Keras layers is "params", "uniform" or '
+                         f'boundaries; got {method!r}')
+    except ValueError as error:
+        raise errors.ConfigError(f'{LAYER}.FromKeras: {error}.') from None
 
 
 def ToText(params: hyperparams.Params) -> str:

@@ -1,0 +1,249 @@
+"""`KerasLayer`: a Keras 3 layer as a gpipe_tf layer, so that a pipeline's cells can be Keras's
+own layers (`keras.layers`, keras_hub's Transformer blocks).
+
+Keras 3 computes a layer functionally: inside a `keras.StatelessScope` mapping each of its
+variables to a tensor, the layer reads those tensors instead of its variables and assigns
+nothing (`Layer.stateless_call` is built on it). That is gpipe_tf's `FProp(theta, *inputs)`:
+theta holds the Keras variables' tf.Variables read as tensors, the pipeline differentiates the
+call with respect to them, and re-materialization re-runs it.
+
+**The layer object.** Params hold a handle to the Keras layer (`Handle`), not the layer: Params
+are copied, compared and written as text everywhere (the partitioner's cost cache, the traced
+cells' structure keys), and a handle is text that names one layer object for the life of the
+process. The layer itself is the user's: its weights are the pipeline's (`get_weights()`
+reads what training changed), and it is built when the pipeline builds its cells, so under
+its cell's `tf.device`, which places its variables there.
+
+**State.** A Keras layer's non-trainable variables are of two kinds:
+- Random seed state (a `keras.random.SeedGenerator`'s, as dropout has): each call gets the
+  state folded with the step and the micro-batch's first example (`fprop_context`), so the
+  micro-batches of a step draw different masks, a re-materialized forward (the same step and
+  micro-batch) replays its mask, and the next step draws new ones. The state variable itself is
+  left as it is: the step moves the masks on. A mask is drawn per call, so per micro-batch: it
+  depends on M, unlike gpipe_tf's own dropout, which draws per example.
+- Float state that training changes (BatchNormalization's moving mean and variance): each
+  micro-batch's call computes the new value Keras would assign; the pipeline averages them
+  over the micro-batches, weighted by their examples, and assigns the average once per step.
+  For BatchNormalization that moves the moving mean towards the mini-batch's mean, exactly, and
+  the moving variance towards the mean of the micro-batches' variances (smaller than the
+  mini-batch's variance by the spread of the micro-batches' means). Normalisation itself uses
+  each micro-batch's own statistics, as in GPipe.
+Other state a call changes (an integer counter, a metric's) cannot be combined over
+micro-batches and is a ConfigError.
+
+**Costs.** Keras reports no FLOPs: `FPropMeta` estimates a layer's as 2 multiply-adds per
+trainable parameter and input position (exact for Dense, a lower bound for convolutions), and
+counts parameters exactly; balance Keras cells by parameters or explicit boundaries.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import threading
+import weakref
+
+import keras
+import tensorflow as tf
+
+from gpipe_tf import errors
+from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import fprop_context
+from gpipe_tf.nested_map import NestedMap
+
+# ---- handles: a Keras layer named by text --------------------------------------------------------
+_HANDLES = weakref.WeakValueDictionary()  # handle -> layer
+_LAYER_HANDLES = weakref.WeakKeyDictionary()  # layer -> handle
+_COUNTER = itertools.count()
+_LOCK = threading.Lock()
+
+# The suffix of a `keras.random.SeedGenerator` state variable's name (dropout's, say).
+_SEED_STATE = 'seed_generator_state'
+
+
+def Handle(layer: keras.layers.Layer) -> str:
+    """The text that names `layer` in Params, the same on every call for one layer object.
+
+    Handles count up and are never reused within a process, so two layer objects never share
+    one (unlike their ids, which Python reuses after a layer is freed).
+    """
+    with _LOCK:
+        handle = _LAYER_HANDLES.get(layer)
+        if handle is None:
+            handle = f'{layer.name}#{next(_COUNTER)}'
+            _LAYER_HANDLES[layer] = handle
+            _HANDLES[handle] = layer
+        return handle
+
+
+def Resolve(handle: str) -> keras.layers.Layer:
+    """The Keras layer of `handle`.
+
+    Raises:
+      errors.ConfigError: if it names no layer alive in this process (Params text from another
+        process, or a layer that has been freed).
+    """
+    layer = _HANDLES.get(handle) if isinstance(handle, str) else None
+    if layer is None:
+        raise errors.ConfigError(
+            f'KerasLayer: {handle!r} names no Keras layer of this process. Params of Keras '
+            'layers hold a handle to the layer object, not the layer; build them with '
+            'gpipe_tf.keras.Pipeline.FromKeras(layers, ...), and save the Keras model '
+            '(model.save), not the Params text.')
+    return layer
+
+
+def InputSpecs(shapes) -> list:
+    """`keras.KerasTensor`s for a layer's inputs: one per shape in `shapes` (each a list, batch
+    included, None where unknown)."""
+    return [keras.KerasTensor(tuple(shape)) for shape in shapes]
+
+
+def Shapes(outputs) -> tuple:
+    """The TensorShapes of a Keras layer's symbolic outputs, in its structure (one
+    TensorShape, or a tuple of them)."""
+    if isinstance(outputs, (list, tuple)):
+        return tuple(tf.TensorShape(o.shape) for o in outputs)
+    return tf.TensorShape(outputs.shape)
+
+
+def CallSymbolically(layer: keras.layers.Layer, shapes):
+    """`layer` called on KerasTensors of `shapes` (building it if it is not built): its
+    symbolic outputs."""
+    return layer(*InputSpecs(shapes))
+
+
+class KerasLayer(base_layer.BaseLayer):
+    """A Keras 3 layer run functionally as a gpipe_tf layer (see the module docstring)."""
+
+    # The Keras layer's dtype policy casts its weights and inputs as it reads them.
+    WEIGHTS_IN_FPROP_DTYPE = False
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('layer', None, 'Handle of the Keras layer (`keras_layer.Handle(layer)`).')
+        p.Define('input_shapes', None,
+                 'The shape of each of the layer\'s inputs, batch included (None where '
+                 'unknown): what the layer is built for.')
+        return p
+
+    def __init__(self, params):
+        super().__init__(params)
+        layer = self.keras_layer
+        if not layer.built:
+            if self.p.input_shapes is None:
+                raise errors.ConfigError(f'{self.path}: the Keras layer {layer.name} is not '
+                                         'built, and Params input_shapes is not set.')
+            # Under the cell's tf.device, where the pipeline builds its layers: Keras's
+            # TensorFlow backend creates the variables there.
+            CallSymbolically(layer, self.p.input_shapes)
+        self._trainable = list(layer.trainable_variables)
+        self._state = list(layer.non_trainable_variables)
+        for i, variable in enumerate(self._trainable):
+            self._layer_vars[f'trainable_{i:04d}'] = variable.value
+        for i, variable in enumerate(self._state):
+            self._layer_vars[f'state_{i:04d}'] = variable.value
+        self._seed_states = [v.path.endswith(_SEED_STATE) for v in self._state]
+        self._takes_training = _TakesTraining(layer)
+
+    @property
+    def keras_layer(self) -> keras.layers.Layer:
+        """The Keras layer."""
+        return Resolve(self.p.layer)
+
+    def FProp(self, theta, *inputs):
+        ctx = fprop_context.Current()
+        layer = self.keras_layer
+        trainable = [theta[f'trainable_{i:04d}'] for i in range(len(self._trainable))]
+        state = [theta[f'state_{i:04d}'] for i in range(len(self._state))]
+        given = [_FoldedSeed(value, ctx) if seed else value
+                 for value, seed in zip(state, self._seed_states)]
+        kwargs = {'training': bool(ctx.training)} if self._takes_training else {}
+        mapping = list(zip(self._trainable, trainable)) + list(zip(self._state, given))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            outputs = layer(*inputs, **kwargs)
+            new_state = [scope.get_current_value(v) for v in self._state]
+        if ctx.training:
+            self._ReportState(state, given, new_state, inputs)
+        if isinstance(outputs, list):
+            outputs = tuple(outputs)
+        return outputs
+
+    def _ReportState(self, state, given, new_state, inputs) -> None:
+        """Hands the float state this call changed to the pipeline (`AddUpdate`), weighted by
+        the micro-batch's examples."""
+        stats = NestedMap()
+        for i, (old, in_value, new, variable, seed) in enumerate(
+                zip(state, given, new_state, self._state, self._seed_states)):
+            if new is in_value or seed:
+                continue
+            if not variable.dtype.startswith(('float', 'bfloat')):
+                raise errors.ConfigError(
+                    f'{self.path}: the Keras layer {self.keras_layer.name} changes its '
+                    f'{variable.dtype} state {variable.path} in a call; a pipeline can '
+                    'combine only float state (moving averages) over its micro-batches.')
+            stats[f'state_{i:04d}'] = tf.stop_gradient(tf.cast(new, old.dtype) - old)
+        if not stats:
+            return
+        batch_dim = fprop_context.Current().batch_dim
+        count = tf.cast(tf.shape(tf.nest.flatten(inputs)[0])[batch_dim], tf.float32)
+        stats = stats.Transform(lambda delta: delta * tf.cast(count, delta.dtype))
+        stats.count = count
+        self.AddUpdate(stats)
+
+    def ApplyUpdate(self, stats: NestedMap):
+        """Adds to each changed state variable its change averaged over the examples (`stats`
+        summed over micro-batches: each change times its micro-batch's examples, and the
+        examples); returns the grouped assign op."""
+        updates = []
+        for key, total in stats.items():
+            if key == 'count':
+                continue
+            variable = self.vars[key]
+            updates.append(variable.assign_add(total / tf.cast(stats.count, total.dtype)))
+        return tf.group(updates)
+
+    @classmethod
+    def FPropMeta(cls, p, *input_shapes):
+        layer = Resolve(p.layer)
+        shapes = [s.as_list() for s in input_shapes]
+        if layer.built:
+            outputs = layer.compute_output_spec(*InputSpecs(shapes))
+            num_params = layer.count_params()
+            trainable = sum(_Size(v) for v in layer.trainable_variables)
+        else:
+            # A copy built without allocating its weights tells the shapes and parameters.
+            clone = type(layer).from_config(layer.get_config())
+            with keras.StatelessScope(initialize_variables=False):
+                outputs = CallSymbolically(clone, shapes)
+            num_params = sum(_Size(v) for v in clone.weights)
+            trainable = sum(_Size(v) for v in clone.trainable_variables)
+        out_shapes = Shapes(outputs)
+        positions = sum(s.num_elements() // max(s[-1], 1) for s in input_shapes[:1])
+        return base_layer.LayerMeta(
+            out_shapes=out_shapes, flops=2 * trainable * positions, num_params=num_params,
+            activation_bytes=base_layer.ActivationBytes(out_shapes, p))
+
+
+def _Size(variable) -> int:
+    size = 1
+    for dim in variable.shape:
+        size *= int(dim)
+    return size
+
+
+def _TakesTraining(layer: keras.layers.Layer) -> bool:
+    """Whether the layer's `call` takes a `training` argument (Keras passes it only then)."""
+    parameters = inspect.signature(layer.call).parameters
+    return 'training' in parameters or any(
+        q.kind is inspect.Parameter.VAR_KEYWORD for q in parameters.values())
+
+
+def _FoldedSeed(state: tf.Tensor, ctx: fprop_context.FPropContext) -> tf.Tensor:
+    """A seed generator's state folded with the step and the micro-batch's first example: new
+    per step and micro-batch, the same when a micro-batch's forward is re-materialized."""
+    seed = tf.cast(state, tf.int64)
+    seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.step, tf.int64))
+    seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.first_example, tf.int64))
+    return tf.cast(seed, state.dtype)

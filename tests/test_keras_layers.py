@@ -1,0 +1,325 @@
+"""gpipe_tf.keras.Pipeline.FromKeras's contract: Keras's own layers (keras.layers, keras_hub's
+Transformer blocks) pipelined give the outputs and gradients of the same layer objects called
+one after another on each micro-batch, with their weights built on their cells' devices."""
+
+import os
+import shutil
+import tempfile
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gpipe_tf import errors
+from gpipe_tf import test_utils
+from gpipe_tf.keras import Pipeline
+
+DEVICES = test_utils.ConfigureVirtualCpus()
+TOLERANCE = 1e-5
+M = 2
+
+
+def DenseStack(width=8):
+    """Dense/BatchNorm/Dense/Dense: 4 layers, of unequal parameter counts."""
+    return [keras.layers.Dense(width, activation='tanh'), keras.layers.BatchNormalization(),
+            keras.layers.Dense(width, activation='tanh'), keras.layers.Dense(3)]
+
+
+def ConvNet():
+    return [keras.layers.Conv2D(4, 3, padding='same', activation='relu'),
+            keras.layers.BatchNormalization(), keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(6, 3, activation='relu'), keras.layers.Flatten(),
+            keras.layers.Dense(5)]
+
+
+def TransformerBlocks(num_blocks=3, dropout=0.0):
+    import keras_hub  # pylint: disable=import-outside-toplevel
+    return [keras_hub.layers.TransformerEncoder(intermediate_dim=16, num_heads=2,
+                                                dropout=dropout) for _ in range(num_blocks)]
+
+
+def Sequentially(layers, x, num_micro_batches=M, training=True):
+    """The oracle: the layer objects called in order on each micro-batch (Keras's own calls,
+    no pipeline code), the micro-batches' outputs concatenated. Training calls assign the
+    layers' state (batch norm's moving statistics): callers snapshot it."""
+    outputs = []
+    for part in tf.split(x, num_micro_batches):
+        for layer in layers:
+            part = layer(part, training=training)
+        outputs.append(part)
+    return tf.concat(outputs, 0)
+
+
+def Snapshot(layers):
+    return [[np.array(v.numpy()) for v in layer.weights] for layer in layers]
+
+
+def Restore(layers, values):
+    for layer, layer_values in zip(layers, values):
+        for variable, value in zip(layer.weights, layer_values):
+            variable.assign(value)
+
+
+def Loss(outputs):
+    """A sum weighted per element, so that every output element has its own gradient."""
+    weights = tf.cos(tf.range(tf.size(outputs), dtype=tf.float32))
+    return tf.reduce_sum(outputs * tf.reshape(weights, tf.shape(outputs)))
+
+
+def PipelineAndOracle(layers, x, **params):
+    """(pipeline outputs, gradients; oracle outputs, gradients) for one training call, the
+    oracle run from the same state."""
+    pipe = Pipeline.FromKeras(layers, num_cells=2, num_micro_batches=M,
+                              input_shape=x.shape[1:], devices=DEVICES[:2], **params)
+    weights = pipe.trainable_weights
+    state = Snapshot(layers)
+
+    @tf.function
+    def Step(x):
+        with tf.GradientTape() as tape:
+            outputs = pipe(x, training=True)
+            loss = Loss(outputs)
+        return outputs, tape.gradient(loss, weights)
+
+    outputs, grads = Step(x)
+    Restore(layers, state)
+    with tf.GradientTape() as tape:
+        expected = Sequentially(layers, x)
+        loss = Loss(expected)
+    expected_grads = tape.gradient(loss, weights)
+    Restore(layers, state)
+    return pipe, (outputs, grads), (expected, expected_grads)
+
+
+@pytest.mark.unit
+class ContractTest(tf.test.TestCase):
+    """Outputs and every gradient equal the layers called in sequence per micro-batch."""
+
+    def assertMatches(self, layers, x, **params):
+        _, (outputs, grads), (expected, expected_grads) = PipelineAndOracle(layers, x,
+                                                                             **params)
+        self.assertAllClose(expected, outputs, atol=TOLERANCE, rtol=TOLERANCE)
+        self.assertLen(grads, len(expected_grads))
+        for grad, expected_grad in zip(grads, expected_grads):
+            self.assertIsNotNone(grad)
+            self.assertAllClose(expected_grad, grad, atol=TOLERANCE, rtol=TOLERANCE)
+
+    def testDenseBatchNormStackEveryRecomputeMode(self):
+        x = tf.random.stateless_normal((8, 6), [1, 2])
+        for recompute in ('always', 'never', 'except_last'):
+            with self.subTest(recompute=recompute):
+                keras.utils.set_random_seed(0)
+                self.assertMatches(DenseStack(), x, recompute=recompute)
+
+    def testLooped(self):
+        keras.utils.set_random_seed(0)
+        self.assertMatches(DenseStack(), tf.random.stateless_normal((8, 6), [3, 4]),
+                           unroll=False)
+
+    def testConvNet(self):
+        keras.utils.set_random_seed(0)
+        self.assertMatches(ConvNet(), tf.random.stateless_normal((4, 8, 8, 3), [5, 6]))
+
+    def testKerasHubTransformerEncoders(self):
+        keras.utils.set_random_seed(0)
+        self.assertMatches(TransformerBlocks(), tf.random.stateless_normal((4, 5, 8), [7, 8]))
+
+
+@pytest.mark.unit
+class LayersTest(tf.test.TestCase):
+    """The given layer objects are the ones used, built on their cells' devices."""
+
+    def testWeightsAreTheLayersOwnOnTheirCellsDevices(self):
+        keras.utils.set_random_seed(0)
+        layers = DenseStack()
+        pipe = Pipeline.FromKeras(layers, num_cells=2, num_micro_batches=M, input_shape=(6,),
+                                  devices=DEVICES[:2], balance=[2, 2])
+        self.assertEqual(pipe.keras_layers, layers)
+        own = {id(v) for layer in layers for v in layer.weights}
+        self.assertEqual(own, {id(v) for v in pipe.weights if v is not pipe.step})
+        for k, cell in enumerate(pipe.pipeline.cells):
+            for layer in cell.sequence:
+                for variable in layer.keras_layer.weights:
+                    self.assertEqual(tf.DeviceSpec.from_string(variable.value.device).device_index,
+                                     tf.DeviceSpec.from_string(DEVICES[k]).device_index)
+
+    def testBalanceByParameters(self):
+        # 6*8+8, 4*8, 8*8+8, 8*3+3: the optimal split of (56, 32, 72, 27) is [0, 2, 4].
+        pipe = Pipeline.FromKeras(DenseStack(), num_cells=2, num_micro_batches=M,
+                                  input_shape=(6,), devices=DEVICES[:2])
+        self.assertEqual([len(cell.sequence) for cell in pipe.pipeline.cells], [2, 2])
+        pipe = Pipeline.FromKeras(DenseStack(), num_cells=2, num_micro_batches=M,
+                                  input_shape=(6,), devices=DEVICES[:2], balance=[1, 3])
+        self.assertEqual([len(cell.sequence) for cell in pipe.pipeline.cells], [1, 3])
+
+    def testFitChangesTheLayersWeights(self):
+        keras.utils.set_random_seed(0)
+        layers = DenseStack()
+        model = keras.Sequential([
+            keras.Input((6,)),
+            Pipeline.FromKeras(layers, num_cells=2, num_micro_batches=M, input_shape=(6,),
+                               devices=DEVICES[:2])])
+        model.compile(keras.optimizers.SGD(0.1), 'mse')
+        before = Snapshot(layers)
+        x, y = np.random.RandomState(0).randn(2, 8, 6).astype(np.float32)
+        model.fit(x, y[:, :3], batch_size=8, verbose=0)
+        for old, layer in zip(before, layers):
+            for value, now in zip(old, layer.get_weights()):
+                self.assertNotAllClose(value, now)
+
+    def testOneSgdStepEqualsKerasSequential(self):
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Dense(8, activation='tanh'), keras.layers.Dense(8),
+                  keras.layers.Dense(2)]
+        reference = keras.Sequential([keras.Input((6,))] + [
+            type(layer).from_config(layer.get_config()) for layer in layers])
+        model = keras.Sequential([keras.Input((6,)), Pipeline.FromKeras(
+            layers, num_cells=2, num_micro_batches=4, input_shape=(6,), devices=DEVICES[:2])])
+        for layer, copy in zip(layers, reference.layers):
+            copy.set_weights(layer.get_weights())
+        rng = np.random.RandomState(1)
+        x, y = rng.randn(8, 6).astype(np.float32), rng.randn(8, 2).astype(np.float32)
+        for m in (model, reference):
+            m.compile(keras.optimizers.SGD(0.5), 'mse')
+            m.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+        for layer, copy in zip(layers, reference.layers):
+            for a, b in zip(layer.get_weights(), copy.get_weights()):
+                self.assertAllClose(b, a, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+@pytest.mark.unit
+class StateTest(tf.test.TestCase):
+    """Batch norm's moving statistics and dropout's seeds across micro-batches."""
+
+    def testBatchNormMovesOncePerStepTowardsTheMicroBatchesStatistics(self):
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Dense(4), keras.layers.BatchNormalization(momentum=0.9)]
+        pipe = Pipeline.FromKeras(layers, num_cells=2, num_micro_batches=M, input_shape=(6,),
+                                  devices=DEVICES[:2])
+        x = tf.random.stateless_normal((8, 6), [9, 9]) * 3.0 + 1.0
+        h = np.split(layers[0](x).numpy(), M)
+        pipe(x, training=True)
+        means = [part.mean(0) for part in h]
+        variances = [part.var(0) for part in h]
+        bn = layers[1]
+        self.assertAllClose(0.1 * np.mean(means, 0), bn.moving_mean.numpy(), atol=1e-6)
+        self.assertAllClose(0.9 + 0.1 * np.mean(variances, 0), bn.moving_variance.numpy(),
+                            atol=1e-5)
+
+    def testInferenceUsesTheMovingStatisticsAndChangesNothing(self):
+        keras.utils.set_random_seed(0)
+        layers = DenseStack()
+        pipe = Pipeline.FromKeras(layers, num_cells=2, num_micro_batches=M, input_shape=(6,),
+                                  devices=DEVICES[:2])
+        x = tf.random.stateless_normal((8, 6), [1, 1])
+        pipe(x, training=True)
+        state = Snapshot(layers)
+        outputs = pipe(x, training=False)
+        self.assertAllClose(Sequentially(layers, x, 1, training=False), outputs,
+                            atol=TOLERANCE)
+        for old, now in zip(state, Snapshot(layers)):
+            for a, b in zip(old, now):
+                self.assertAllEqual(a, b)
+
+    def DropoutRun(self, recompute, x, step=0):
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Dense(16, kernel_initializer='ones'),
+                  keras.layers.Dropout(0.5), keras.layers.Dense(16, kernel_initializer='ones')]
+        pipe = Pipeline.FromKeras(layers, num_cells=2, num_micro_batches=M, input_shape=(4,),
+                                  devices=DEVICES[:2], recompute=recompute, balance=[2, 1])
+        pipe.step.assign(step)
+        with tf.GradientTape() as tape:
+            outputs = pipe(x, training=True)
+            loss = Loss(outputs)
+        return outputs, tape.gradient(loss, pipe.trainable_weights), layers
+
+    def testReMaterializedForwardReplaysTheDropoutMask(self):
+        x = tf.ones((8, 4))
+        kept, kept_grads, _ = self.DropoutRun('never', x)
+        replayed, replayed_grads, _ = self.DropoutRun('always', x)
+        self.assertAllClose(kept, replayed)
+        for a, b in zip(kept_grads, replayed_grads):
+            self.assertAllClose(a, b)
+
+    def testMasksDifferBetweenMicroBatchesAndSteps(self):
+        x = tf.ones((8, 4))
+        first, _, layers = self.DropoutRun('always', x)
+        dropped = (first.numpy() == layers[2].bias.numpy()).all(-1)  # Everything dropped?
+        self.assertFalse(dropped.any())
+        # Equal inputs, so equal rows mean equal masks.
+        self.assertNotAllClose(first[:4], first[4:])
+        second, _, _ = self.DropoutRun('always', x, step=1)
+        self.assertNotAllClose(first, second)
+        again, _, _ = self.DropoutRun('always', x)
+        self.assertAllClose(first, again)
+
+
+class SavingTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.dir = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.dir)
+
+    def testKerasFileRoundTripBuildsOnTheCellsDevices(self):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5, 8)), Pipeline.FromKeras(
+            TransformerBlocks(2), num_cells=2, num_micro_batches=M, input_shape=(5, 8),
+            devices=DEVICES[:2]), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.1), 'mse')
+        rng = np.random.RandomState(0)
+        x, y = rng.randn(8, 5, 8).astype(np.float32), rng.randn(8, 1).astype(np.float32)
+        model.fit(x, y, batch_size=4, verbose=0)
+        path = os.path.join(self.dir, 'model.keras')
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        self.assertAllClose(model.predict(x, batch_size=4, verbose=0),
+                            loaded.predict(x, batch_size=4, verbose=0), atol=1e-6)
+        pipe = loaded.layers[0]
+        for k, cell in enumerate(pipe.pipeline.cells):
+            for layer in cell.sequence:
+                for variable in layer.keras_layer.weights:
+                    self.assertEqual(tf.DeviceSpec.from_string(variable.value.device).device_index,
+                                     tf.DeviceSpec.from_string(DEVICES[k]).device_index)
+
+
+@pytest.mark.unit
+class ErrorsTest(tf.test.TestCase):
+
+    def assertConfigError(self, pattern, **kwargs):
+        arguments = dict(layers=DenseStack(), num_cells=2, num_micro_batches=M,
+                         input_shape=(6,), devices=DEVICES[:2])
+        arguments.update(kwargs)
+        with self.assertRaisesRegex(errors.ConfigError, pattern):
+            Pipeline.FromKeras(**arguments)
+
+    def testNotKerasLayers(self):
+        self.assertConfigError(r'layers\[1\] is str .*expected a Keras layer',
+                               layers=[keras.layers.Dense(2), 'dense'])
+
+    def testNoInputShape(self):
+        self.assertConfigError('give input_shape', input_shape=None)
+
+    def testBadInputShape(self):
+        self.assertConfigError('input_shape must be the shape of one example',
+                               input_shape='six')
+
+    def testInputThatDoesNotFit(self):
+        self.assertConfigError(r'layers\[0\] \(conv2d.*\) does not take inputs of shapes '
+                               r'\[\[6\]\]', layers=ConvNet())
+
+    def testBalanceThatDoesNotAddUp(self):
+        self.assertConfigError(r'balance \[1, 2\] must give 2 cells .* and 4 layers',
+                               balance=[1, 2])
+
+    def testUnknownParam(self):
+        self.assertConfigError("Unknown param 'recomput'; closest", recomput='never')
+
+    def testLayerBuiltOnAnotherDevice(self):
+        layers = DenseStack()
+        with tf.device(DEVICES[0]):
+            built = keras.Sequential([keras.Input((6,))] + layers)
+        del built
+        self.assertConfigError(r'built before the pipeline, with its weights on .*CPU:0, not on '
+                               r"its cell's device .*CPU:1", layers=layers)
