@@ -14,6 +14,7 @@ import tensorflow as tf
 from gpipe_tf import errors
 from gpipe_tf import test_utils
 from gpipe_tf.keras import Pipeline
+from gpipe_tf.keras import Sequential
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 TOLERANCE = 1e-5
@@ -255,12 +256,89 @@ class StateTest(tf.test.TestCase):
         self.assertAllClose(first, again)
 
 
+SCHEDULES = [('gpipe', {}), ('1f1b', {}), ('interleaved_1f1b', {'virtual_stages': 2}),
+             ('zero_bubble', {'recompute': 'never'}), ('zero_bubble', {}),
+             ('zero_bubble_v', {'virtual_stages': 2, 'recompute': 'never'})]
+
+
+def DenseLayers():
+    return [keras.layers.Dense(8, activation='tanh') for _ in range(4)] + [keras.layers.Dense(2)]
+
+
+def SequentialAndReference(schedule='gpipe', **params):
+    """(a gpipe_tf.keras.Sequential over DenseLayers(), a keras.Sequential of copies with the
+    same initial weights), both compiled alike."""
+    keras.utils.set_random_seed(0)
+    layers = DenseLayers()
+    reference = keras.Sequential([keras.Input((6,))] + [
+        type(layer).from_config(layer.get_config()) for layer in layers])
+    model = Sequential(layers, num_cells=2, num_micro_batches=4, input_shape=(6,),
+                       devices=DEVICES[:2], schedule=schedule, **params)
+    model.build((None, 6))
+    for layer, copy in zip(layers, reference.layers):
+        copy.set_weights(layer.get_weights())
+    for m in (model, reference):
+        m.compile(keras.optimizers.SGD(0.5), 'mse', metrics=['mae'])
+    return model, reference
+
+
+def Data(num_examples=16, seed=1):
+    rng = np.random.RandomState(seed)
+    return (rng.randn(num_examples, 6).astype(np.float32),
+            rng.randn(num_examples, 2).astype(np.float32),
+            rng.rand(num_examples).astype(np.float32))
+
+
+@pytest.mark.unit
+class SequentialTest(tf.test.TestCase):
+    """gpipe_tf.keras.Sequential trains with every schedule as keras.Sequential does."""
+
+    def testEveryScheduleFitsAsKerasSequential(self):
+        x, y, sample_weight = Data()
+        for schedule, params in SCHEDULES:
+            with self.subTest(schedule=schedule, **params):
+                model, reference = SequentialAndReference(schedule, **params)
+                histories = [m.fit(x, y, sample_weight=sample_weight, batch_size=8, epochs=1,
+                                   verbose=0, shuffle=False).history
+                             for m in (model, reference)]
+                for key in ('loss', 'mae'):
+                    self.assertAllClose(histories[1][key], histories[0][key], atol=TOLERANCE)
+                for layer, copy in zip(model.pipeline.keras_layers, reference.layers):
+                    for a, b in zip(layer.get_weights(), copy.get_weights()):
+                        self.assertAllClose(b, a, atol=TOLERANCE, rtol=TOLERANCE)
+
+    def testEvaluateAndPredictAsKerasSequential(self):
+        x, y, _ = Data()
+        model, reference = SequentialAndReference('1f1b')
+        self.assertAllClose(reference.predict(x, batch_size=8, verbose=0),
+                            model.predict(x, batch_size=8, verbose=0), atol=TOLERANCE)
+        self.assertAllClose(reference.evaluate(x, y, batch_size=8, verbose=0),
+                            model.evaluate(x, y, batch_size=8, verbose=0), atol=TOLERANCE)
+
+    def testPipelineInAModelRefusesAScheduleThatNeedsTheLossInside(self):
+        with self.assertRaisesRegex(errors.ConfigError, 'gpipe_tf.keras.Sequential'):
+            Pipeline.FromKeras(DenseLayers(), num_cells=2, num_micro_batches=4,
+                               input_shape=(6,), devices=DEVICES[:2], schedule='1f1b')
+
+
 class SavingTest(tf.test.TestCase):
 
     def setUp(self):
         super().setUp()
         self.dir = tempfile.mkdtemp()
         self.addCleanup(shutil.rmtree, self.dir)
+
+    def testSequentialRoundTrip(self):
+        x, y, _ = Data()
+        model, _ = SequentialAndReference('zero_bubble', recompute='never')
+        model.fit(x, y, batch_size=8, verbose=0)
+        path = os.path.join(self.dir, 'sequential.keras')
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        self.assertIsInstance(loaded, Sequential)
+        self.assertEqual(loaded.pipeline.params.schedule, 'zero_bubble')
+        self.assertAllClose(model.predict(x, batch_size=8, verbose=0),
+                            loaded.predict(x, batch_size=8, verbose=0), atol=1e-6)
 
     def testKerasFileRoundTripBuildsOnTheCellsDevices(self):
         keras.utils.set_random_seed(0)

@@ -161,7 +161,9 @@ class KerasLayer(base_layer.BaseLayer):
                  for value, seed in zip(state, self._seed_states)]
         kwargs = {'training': bool(ctx.training)} if self._takes_training else {}
         mapping = list(zip(self._trainable, trainable)) + list(zip(self._state, given))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
+        # Nothing to initialize: every variable is mapped (and initializing the variables
+        # other code left uninitialized is not this call's business).
+        with keras.StatelessScope(state_mapping=mapping, initialize_variables=False) as scope:
             outputs = layer(*inputs, **kwargs)
             new_state = [scope.get_current_value(v) for v in self._state]
         if ctx.training:
@@ -213,9 +215,10 @@ class KerasLayer(base_layer.BaseLayer):
             num_params = layer.count_params()
             trainable = sum(_Size(v) for v in layer.trainable_variables)
         else:
-            # A copy built without allocating its weights tells the shapes and parameters.
+            # A copy built in a graph of its own, where its weights take no memory (none is
+            # initialized), tells the shapes and parameters.
             clone = type(layer).from_config(layer.get_config())
-            with keras.StatelessScope(initialize_variables=False):
+            with tf.Graph().as_default():
                 outputs = CallSymbolically(clone, shapes)
             num_params = sum(_Size(v) for v in clone.weights)
             trainable = sum(_Size(v) for v in clone.trainable_variables)

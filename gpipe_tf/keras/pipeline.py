@@ -90,8 +90,9 @@ class Pipeline(keras.layers.Layer):
         (devices, K, M) are ConfigErrors too.
     """
 
-    def __init__(self, params, **kwargs):
-        params = pipeline_params.Checked(params)
+    def __init__(self, params, loss_inside: bool = False, **kwargs):
+        params = pipeline_params.Checked(params, loss_inside)
+        self._loss_inside = loss_inside
         policy = pipeline_params.ApplyDtypePolicy(params, kwargs.pop('dtype', None))
         if tf.distribute.has_strategy():
             raise errors.ConfigError(
@@ -139,7 +140,7 @@ class Pipeline(keras.layers.Layer):
     @classmethod
     def FromKeras(cls, layers, num_cells: int, num_micro_batches: int | None = None,
                   input_shape=None, balance=None, name: str | None = None,
-                  dtype=None, **params) -> 'Pipeline':
+                  dtype=None, loss_inside: bool = False, **params) -> 'Pipeline':
         """The pipeline of Keras `layers` (a list, or a `keras.Sequential`'s layers) in K =
         `num_cells` cells over M = `num_micro_batches` micro-batches: the very layer objects,
         each built and its weights created on its cell's device.
@@ -162,7 +163,7 @@ class Pipeline(keras.layers.Layer):
         """
         p = pipeline_params.FromKeras(layers, num_cells, num_micro_batches, input_shape,
                                       balance, **params)
-        return cls(p, name=name, dtype=dtype)
+        return cls(p, loss_inside=loss_inside, name=name, dtype=dtype)
 
     @property
     def keras_layers(self) -> list:
@@ -229,9 +230,36 @@ class Pipeline(keras.layers.Layer):
             self._step.assign_add(1)
         return outputs
 
+    @tf.autograph.experimental.do_not_convert
+    def TrainWithLoss(self, inputs, loss_fn, loss_inputs=None):
+        """A training call with the loss computed per micro-batch on the last stage
+        (`PipeliningLayer.FPropLoss`), which every schedule runs: what
+        `gpipe_tf.keras.Sequential`'s train step calls.
+
+        Args:
+          inputs: the pipeline's input.
+          loss_fn: (a micro-batch's outputs, its part of loss_inputs) -> (value, weight).
+          loss_inputs: a nest split along the batch with the inputs (labels, sample weights).
+
+        Returns:
+          (outputs, loss, weight): the outputs (no gradient flows back through them), the
+          loss (the mean of the values weighted by their weights), the summed weight.
+        """
+        if not self.built:
+            self.build(tf.nest.map_structure(lambda x: x.shape, inputs))
+        self._CheckTraceable(inputs)
+        step = tf.convert_to_tensor(self._step.value)
+        with fprop_context.Scope(training=True, step=step, first_example=0,
+                                 update_collector=None):
+            result = self._pipeline.FPropLoss(self._pipeline.theta, inputs, loss_fn,
+                                              loss_inputs)
+        self._step.assign_add(1)
+        return result
+
     def get_config(self) -> dict:
         config = {**super().get_config(),
-                  'params': pipeline_params.ToText(_WithoutKerasLayers(self._pipeline.p))}
+                  'params': pipeline_params.ToText(_WithoutKerasLayers(self._pipeline.p)),
+                  'loss_inside': self._loss_inside}
         if self._keras_layers:
             # Without their build configs: Keras would build them on loading, on its default
             # device; the pipeline builds each on its cell's.
@@ -243,7 +271,8 @@ class Pipeline(keras.layers.Layer):
     @classmethod
     def from_config(cls, config: dict) -> 'Pipeline':
         config = dict(config)
-        params = pipeline_params.FromText(config.pop('params', None))
+        params = pipeline_params.FromText(config.pop('params', None),
+                                          config.get('loss_inside', False))
         # Keras's own deserialization (safe mode: registered classes only) makes the layers.
         layers = [keras.saving.deserialize_keras_object(c)
                   for c in config.pop('keras_layers', [])]

@@ -33,12 +33,17 @@ def _IsLayerParams(value) -> bool:
             and issubclass(value.cls, base_layer.BaseLayer))
 
 
-def Checked(params) -> hyperparams.Params:
+def Checked(params, loss_inside: bool = False) -> hyperparams.Params:
     """A copy of PipeliningLayer Params `params`, checked to be usable in a Keras model.
 
+    Args:
+      params: the Params.
+      loss_inside: whether the model computes the loss per micro-batch inside the pipeline
+        (`gpipe_tf.keras.Sequential`), which every schedule can run; else only gpipe's.
+
     Raises:
-      errors.ConfigError: for anything but PipeliningLayer Params, and for a schedule that needs
-        the loss inside the pipeline (Keras computes it after the layer).
+      errors.ConfigError: for anything but PipeliningLayer Params, and without loss_inside for
+        a schedule that needs the loss inside the pipeline (Keras computes it after the layer).
     """
     if isinstance(params, (list, tuple)):
         raise errors.ConfigError(
@@ -53,11 +58,12 @@ def Checked(params) -> hyperparams.Params:
             f'{LAYER} takes PipeliningLayer Params (gpipe_tf.PipeliningLayer.Params().Set('
             f'layer_tpl=[...], num_cells=K, num_micro_batches=M)); got {got}. For a list of '
             f'layer Params use {LAYER}.FromLayers(layers, num_cells, num_micro_batches).')
-    if params.schedule != 'gpipe':
+    if params.schedule != 'gpipe' and not loss_inside:
         raise errors.ConfigError(
             f'{LAYER}: schedule {params.schedule!r} computes the loss per micro-batch inside '
             'the pipeline, but a Keras model computes it after the layer: use '
-            'schedule="gpipe" (the default).')
+            'schedule="gpipe" (the default), or make the model a gpipe_tf.keras.Sequential, '
+            'whose train step computes the loss inside.')
     return params.Copy()
 
 
@@ -270,7 +276,7 @@ def ToText(params: hyperparams.Params) -> str:
             'strings) to save the model.') from None
 
 
-def FromText(text) -> hyperparams.Params:
+def FromText(text, loss_inside: bool = False) -> hyperparams.Params:
     """PipeliningLayer Params read from a Keras config's Params text, safely (see the module
     docstring).
 
@@ -286,4 +292,4 @@ def FromText(text) -> hyperparams.Params:
     except ValueError as error:
         raise errors.ConfigError(f'{LAYER}: the config\'s Params text does not load: '
                                  f'{error}') from None
-    return Checked(params)
+    return Checked(params, loss_inside)

@@ -1,0 +1,115 @@
+"""`Sequential`: a Keras model that is one pipeline of Keras layers, trained with every schedule.
+
+    import keras
+    from gpipe_tf import keras as gpipe_keras
+
+    model = gpipe_keras.Sequential(
+        [keras.layers.Dense(256, activation='relu') for _ in range(8)] + [keras.layers.Dense(10)],
+        num_cells=4, num_micro_batches=8, input_shape=(64,), schedule='1f1b')
+    model.compile('adam', keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=['accuracy'])
+    model.fit(x, y, batch_size=64)
+
+A `Pipeline` inside a larger Keras model trains with fill-drain (gpipe) only: Keras computes the
+loss after the layer, once every micro-batch's forward is done. 1F1B, interleaved and
+zero-bubble start a micro-batch's backward as soon as its own forward ends, so its loss must be
+known there. `Sequential`'s train step therefore computes the compiled loss per micro-batch on
+the last stage (`PipeliningLayer.FPropLoss`): micro-batch m's value is the compiled loss of its
+examples (Keras's mean over them, sample weights and `class_weight` included), and the step's
+loss is the mean of those values weighted by the micro-batches' examples, which equals the
+compiled loss of the whole batch and so has its gradients. The metrics are then computed on the
+whole batch's outputs, as `keras.Sequential` computes them.
+
+Not supported, and why: losses added by layers (`add_loss`, weight regularizers), which the
+compiled loss of one micro-batch does not see; several model outputs (the pipeline's last layer
+gives one tensor).
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from gpipe_tf import errors
+from gpipe_tf.keras import pipeline as pipeline_lib
+from gpipe_tf.keras import pipeline_params
+
+
+@keras.saving.register_keras_serializable(package='gpipe_tf')
+class Sequential(keras.Model):
+    """A Keras model whose layers run as one GPipe pipeline, with any schedule.
+
+    Args:
+      layers: Keras layers, applied in order (see `Pipeline.FromKeras`).
+      num_cells: K.
+      num_micro_batches: M (or give micro_batch_size=).
+      input_shape: one example's input shape (batch excluded), or a list of them.
+      pipeline: instead of the layers, a `Pipeline` (what loading a saved model passes).
+      name: the model's name.
+      **params: `Pipeline.FromKeras`'s keywords: balance and any PipeliningLayer Param
+        (schedule, recompute, devices, virtual_stages, unroll, ...).
+
+    Raises:
+      errors.ConfigError: see `Pipeline.FromKeras`.
+    """
+
+    def __init__(self, layers=None, num_cells: int = 1, num_micro_batches: int | None = None,
+                 input_shape=None, pipeline=None, name: str | None = None, **params):
+        super().__init__(name=name)
+        if pipeline is None:
+            pipeline = pipeline_lib.Pipeline.FromKeras(
+                layers, num_cells, num_micro_batches, input_shape, loss_inside=True,
+                name='pipeline', **params)
+        elif layers is not None:
+            raise errors.ConfigError(f'gpipe_tf.keras.Sequential takes layers or a pipeline; '
+                                     f'got both.')
+        self._pipeline_layer = pipeline
+
+    @property
+    def pipeline(self) -> pipeline_lib.Pipeline:
+        """The `Pipeline` layer (its `keras_layers`, its PipeliningLayer's report)."""
+        return self._pipeline_layer
+
+    def build(self, input_shape) -> None:
+        self._pipeline_layer.build(input_shape)
+        self.built = True
+
+    def call(self, inputs, training=None):
+        return self._pipeline_layer(inputs, training=training)
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        # Split along the batch with the inputs: each micro-batch's labels and weights.
+        loss_inputs = {'y': y}
+        if sample_weight is not None:
+            loss_inputs['sample_weight'] = sample_weight
+
+        def MicroBatchLoss(outputs, part):
+            value = self.compute_loss(x=None, y=part['y'], y_pred=outputs,
+                                      sample_weight=part.get('sample_weight'), training=True)
+            examples = tf.shape(tf.nest.flatten(outputs)[0])[0]
+            return tf.cast(value, tf.float32), tf.cast(examples, tf.float32)
+
+        with tf.GradientTape() as tape:
+            outputs, loss, _ = self._pipeline_layer.TrainWithLoss(x, MicroBatchLoss, loss_inputs)
+            scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
+        # Keras's own train step updates its loss tracker (what `fit` reports as loss) so.
+        tracker = getattr(self, '_loss_tracker', None)
+        if tracker is not None:
+            tracker.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+        weights = self.trainable_weights
+        self.optimizer.apply_gradients(zip(tape.gradient(scaled, weights), weights))
+        return self.compute_metrics(x, y, outputs, sample_weight=sample_weight)
+
+    def get_config(self) -> dict:
+        return {'name': self.name,
+                'pipeline': keras.saving.serialize_keras_object(self._pipeline_layer)}
+
+    @classmethod
+    def from_config(cls, config: dict) -> 'Sequential':
+        config = dict(config)
+        pipeline = keras.saving.deserialize_keras_object(config.pop('pipeline'))
+        if not isinstance(pipeline, pipeline_lib.Pipeline):
+            raise errors.ConfigError(f'{pipeline_params.LAYER}: a Sequential\'s config holds '
+                                     f'a {type(pipeline).__name__}, not a Pipeline.')
+        return cls(pipeline=pipeline, **config)
