@@ -265,7 +265,7 @@ def DenseLayers():
     return [keras.layers.Dense(8, activation='tanh') for _ in range(4)] + [keras.layers.Dense(2)]
 
 
-def SequentialAndReference(schedule='gpipe', **params):
+def SequentialAndReference(schedule='gpipe', loss='mse', metrics=('mae',), **params):
     """(a gpipe_tf.keras.Sequential over DenseLayers(), a keras.Sequential of copies with the
     same initial weights), both compiled alike."""
     keras.utils.set_random_seed(0)
@@ -278,7 +278,7 @@ def SequentialAndReference(schedule='gpipe', **params):
     for layer, copy in zip(layers, reference.layers):
         copy.set_weights(layer.get_weights())
     for m in (model, reference):
-        m.compile(keras.optimizers.SGD(0.5), 'mse', metrics=['mae'])
+        m.compile(keras.optimizers.SGD(0.5), loss, metrics=list(metrics))
     return model, reference
 
 
@@ -306,6 +306,18 @@ class SequentialTest(tf.test.TestCase):
                 for layer, copy in zip(model.pipeline.keras_layers, reference.layers):
                     for a, b in zip(layer.get_weights(), copy.get_weights()):
                         self.assertAllClose(b, a, atol=TOLERANCE, rtol=TOLERANCE)
+
+    def testClassWeightAsKerasSequential(self):
+        x, _, _ = Data()
+        labels = (x[:, 0] > 0).astype(np.int32)
+        model, reference = SequentialAndReference(
+            '1f1b', keras.losses.SparseCategoricalCrossentropy(from_logits=True), ())
+        histories = [m.fit(x, labels, class_weight={0: 0.25, 1: 2.0}, batch_size=8,
+                           verbose=0, shuffle=False).history for m in (model, reference)]
+        self.assertAllClose(histories[1]['loss'], histories[0]['loss'], atol=TOLERANCE)
+        for layer, copy in zip(model.pipeline.keras_layers, reference.layers):
+            for a, b in zip(layer.get_weights(), copy.get_weights()):
+                self.assertAllClose(b, a, atol=TOLERANCE, rtol=TOLERANCE)
 
     def testEvaluateAndPredictAsKerasSequential(self):
         x, y, _ = Data()
