@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import math
 import threading
 import weakref
 
@@ -213,27 +214,22 @@ class KerasLayer(base_layer.BaseLayer):
         if layer.built:
             outputs = layer.compute_output_spec(*InputSpecs(shapes))
             num_params = layer.count_params()
-            trainable = sum(_Size(v) for v in layer.trainable_variables)
+            trainable = sum(math.prod(v.shape) for v in layer.trainable_variables)
         else:
             # A copy built in a graph of its own, where its weights take no memory (none is
             # initialized), tells the shapes and parameters.
             clone = type(layer).from_config(layer.get_config())
             with tf.Graph().as_default():
                 outputs = CallSymbolically(clone, shapes)
-            num_params = sum(_Size(v) for v in clone.weights)
-            trainable = sum(_Size(v) for v in clone.trainable_variables)
+            num_params = sum(math.prod(v.shape) for v in clone.weights)
+            trainable = sum(math.prod(v.shape) for v in clone.trainable_variables)
         out_shapes = Shapes(outputs)
-        positions = sum(s.num_elements() // max(s[-1], 1) for s in input_shapes[:1])
+        # Positions of the first input: its elements per channel (the last dimension).
+        first = input_shapes[0]
+        positions = first.num_elements() // max(first[-1], 1) if first.rank else 1
         return base_layer.LayerMeta(
             out_shapes=out_shapes, flops=2 * trainable * positions, num_params=num_params,
             activation_bytes=base_layer.ActivationBytes(out_shapes, p))
-
-
-def _Size(variable) -> int:
-    size = 1
-    for dim in variable.shape:
-        size *= int(dim)
-    return size
 
 
 def _TakesTraining(layer: keras.layers.Layer) -> bool:

@@ -222,13 +222,8 @@ class Pipeline(keras.layers.Layer):
     def call(self, inputs, training=None):
         training = _TrainingFlag(training, self.name)
         self._CheckTraceable(inputs)
-        step = tf.convert_to_tensor(self._step.value)
-        with fprop_context.Scope(training=training, step=step, first_example=0,
-                                 update_collector=None):
-            outputs = self._pipeline.FProp(self._pipeline.theta, inputs)
-        if training:
-            self._step.assign_add(1)
-        return outputs
+        return self._InContext(
+            training, lambda: self._pipeline.FProp(self._pipeline.theta, inputs))
 
     @tf.autograph.experimental.do_not_convert
     def TrainWithLoss(self, inputs, loss_fn, loss_inputs=None):
@@ -248,12 +243,18 @@ class Pipeline(keras.layers.Layer):
         if not self.built:
             self.build(tf.nest.map_structure(lambda x: x.shape, inputs))
         self._CheckTraceable(inputs)
+        return self._InContext(True, lambda: self._pipeline.FPropLoss(
+            self._pipeline.theta, inputs, loss_fn, loss_inputs))
+
+    def _InContext(self, training: bool, compute):
+        """`compute()` in the pipeline's forward context (Keras's training flag, the `step`
+        weight as the step that seeds randomness); a training call then counts one step."""
         step = tf.convert_to_tensor(self._step.value)
-        with fprop_context.Scope(training=True, step=step, first_example=0,
+        with fprop_context.Scope(training=training, step=step, first_example=0,
                                  update_collector=None):
-            result = self._pipeline.FPropLoss(self._pipeline.theta, inputs, loss_fn,
-                                              loss_inputs)
-        self._step.assign_add(1)
+            result = compute()
+        if training:
+            self._step.assign_add(1)
         return result
 
     def get_config(self) -> dict:
