@@ -250,26 +250,31 @@ def SquareLoss(outputs) -> tf.Tensor:
     return tf.add_n([tf.reduce_sum(tf.square(x)) for x in FloatLeaves(outputs)])
 
 
-def Unpartitioned(pipeline_layer, inputs, num_micro_batches: int = 1, step: int = 0):
+def Unpartitioned(pipeline_layer, inputs, num_micro_batches=1, step: int = 0):
     """A PipeliningLayer's layers applied one after another, without the pipeline.
 
     No devices, no recompute, no pipeline code: each micro-batch (M=1: the whole batch) runs
-    through `pipeline_layer.Layers()` under `fprop_context.Scope(step, first_example=m n)`.
-    Training updates (batch norm's moving statistics) are collected and dropped, so this changes
-    no state. Only batch norm's statistics depend on num_micro_batches: the layers' randomness
-    is drawn per example.
+    through `pipeline_layer.Layers()` under `fprop_context.Scope(step, first_example=the
+    examples before it)`. `num_micro_batches` is M equal parts, or a list of the parts' sizes
+    (uneven micro-batches, written out by the test). Training updates (batch norm's moving
+    statistics) are collected and dropped, so this changes no state. Only batch norm's
+    statistics depend on the micro-batches: the layers' randomness is drawn per example.
     """
     batch_dim = pipeline_layer.p.batch_dim
     flat = [tf.split(x, num_micro_batches, batch_dim) for x in tf.nest.flatten(inputs)]
     outputs = []
-    for m in range(num_micro_batches):
+    first_example = 0
+    for m in range(len(flat[0])):
         args = (tf.nest.pack_sequence_as(inputs, [parts[m] for parts in flat]),)
         size = flat[0][m].shape[batch_dim]
-        with fprop_context.Scope(step=step, first_example=m * size, batch_dim=batch_dim,
+        if size == 0:
+            continue  # An empty part: the pipeline's empty micro-batch computes nothing.
+        with fprop_context.Scope(step=step, first_example=first_example, batch_dim=batch_dim,
                                  update_collector=fprop_context.UpdateCollector()):
             for layer in pipeline_layer.Layers():
                 args = base_layer.AsArgs(layer.FProp(layer.theta, *args))
         outputs.append(args[0])
+        first_example += size
     return tf.nest.map_structure(lambda *xs: tf.concat(xs, batch_dim), *outputs)
 
 

@@ -327,6 +327,28 @@ class SequentialTest(tf.test.TestCase):
         self.assertAllClose(reference.evaluate(x, y, batch_size=8, verbose=0),
                             model.evaluate(x, y, batch_size=8, verbose=0), atol=TOLERANCE)
 
+    def testAnyBatchSizeFitsAndPredictsAsKerasSequential(self):
+        # 11 examples in batches of 6: the last batch of 5 splits into M=4 micro-batches of
+        # [2, 1, 1, 1]; batches of 3 leave one of the four empty. Keras weighs every example
+        # alike, the pipeline must too.
+        x, y, sample_weight = Data(11)
+        for schedule, params in (('gpipe', {}), ('1f1b', {}), ('zero_bubble', {})):
+            for batch_size in (6, 3):
+                with self.subTest(schedule=schedule, batch_size=batch_size):
+                    model, reference = SequentialAndReference(schedule, **params)
+                    histories = [m.fit(x, y, sample_weight=sample_weight,
+                                       batch_size=batch_size, epochs=1, verbose=0,
+                                       shuffle=False).history for m in (model, reference)]
+                    for key in ('loss', 'mae'):
+                        self.assertAllClose(histories[1][key], histories[0][key],
+                                            atol=TOLERANCE)
+                    for layer, copy in zip(model.pipeline.keras_layers, reference.layers):
+                        for a, b in zip(layer.get_weights(), copy.get_weights()):
+                            self.assertAllClose(b, a, atol=TOLERANCE, rtol=TOLERANCE)
+                    for n in (1, 3):
+                        self.assertAllClose(reference.predict(x[:n], verbose=0),
+                                            model.predict(x[:n], verbose=0), atol=TOLERANCE)
+
     def testPipelineInAModelRefusesAScheduleThatNeedsTheLossInside(self):
         with self.assertRaisesRegex(errors.ConfigError, 'gpipe_tf.keras.Sequential'):
             Pipeline.FromKeras(DenseLayers(), num_cells=2, num_micro_batches=4,

@@ -1,5 +1,6 @@
 """Splitting a mini-batch into micro-batches and gathering them back (`pipeline/microbatch.py`):
-the batch size of a nest, the choice of M, and Split/Concat against numpy's split/concatenate."""
+the batch size of a nest, the choice of M, and Split/Concat against numpy's split/concatenate
+(uneven splits against np.array_split), padding to a multiple of M for inference."""
 
 import numpy as np
 import pytest
@@ -138,9 +139,58 @@ class SplitTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllEqual(part.pair[0], np.split(pair[0], 3)[m])
             self.assertAllEqual(part.pair[1], np.split(pair[1], 3)[m])
 
-    def testAnUnevenSplitRaises(self):
-        with self.assertRaises((ValueError, tf.errors.InvalidArgumentError)):
-            microbatch.Split(tf.zeros([5, 2]), 2)
+    @parameterized.parameters((5, 2), (7, 3), (3, 4), (1, 4), (10, 4))
+    def testAnUnevenSplitEqualsNumpyArraySplit(self, batch, m):
+        # np.array_split makes the first N mod M parts one larger, and parts past N empty.
+        x = Arange([batch, 2])
+        got = microbatch.Split(tf.constant(x), m)
+        want = np.array_split(x, m)
+        self.assertLen(got, m)
+        for g, w in zip(got, want):
+            self.assertAllEqual(g.shape, w.shape)
+            self.assertAllEqual(g, w)
+
+    @parameterized.parameters((5, 2), (3, 4), (8, 4))
+    def testSizesAndStartsAgreeWithNumpyForIntAndTensorBatches(self, batch, m):
+        want = [len(p) for p in np.array_split(np.arange(batch), m)]
+        starts = list(np.cumsum([0] + want[:-1]))
+        self.assertEqual(microbatch.Sizes(batch, m), want)
+        self.assertEqual(microbatch.Starts(batch, m), starts)
+        self.assertAllEqual(microbatch.Sizes(tf.constant(batch, tf.int64), m), want)
+        self.assertAllEqual(microbatch.Starts(tf.constant(batch, tf.int64), m), starts)
+
+    def testSplitsNumpyLeaves(self):
+        x = Arange([6, 2])
+        for got, want in zip(microbatch.Split({'x': x}, 3), np.split(x, 3)):
+            self.assertAllEqual(got['x'], want)
+
+    @parameterized.parameters((5, 2), (3, 4), (8, 4))
+    def testPaddedRepeatsTheLastExampleAndUnpaddedUndoesIt(self, batch, m):
+        x = Arange([batch, 3])
+        padded, size = microbatch.Padded(NestedMap(x=tf.constant(x), mask=None), m)
+        self.assertEqual(size, batch)
+        rows = -(-batch // m) * m
+        want = np.concatenate([x, np.repeat(x[-1:], rows - batch, 0)])
+        self.assertAllEqual(padded.x, want)
+        self.assertIsNone(padded.mask)
+        self.assertAllEqual(microbatch.Unpadded(padded, size).x, x)
+
+    def testUnevenSplitAndPaddingOfAnUnknownBatchInsideAFunction(self):
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float64)])
+        def SplitAndPad(x):
+            padded, size = microbatch.Padded(x, 4)
+            return ([tf.reduce_sum(p, 0) for p in microbatch.Split(x, 4)],
+                    [tf.shape(p)[0] for p in microbatch.Split(x, 4)],
+                    microbatch.Unpadded(padded * 2, size), tf.shape(padded)[0])
+
+        x = Arange([6, 3])
+        sums, sizes, doubled, rows = SplitAndPad(tf.constant(x))
+        want = np.array_split(x, 4)
+        self.assertAllEqual(sizes, [len(w) for w in want])
+        for got, w in zip(sums, want):
+            self.assertAllEqual(got, w.sum(0))
+        self.assertAllEqual(doubled, 2 * x)
+        self.assertEqual(int(rows), 8)
 
     def testWorksOnAnUnknownBatchInsideAFunction(self):
         @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float64)])

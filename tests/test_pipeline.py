@@ -401,18 +401,123 @@ class MemoryTest(tf.test.TestCase, parameterized.TestCase):
                         f'{off / 2**20:.1f} MiB')
 
 
+class AnyBatchSizeTest(tf.test.TestCase, parameterized.TestCase):
+    """A batch M does not divide, one smaller than M, and one known only when the step runs:
+    micro-batches as equal as they can be, the first ones larger (the sizes written out here),
+    with the contract unchanged."""
+
+    def _Layers(self, batch_norm):
+        layers = []
+        for _ in range(3):
+            layers += [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM,
+                                                     activation='tanh'),
+                       basic.DropoutLayer.Params().Set(keep_prob=0.7)]
+            if batch_norm:
+                layers.append(normalization.BatchNormLayer.Params().Set(dim=DIM))
+        # Not batch norm last: a square loss of its output would be nearly constant.
+        return layers + [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM)]
+
+    @staticmethod
+    def _Step(fn, layer, x):
+        # A loss away from zero mean: batch norm makes the sums over the batch that the
+        # last biases' gradients are ~0 otherwise (a relative error of rounding).
+        return test_utils.OutputsAndGrads(fn, layer, x,
+                                          loss_fn=lambda y: tf.reduce_sum(tf.square(y - 1.0)))
+
+    def _Pipeline(self, m, mode, batch_norm=True, **kw):
+        return PipelineParams(3, m, mode, layers=self._Layers(batch_norm)).Set(
+            input_shapes=None, partition_method='uniform', **kw)
+
+    @parameterized.parameters(
+        # Batch norm on micro-batches of 4 or more (on fewer, rounding dominates its
+        # gradients); dense and dropout down to empty micro-batches.
+        (15, 4, [4, 4, 4, 3], 'never', True),
+        (18, 4, [5, 5, 4, 4], 'always', True),
+        (3, 4, [1, 1, 1, 0], 'except_last', False),
+        (1, 4, [1, 0, 0, 0], 'always', False),
+        # unroll=False: a training step on a batch M does not divide runs unrolled.
+        (22, 4, [6, 6, 5, 5], 'always', True, False))
+    def testUnevenMicroBatchesMatchTheLayersPerMicroBatch(self, batch, m, sizes, mode,
+                                                          batch_norm, unroll=True):
+        layer = self._Pipeline(m, mode, batch_norm, unroll=unroll).Instantiate()
+        x = RandomInputs((batch, DIM)) * 2.0 + 0.5
+        with fprop_context.Scope(step=3):
+            got = tf.function(lambda x: self._Step(layer, layer, x))(x)
+        want = self._Step(
+            lambda x: test_utils.Unpartitioned(layer, x, sizes, step=3), layer, x)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+
+    @parameterized.parameters(True, False)
+    def testBatchKnownOnlyWhenTheStepRuns(self, unroll):
+        layer = self._Pipeline(4, 'always', unroll=unroll).Instantiate()
+        step = tf.function(lambda x: self._Step(layer, layer, x),
+                           input_signature=[tf.TensorSpec([None, DIM])])
+        # The loop trains on equal micro-batches only: 16 and 24 there, 15 and 18 unrolled too.
+        for batch, sizes in ([(16, 4), (24, 4)] + ([(15, [4, 4, 4, 3]), (18, [5, 5, 4, 4])]
+                                                   if unroll else [])):
+            x = RandomInputs((batch, DIM)) + 0.5
+            got = step(x)
+            want = self._Step(
+                lambda x: test_utils.Unpartitioned(layer, x, sizes), layer, x)
+            self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE, (batch, unroll))
+        self.assertEqual(step.experimental_get_tracing_count(), 1)
+
+    def testTheLoopRefusesAnUnevenBatchKnownOnlyWhenItRuns(self):
+        layer = self._Pipeline(4, 'always', unroll=False).Instantiate()
+        step = tf.function(lambda x: self._Step(layer, layer, x),
+                           input_signature=[tf.TensorSpec([None, DIM])])
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    r'num_micro_batches \(4\) must divide the batch'):
+            step(RandomInputs((15, DIM)))
+
+    @parameterized.parameters(True, False)
+    def testInferenceOnAnyBatchEqualsTheWholeBatch(self, unroll):
+        layer = self._Pipeline(4, 'always', unroll=unroll).Instantiate()
+        infer = tf.function(lambda x: layer(x), input_signature=[tf.TensorSpec([None, DIM])])
+        for batch in (1, 3, 5, 16):
+            x = RandomInputs((batch, DIM))
+            with fprop_context.Scope(training=False):
+                got = infer(x)
+                want = test_utils.Unpartitioned(layer, x)
+            self.assertEqual(got.shape, (batch, DIM))
+            self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE, (batch, unroll))
+
+    def testMovingStatisticsWeighUnevenMicroBatchesByExamples(self):
+        layer = self._Pipeline(4, 'never', batch_norm=True).Instantiate()
+        x = RandomInputs((6, DIM)) * 3.0 + 1.0
+        parts, seen = tf.split(x, [2, 2, 1, 1]), {}
+        for m, h in enumerate(parts):
+            with fprop_context.Scope(update_collector=fprop_context.UpdateCollector(),
+                                     first_example=[0, 2, 4, 5][m]):
+                for l in layer.Layers():
+                    if isinstance(l, normalization.BatchNormLayer):
+                        seen.setdefault(l.path, []).append(h)
+                    h = l.FProp(l.theta, h)
+        expected = {}
+        for l in layer.Layers():
+            if isinstance(l, normalization.BatchNormLayer):
+                mean, var = np.mean(tf.concat(seen[l.path], 0), 0), np.var(tf.concat(seen[l.path], 0), 0)
+                expected[l.path] = (l.p.decay * l.vars.moving_mean.numpy() + (1 - l.p.decay) * mean,
+                                    l.p.decay * l.vars.moving_variance.numpy() + (1 - l.p.decay) * var)
+        tf.function(layer)(x)
+        self.assertLen(expected, 3)
+        for l in layer.Layers():
+            if l.path in expected:
+                self.assertAllClose(l.vars.moving_mean, expected[l.path][0], atol=1e-5)
+                self.assertAllClose(l.vars.moving_variance, expected[l.path][1], atol=1e-5)
+
+    def testReplicasSplitUnevenlyToo(self):
+        # R = 2 shards of 8 and 7 examples, each in M = 2 micro-batches: 4, 4 and 4, 3.
+        layer = self._Pipeline(2, 'always', num_replicas=2, devices=DEVICES[:6]).Instantiate()
+        x = RandomInputs((15, DIM)) + 0.5
+        with fprop_context.Scope(step=1):
+            got = tf.function(lambda x: self._Step(layer, layer, x))(x)
+        want = self._Step(
+            lambda x: test_utils.Unpartitioned(layer, x, [4, 4, 4, 3], step=1), layer, x)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+
+
 class BadInputTest(tf.test.TestCase):
-
-    def testBatchNotDivisibleByMicroBatches(self):
-        layer = PipelineParams(2, 3).Set(input_shapes=None, partition_method='uniform').Instantiate()
-        with self.assertRaisesRegex(ValueError, r'Batch size 16 is not divisible.*\(3\)'):
-            layer(RandomInputs())
-
-    def testMoreMicroBatchesThanExamples(self):
-        layer = PipelineParams(2, 32).Set(input_shapes=None, partition_method='uniform').Instantiate()
-        with self.assertRaisesRegex(ValueError, r'num_micro_batches \(32\) is larger than the '
-                                    r'batch size \(16\)'):
-            layer(RandomInputs())
 
     def testBothMicroBatchSettings(self):
         # Refused when the plan is made, before any variable.

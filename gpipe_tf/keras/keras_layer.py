@@ -191,7 +191,10 @@ class KerasLayer(base_layer.BaseLayer):
             return
         batch_dim = fprop_context.Current().batch_dim
         count = tf.cast(tf.shape(tf.nest.flatten(inputs)[0])[batch_dim], tf.float32)
-        stats = stats.Transform(lambda delta: delta * tf.cast(count, delta.dtype))
+        # An empty micro-batch (a batch smaller than M) may change state by NaN; it adds
+        # nothing.
+        stats = stats.Transform(
+            lambda delta: tf.math.multiply_no_nan(delta, tf.cast(count, delta.dtype)))
         stats.count = count
         self.AddUpdate(stats)
 

@@ -11,7 +11,7 @@
         gpipe_keras.Pipeline.FromLayers(layers, num_cells=2, num_micro_batches=4),
         keras.layers.Dense(10)])
     model.compile('adam', keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(x, y, batch_size=32)     # batch_size a multiple of M
+    model.fit(x, y, batch_size=32)     # any batch size
 
 **Variables.** The PipeliningLayer builds its tf.Variables as everywhere else (cell k's on
 device k, initial values seeded by the layer's path), and the Keras layer tracks each through a
@@ -46,9 +46,18 @@ the trainer's `params.txt` (`pipeline_params.FromText`); weights are ordered by 
 `save_weights` of one partition loads into another. Import `gpipe_tf.keras` before
 `keras.models.load_model`, which finds the class by its registered name `gpipe_tf>Pipeline`.
 
-**Limits.** The batch size must be known when Keras traces a step (the pipeline splits it into
-M micro-batches): batch_size must divide the number of examples, or a dataset be batched with
-drop_remainder=True. XLA (`jit_compile`) compiles a step for one device, and cannot read
+**Any batch size.** A batch of N examples splits into M micro-batches as equal as they can be
+(the first N mod M one example larger; with N < M the last ones are empty), also when N is
+known only when the step runs (Keras traces a second batch size with an unknown batch): so
+`predict` on one example, `evaluate` on a number M does not divide, and `fit` whose last batch
+is partial all run. A training step's gradient is the un-pipelined model's whatever the sizes
+(Keras's loss comes after the pipeline, over the whole batch). The looped schedule
+(`unroll=False`, or 'auto' from 64 cell calls) runs micro-batches of one shape: in inference
+it pads the batch with copies of its last example and drops their outputs; a training step
+whose static batch M does not divide is unrolled instead, and one whose batch is known only
+when it runs must be divisible (an error when it runs says so).
+
+**Limits.** XLA (`jit_compile`) compiles a step for one device, and cannot read
 variables that live on others: a pipeline on several devices says `supports_jit = False`, so
 Keras's default `jit_compile='auto'` leaves XLA off and an explicit `jit_compile=True` falls back
 with Keras's warning; a pipeline on one device compiles. Keras's `tf.distribute` strategies are
@@ -286,15 +295,6 @@ class Pipeline(keras.layers.Layer):
         if not tf.is_tensor(inputs):
             raise errors.ConfigError(f'{self.name}: a Keras Pipeline takes one tensor; got '
                                      f'{type(inputs).__name__}.')
-        batch_dim = self._pipeline.p.batch_dim
-        if inputs.shape.rank is None or inputs.shape[batch_dim] is None:
-            raise errors.ConfigError(
-                f'{self.name}: the pipeline splits each batch into micro-batches, so the batch '
-                f'size must be known when the step is traced; got inputs of shape '
-                f'{inputs.shape}. Keras traces the step again with an unknown batch size when '
-                'batches differ in size (the last batch of an epoch, when batch_size does not '
-                'divide the number of examples): use a number of examples that batch_size '
-                'divides, or a tf.data dataset batched with drop_remainder=True.')
         if len(self._devices) > 1 and control_flow_util.GraphOrParentsInXlaContext(
                 tf.compat.v1.get_default_graph()):
             raise errors.ConfigError(

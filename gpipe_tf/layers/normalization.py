@@ -83,10 +83,12 @@ class BatchNormLayer(BaseLayer):
             mean, variance = tf.nn.moments(tf.cast(x, p.dtype),
                                            axes=list(range(x.shape.rank - 1)))
             count = tf.cast(tf.reduce_prod(tf.shape(x, out_type=tf.int64)[:-1]), p.dtype)
+            # An empty micro-batch (a batch smaller than M) has NaN moments and adds nothing.
             self.AddUpdate(NestedMap(
                     count=tf.stop_gradient(count),
-                    sum=tf.stop_gradient(mean * count),
-                    sum_sq=tf.stop_gradient((variance + tf.square(mean)) * count)))
+                    sum=tf.stop_gradient(tf.math.multiply_no_nan(mean, count)),
+                    sum_sq=tf.stop_gradient(tf.math.multiply_no_nan(
+                        variance + tf.square(mean), count))))
         else:
             mean, variance = theta.moving_mean, theta.moving_variance
         return _Normalize(x, mean, variance, theta.beta, theta.gamma, p.epsilon)

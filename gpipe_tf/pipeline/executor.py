@@ -93,7 +93,8 @@ def MicroBatchLoss(loss_fn, outputs, loss_inputs, loss_scale=None):
         tape.watch(ys)
         value, weight = loss_fn(leaves.Identity(outputs), loss_inputs)
         weight = tf.stop_gradient(tf.cast(weight, value.dtype))
-        total = value * weight
+        # An empty micro-batch (a batch smaller than M) has weight 0 and may have a NaN mean.
+        total = tf.math.multiply_no_nan(value, weight)
         scaled = total if loss_scale is None else total * tf.cast(loss_scale, total.dtype)
     # From a constant 1, the loss's gradient up to its first data-dependent op (a mean's
     # broadcast 1 / N) would be folded into a constant of the outputs' size per micro-batch
@@ -141,8 +142,9 @@ class UnrolledSchedule:
         gradients are assigned to the cell's logical device: its device in the schedule
         (`Schedule.DeviceOf`; cell % K with v virtual stages).
       first_example: the index in the mini-batch of the first example of the batch this
-        schedule runs (a replica's shard starts further on); micro-batch m of n examples starts
-        at first_example + m n. The layers draw their randomness per example from it.
+        schedule runs (a replica's shard starts further on); micro-batch m starts at
+        first_example plus the examples before it (`microbatch.Starts`: equal micro-batches
+        where M divides the batch). The layers draw their randomness per example from it.
 
     Raises:
       ValueError: for a schedule of another number of stages.
@@ -260,9 +262,9 @@ class UnrolledSchedule:
         self._training = training
         with tf.device(self._devices[0]):
             first = microbatch.Split(inputs, m_count, batch_dim)
-            size = MicroBatchSize(first[0], batch_dim)
-            self._first_examples = [tf.cast(self._first_example, tf.int64) + m * size
-                                    for m in range(m_count)]
+            starts = microbatch.Starts(microbatch.RunBatchSize(inputs, batch_dim), m_count)
+            self._first_examples = [tf.cast(self._first_example, tf.int64) + start
+                                    for start in starts]
         self._acts = [first] + self._Grid()  # Stage s's input of micro-batch m: acts[s][m].
         self._stats = self._Grid()
         self._thetas = list(thetas)

@@ -79,10 +79,20 @@ class LoopedSchedule:
         """As `UnrolledSchedule.Forward`: (outputs, per cell its summed statistics)."""
         if training:
             executor.CheckForwardFirst(self._schedule)
+        else:
+            # The loop's micro-batches share one shape; in inference, padding the batch to a
+            # multiple of M changes no real example's output.
+            inputs, batch_size = microbatch.Padded(inputs, self._num_micro_batches,
+                                                   self._batch_dim)
         # Training: `Backward` runs the backwards in a second loop.
         self._Start(thetas, inputs, training, [(F,), (B,)] if training else [(F,)])
         self._Loop((F,))
-        return self._Outputs(), self._Updates()
+        outputs = self._Outputs()
+        if not training and not (isinstance(batch_size, int) and
+                                 batch_size % self._num_micro_batches == 0):
+            with tf.device(self._devices[-1]):
+                outputs = microbatch.Unpadded(outputs, batch_size, self._batch_dim)
+        return outputs, self._Updates()
 
     def Backward(self, d_outputs):
         """As `UnrolledSchedule.Backward`: (per cell its flat weight gradients, d_inputs)."""
@@ -134,6 +144,7 @@ class LoopedSchedule:
         self._loss_scale = None
         self._loss = None  # ForwardBackward's [sum of value * weight, sum of weight].
         with tf.device(self._devices[0]):
+            inputs = _EvenlySplit(inputs, m_count, batch_dim)
             # Stacked views of the mini-batch (along batch_dim 0, no copy), read in place.
             first = [None if x is None else _Stacked(x, m_count, batch_dim)
                      for x in tf.nest.flatten(inputs)]
@@ -530,6 +541,30 @@ def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool,
             written.get(m + r, float('inf')) >= read.get(m, float('-inf')) + after
             for m in range(m_count - r)))
     return sizes
+
+
+def _EvenlySplit(inputs, num_micro_batches: int, batch_dim: int):
+    """`inputs`, checked to split into M micro-batches of one shape (the loop's): statically,
+    or when the step runs for a batch known only then.
+
+    Raises:
+      ValueError: for a static batch that M does not divide (`PipeliningLayer` unrolls such a
+        training step instead).
+      tf.errors.InvalidArgumentError: when the step runs, for such a batch.
+    """
+    batch_size = microbatch.RunBatchSize(inputs, batch_dim)
+    if isinstance(batch_size, int):
+        if batch_size % num_micro_batches:
+            raise ValueError(f'The looped schedule runs micro-batches of one shape: a batch of '
+                             f'{batch_size} examples does not split into {num_micro_batches}.')
+        return inputs
+    check = tf.debugging.assert_equal(
+        batch_size % num_micro_batches, tf.constant(0, tf.int64), message=(
+            f'The looped schedule trains on micro-batches of one shape, so num_micro_batches '
+            f'({num_micro_batches}) must divide the batch: batch with drop_remainder=True, '
+            'or set unroll=True (uneven micro-batches) for batches it does not divide.'))
+    with tf.control_dependencies([check]):
+        return tf.nest.map_structure(lambda x: None if x is None else tf.identity(x), inputs)
 
 
 def _Stacked(x, num_micro_batches, batch_dim):

@@ -17,7 +17,7 @@ def BatchSize(inputs, batch_dim: int) -> int | None:
     """
     sizes = set()
     for x in _Leaves(inputs):
-        shape = x.shape
+        shape = tf.TensorShape(x.shape)  # Also NumPy arrays' tuples.
         if shape.rank is not None and not -shape.rank <= batch_dim < shape.rank:
             raise ValueError(f'Input of shape {shape} has no batch_dim {batch_dim}.')
         sizes.add(shape[batch_dim] if shape.rank is not None else None)
@@ -52,17 +52,81 @@ def NumMicroBatches(batch_size: int, num_micro_batches: int | None,
     return num_micro_batches
 
 
+def RunBatchSize(inputs, batch_dim: int):
+    """The examples of `inputs` along `batch_dim`: an int where known statically, else an int64
+    scalar tensor (the batch is known only when the step runs)."""
+    size = BatchSize(inputs, batch_dim)
+    if size is None:
+        size = tf.shape(_Leaves(inputs)[0], out_type=tf.int64)[batch_dim]
+    return size
+
+
+def Sizes(batch_size, num_micro_batches: int):
+    """The examples of each of M micro-batches of a batch of `batch_size`: as equal as they can
+    be, the first N mod M one larger (a batch smaller than M leaves the last ones empty). An
+    int batch gives a list of ints; a tensor batch an int64 tensor of shape [M]."""
+    if isinstance(batch_size, int):
+        size, larger = divmod(batch_size, num_micro_batches)
+        return [size + 1] * larger + [size] * (num_micro_batches - larger)
+    batch_size = tf.cast(batch_size, tf.int64)
+    size, larger = batch_size // num_micro_batches, batch_size % num_micro_batches
+    return size + tf.cast(tf.range(num_micro_batches, dtype=tf.int64) < larger, tf.int64)
+
+
+def Starts(batch_size, num_micro_batches: int) -> list:
+    """Per micro-batch of `Sizes`, the index in the batch of its first example (ints, or int64
+    scalar tensors for a tensor batch)."""
+    if isinstance(batch_size, int):
+        sizes = Sizes(batch_size, num_micro_batches)
+        return [sum(sizes[:m]) for m in range(num_micro_batches)]
+    batch_size = tf.cast(batch_size, tf.int64)
+    size, larger = batch_size // num_micro_batches, batch_size % num_micro_batches
+    return [m * size + tf.minimum(tf.constant(m, tf.int64), larger)
+            for m in range(num_micro_batches)]
+
+
 def Split(inputs, num_micro_batches: int, batch_dim: int = 0) -> list:
-    """Splits every tensor of `inputs` (any nest) into `num_micro_batches` equal parts.
+    """Splits every tensor of `inputs` (any nest) into `num_micro_batches` parts along
+    `batch_dim`: equal parts where M divides the batch, else the sizes of `Sizes` (the batch
+    read when the step runs if it is not known statically).
 
     Returns:
       A list of M nests shaped like `inputs`.
     """
     flat = tf.nest.flatten(inputs)
-    parts = [tf.split(x, num_micro_batches, axis=batch_dim) if x is not None
+    batch_size = RunBatchSize(inputs, batch_dim) if _Leaves(inputs) else 0
+    if isinstance(batch_size, int) and batch_size % num_micro_batches == 0:
+        sizes = num_micro_batches  # Equal parts: tf.split's own static shapes.
+    else:
+        sizes = Sizes(batch_size, num_micro_batches)
+    parts = [tf.split(x, sizes, axis=batch_dim, num=num_micro_batches) if x is not None
              else [None] * num_micro_batches for x in flat]
     return [tf.nest.pack_sequence_as(inputs, [p[m] for p in parts])
             for m in range(num_micro_batches)]
+
+
+def Padded(inputs, num_micro_batches: int, batch_dim: int = 0):
+    """`inputs` with their last example repeated until M divides the batch (examples that are
+    real values, so a layer computes nothing undefined on them), and the original batch size.
+    Only for inference, where each example's output depends on that example alone.
+
+    Returns:
+      (the padded nest, the batch size before padding: an int or an int64 scalar tensor).
+    """
+    batch_size = RunBatchSize(inputs, batch_dim)
+    if isinstance(batch_size, int) and batch_size % num_micro_batches == 0:
+        return inputs, batch_size
+    padded = -(-batch_size // num_micro_batches) * num_micro_batches
+    index = tf.minimum(tf.range(padded, dtype=tf.int64), tf.cast(batch_size, tf.int64) - 1)
+    return tf.nest.map_structure(
+        lambda x: None if x is None else tf.gather(x, index, axis=batch_dim), inputs), batch_size
+
+
+def Unpadded(outputs, batch_size, batch_dim: int = 0):
+    """The first `batch_size` examples of `outputs` (`Padded`'s inverse)."""
+    index = tf.range(batch_size, dtype=tf.int64)
+    return tf.nest.map_structure(
+        lambda x: None if x is None else tf.gather(x, index, axis=batch_dim), outputs)
 
 
 def Concat(micro_batches: list, batch_dim: int = 0):

@@ -296,25 +296,29 @@ class PipeliningLayer(BaseLayer):
                 # Before the split: cell 0 keeps its micro-batches in fprop_dtype too.
                 inputs = precision.CastFloats(inputs, tf.as_dtype(p.fprop_dtype))
             inputs = sequential.Apply(self._before, theta, *inputs)
-        batch_size = microbatch.BatchSize(inputs, p.batch_dim)
-        if batch_size is None:
-            raise errors.ConfigError(f'{self.path}: the batch dimension {p.batch_dim} of the '
-                                     'inputs must be statically known to split micro-batches.')
+        batch_size = microbatch.BatchSize(inputs, p.batch_dim)  # None: known when it runs.
         try:
-            num_micro_batches = plan_lib.NumMicroBatches(p, batch_size)
+            num_micro_batches = plan_lib.MicroBatchesOfStep(p, batch_size)
             sched = self.plan.Schedule(num_micro_batches, training=training)
         except errors.ConfigError as error:
             raise errors.ConfigError(f'{self.path}: {error}') from None
         ctx = fprop_context.Current()
         assign = self._LogicalDeviceFn()
-        # Replica r's shard starts at example r N / R of the mini-batch (after the examples
-        # that come before this whole batch, under a strategy's replicas).
-        shard = batch_size // p.num_replicas
-        run = (looped.LoopedSchedule if self.plan.Loops(num_micro_batches)
+        # Replica r's shard starts after the shards before it (and after the examples that come
+        # before this whole batch, under a strategy's replicas).
+        shard_starts = microbatch.Starts(microbatch.RunBatchSize(inputs, p.batch_dim),
+                                         p.num_replicas)
+        # The loop's micro-batches share one shape; a training step whose batch M does not
+        # divide runs unrolled, on uneven micro-batches (inference pads the loop's batch).
+        even = batch_size is None or all(
+            size % num_micro_batches == 0
+            for size in microbatch.Sizes(batch_size, p.num_replicas))
+        run = (looped.LoopedSchedule
+               if self.plan.Loops(num_micro_batches) and (even or not training)
                else executor.UnrolledSchedule)
         runs = [run(functions, self.plan.recompute, sched, p.batch_dim,
                     tf.cast(ctx.step, tf.int64), assign,
-                    first_example=tf.cast(ctx.first_example, tf.int64) + r * shard)
+                    first_example=tf.cast(ctx.first_example, tf.int64) + shard_starts[r])
                 for r, functions in enumerate(self._replica_functions)]
         thetas = []
         for k in range(self.plan.num_cells):

@@ -221,6 +221,27 @@ def NumMicroBatches(p, batch_size: int) -> int:
         raise errors.ConfigError(str(error)) from None
 
 
+def MicroBatchesOfStep(p, batch_size: int | None) -> int:
+    """M of PipeliningLayer Params `p` for a step on a batch of `batch_size` examples (None:
+    known only when the step runs). With num_micro_batches any batch splits, into
+    micro-batches as equal as they can be (`microbatch.Sizes`); micro_batch_size must divide
+    a batch known statically. (A plan made from input_shapes, `NumMicroBatches`, asks for
+    equal micro-batches: the batch declared is the one the plan sizes memory for.)
+
+    Raises:
+      errors.ConfigError: with micro_batch_size, for an unknown batch or one it does not
+        divide.
+    """
+    if p.micro_batch_size is None:
+        return p.num_micro_batches or 1
+    if batch_size is None:
+        raise errors.ConfigError(
+            f'micro_batch_size ({p.micro_batch_size}) gives M from the batch size, which must '
+            'then be known when the step is traced; set num_micro_batches instead for batches '
+            'known only when the step runs.')
+    return NumMicroBatches(p, batch_size)
+
+
 def RecomputeFlags(mode: str, num_cells: int) -> list[bool]:
     """Per cell, whether it re-materializes: 'always' all, 'never' none, 'except_last' all but
     the last (whose activations backprop needs first)."""
