@@ -1,9 +1,10 @@
-r"""Fashion-MNIST with a Keras model whose middle is a GPipe pipeline (`gpipe_tf.keras.Pipeline`).
+r"""Fashion-MNIST with plain Keras layers pipelined by GPipe (`gpipe_tf.keras.Sequential`).
 
-Keras layers at both ends (flatten, a dense layer of 256, a dense head of 10 logits); in between
-4 blocks of gpipe_tf layers (dense 256, batch norm, relu) in K=2 cells on 2 virtual CPU devices,
-each batch of 100 split into M=4 micro-batches. Trained with Keras's `fit` and Adam, then
-evaluated on the 10,000 test images:
+Keras's own layers only: flatten, a dense layer of 256, 4 blocks of (dense 256, batch norm,
+relu), a dense head of 10 logits. `gpipe_tf.keras.Sequential` partitions them into K=2 cells
+on 2 virtual CPU devices, by parameter count, and splits each batch of 100 into M=4
+micro-batches run with the 1F1B schedule. Trained with Keras's `fit` and Adam, then evaluated
+on the 10,000 test images:
 
     python examples/keras_fashion_mnist.py [--epochs=2] [--data_dir=<IDX files' directory>]
 
@@ -28,8 +29,6 @@ import keras  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 from gpipe_tf import keras as gpipe_keras  # pylint: disable=g-import-not-at-top
 from gpipe_tf.input import image  # pylint: disable=g-import-not-at-top
-from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
-from gpipe_tf.layers import normalization  # pylint: disable=g-import-not-at-top
 
 BATCH, WIDTH, NUM_BLOCKS = 100, 256, 4
 NUM_CELLS, NUM_MICRO_BATCHES = 2, 4
@@ -42,24 +41,16 @@ def Input(split: str, data_dir: str):
         split=split, data_dir=data_dir, batch_size=BATCH).Instantiate()
 
 
-def Model() -> keras.Model:
-    """Keras flatten and dense, the pipelined blocks, a Keras dense head (logits)."""
-    blocks = []
+def Model() -> gpipe_keras.Sequential:
+    """The Keras layers, pipelined."""
+    layers = [keras.layers.Flatten(), keras.layers.Dense(WIDTH, activation='relu')]
     for _ in range(NUM_BLOCKS):
-        blocks += [basic.DenseLayer.Params().Set(input_dim=WIDTH, output_dim=WIDTH,
-                                                 has_bias=False),
-                   normalization.BatchNormLayer.Params().Set(dim=WIDTH, decay=0.99),
-                   basic.ActivationLayer.Params().Set(activation='relu')]
-    pipeline = gpipe_keras.Pipeline.FromLayers(
-        blocks, NUM_CELLS, NUM_MICRO_BATCHES, devices=DEVICES[:NUM_CELLS],
-        input_shape=[BATCH, WIDTH], name='pipeline')
-    return keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Flatten(),
-        keras.layers.Dense(WIDTH, activation='relu'),
-        pipeline,
-        keras.layers.Dense(10),
-    ])
+        layers += [keras.layers.Dense(WIDTH, use_bias=False),
+                   keras.layers.BatchNormalization(momentum=0.99), keras.layers.ReLU()]
+    layers.append(keras.layers.Dense(10))
+    return gpipe_keras.Sequential(layers, NUM_CELLS, NUM_MICRO_BATCHES, input_shape=(28, 28, 1),
+                                  devices=DEVICES[:NUM_CELLS], schedule='1f1b',
+                                  name='fashion_mnist')
 
 
 def main() -> None:
@@ -71,7 +62,7 @@ def main() -> None:
     keras.utils.set_random_seed(0)
 
     model = Model()
-    print(model.layers[2].pipeline.PartitionReport())
+    print(model.pipeline.pipeline.PartitionReport())
     model.compile(optimizer=keras.optimizers.Adam(1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   weighted_metrics=['accuracy'])

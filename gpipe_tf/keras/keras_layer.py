@@ -31,6 +31,12 @@ its cell's `tf.device`, which places its variables there.
 Other state a call changes (an integer counter, a metric's) cannot be combined over
 micro-batches and is a ConfigError.
 
+**Keyword inputs.** A dict as the last input (attention or padding masks, say: `(x,
+{'padding_mask': mask})`) holds keyword arguments: each layer is called with those its `call`
+takes, and the dict is passed on, after the layer's outputs, to the next layer, so every block
+of a stack sees the same masks. Keras's implicit masks (`mask_zero=True`, a tensor's
+`_keras_mask`) do not cross cells: pass a mask as a keyword input instead.
+
 **Costs.** Keras reports no FLOPs: `FPropMeta` estimates a layer's as 2 multiply-adds per
 trainable parameter and input position (exact for Dense, a lower bound for convolutions), and
 counts parameters exactly; balance Keras cells by parameters or explicit boundaries.
@@ -147,6 +153,7 @@ class KerasLayer(base_layer.BaseLayer):
             self._layer_vars[f'state_{i:04d}'] = variable.value
         self._seed_states = [v.path.endswith(_SEED_STATE) for v in self._state]
         self._takes_training = _TakesTraining(layer)
+        self._keywords = Keywords(layer)
 
     @property
     def keras_layer(self) -> keras.layers.Layer:
@@ -160,7 +167,9 @@ class KerasLayer(base_layer.BaseLayer):
         state = [theta[f'state_{i:04d}'] for i in range(len(self._state))]
         given = [_FoldedSeed(value, ctx) if seed else value
                  for value, seed in zip(state, self._seed_states)]
+        inputs, keywords = SplitKeywords(inputs)
         kwargs = {'training': bool(ctx.training)} if self._takes_training else {}
+        kwargs.update({k: v for k, v in (keywords or {}).items() if k in self._keywords})
         mapping = list(zip(self._trainable, trainable)) + list(zip(self._state, given))
         # Nothing to initialize: every variable is mapped (and initializing the variables
         # other code left uninitialized is not this call's business).
@@ -171,6 +180,8 @@ class KerasLayer(base_layer.BaseLayer):
             self._ReportState(state, given, new_state, inputs)
         if isinstance(outputs, list):
             outputs = tuple(outputs)
+        if keywords is not None:
+            return base_layer.AsArgs(outputs) + (keywords,)
         return outputs
 
     def _ReportState(self, state, given, new_state, inputs) -> None:
@@ -213,6 +224,7 @@ class KerasLayer(base_layer.BaseLayer):
     @classmethod
     def FPropMeta(cls, p, *input_shapes):
         layer = Resolve(p.layer)
+        input_shapes, keywords = SplitKeywords(input_shapes)
         shapes = [s.as_list() for s in input_shapes]
         if layer.built:
             outputs = layer.compute_output_spec(*InputSpecs(shapes))
@@ -227,12 +239,33 @@ class KerasLayer(base_layer.BaseLayer):
             num_params = sum(math.prod(v.shape) for v in clone.weights)
             trainable = sum(math.prod(v.shape) for v in clone.trainable_variables)
         out_shapes = Shapes(outputs)
+        if keywords is not None:
+            out_shapes = base_layer.AsArgs(out_shapes) + (keywords,)
         # Positions of the first input: its elements per channel (the last dimension).
         first = input_shapes[0]
         positions = first.num_elements() // max(first[-1], 1) if first.rank else 1
         return base_layer.LayerMeta(
             out_shapes=out_shapes, flops=2 * trainable * positions, num_params=num_params,
             activation_bytes=base_layer.ActivationBytes(out_shapes, p))
+
+
+def SplitKeywords(inputs: tuple) -> tuple[tuple, dict | None]:
+    """(the positional inputs, the keyword inputs or None) of a layer's inputs: a single tuple
+    or list is spread; a dict last holds the keyword inputs."""
+    if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
+        inputs = tuple(inputs[0])
+    if inputs and isinstance(inputs[-1], dict):
+        return tuple(inputs[:-1]), inputs[-1]
+    return tuple(inputs), None
+
+
+def Keywords(layer: keras.layers.Layer) -> frozenset:
+    """The names of the keyword inputs the layer's `call` names (all its arguments but the
+    first and `training`; a `**kwargs` takes none)."""
+    parameters = list(inspect.signature(layer.call).parameters.values())
+    return frozenset(q.name for q in parameters[1:]
+                     if q.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                   inspect.Parameter.KEYWORD_ONLY)) - {'training'}
 
 
 def _TakesTraining(layer: keras.layers.Layer) -> bool:

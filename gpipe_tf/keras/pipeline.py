@@ -202,12 +202,15 @@ class Pipeline(keras.layers.Layer):
 
     def compute_output_shape(self, input_shape) -> tuple:
         """The output shape for `input_shape`, from the layers' FPropMeta (no TF op runs).
+        Keyword inputs (a dict last) do not change it.
 
         Raises:
           errors.ConfigError: if the input does not fit the first layer, or the output is not
             one tensor.
         """
         p = self._pipeline.p
+        if _HasKeywords(input_shape):
+            input_shape = input_shape[0] if len(input_shape) == 2 else input_shape[:-1]
         shape = tf.TensorShape(input_shape).as_list()
         if not -len(shape) <= p.batch_dim < len(shape):
             raise errors.ConfigError(f'{self.name}: the input of shape {tuple(shape)} has no '
@@ -231,8 +234,8 @@ class Pipeline(keras.layers.Layer):
     def call(self, inputs, training=None):
         training = _TrainingFlag(training, self.name)
         self._CheckTraceable(inputs)
-        return self._InContext(
-            training, lambda: self._pipeline.FProp(self._pipeline.theta, inputs))
+        return _WithoutKeywords(inputs, self._InContext(
+            training, lambda: self._pipeline.FProp(self._pipeline.theta, inputs)))
 
     @tf.autograph.experimental.do_not_convert
     def TrainWithLoss(self, inputs, loss_fn, loss_inputs=None):
@@ -252,8 +255,11 @@ class Pipeline(keras.layers.Layer):
         if not self.built:
             self.build(tf.nest.map_structure(lambda x: x.shape, inputs))
         self._CheckTraceable(inputs)
-        return self._InContext(True, lambda: self._pipeline.FPropLoss(
-            self._pipeline.theta, inputs, loss_fn, loss_inputs))
+        outputs, loss, weight = self._InContext(True, lambda: self._pipeline.FPropLoss(
+            self._pipeline.theta, inputs,
+            lambda outputs, part: loss_fn(_WithoutKeywords(inputs, outputs), part),
+            loss_inputs))
+        return _WithoutKeywords(inputs, outputs), loss, weight
 
     def _InContext(self, training: bool, compute):
         """`compute()` in the pipeline's forward context (Keras's training flag, the `step`
@@ -292,9 +298,30 @@ class Pipeline(keras.layers.Layer):
     # ---- checks -------------------------------------------------------------------------------
     def _CheckTraceable(self, inputs) -> None:
         """Raises errors.ConfigError for an input or a compilation the pipeline cannot run."""
-        if not tf.is_tensor(inputs):
-            raise errors.ConfigError(f'{self.name}: a Keras Pipeline takes one tensor; got '
-                                     f'{type(inputs).__name__}.')
+        keywords = None
+        if _HasKeywords(inputs):
+            inputs, keywords = inputs[:-1], inputs[-1]
+        elif isinstance(inputs, (tuple, list)):
+            inputs = tuple(inputs)
+        else:
+            inputs = (inputs,)
+        several = len(inputs) > 1 or keywords is not None
+        if not inputs or not all(tf.is_tensor(x) for x in inputs) or not all(
+                tf.is_tensor(x) for x in (keywords or {}).values()) or (
+                    several and not self._keras_layers):
+            raise errors.ConfigError(
+                f'{self.name}: a Keras Pipeline takes a tensor, or (of Keras layers) a tuple of '
+                'tensors whose last item may be a dict of keyword inputs (masks: (x, '
+                '{"padding_mask": m})); got {_Structure(inputs if keywords is None else (*inputs, keywords))}.')
+        if keywords is not None:
+            taken = set().union(*(layer_keywords for layer_keywords in (
+                keras_layer.Keywords(layer) for layer in self._keras_layers)))
+            unknown = sorted(set(keywords) - taken)
+            if unknown:
+                raise errors.ConfigError(
+                    f'{self.name}: no layer of the pipeline takes the keyword input(s) '
+                    f'{", ".join(map(repr, unknown))}; its Keras layers take '
+                    f'{", ".join(map(repr, sorted(taken))) or "none"}.')
         if len(self._devices) > 1 and control_flow_util.GraphOrParentsInXlaContext(
                 tf.compat.v1.get_default_graph()):
             raise errors.ConfigError(
@@ -303,6 +330,25 @@ class Pipeline(keras.layers.Layer):
                 f'({", ".join(sorted(self._devices))}), whose variables XLA cannot read there. '
                 'Compile with jit_compile=False (model.compile\'s default, "auto", does), or '
                 'put every cell on one device (Params devices).')
+
+
+def _HasKeywords(inputs) -> bool:
+    """Whether `inputs` (or their shapes) end in a dict of keyword inputs."""
+    return isinstance(inputs, (tuple, list)) and bool(inputs) and isinstance(inputs[-1], dict)
+
+
+def _WithoutKeywords(inputs, outputs):
+    """The pipeline's outputs without the keyword inputs its Keras layers passed along (one
+    output as a tensor)."""
+    if not _HasKeywords(inputs) or not isinstance(outputs, tuple) or not outputs or (
+            not isinstance(outputs[-1], dict)):
+        return outputs
+    return outputs[0] if len(outputs) == 2 else outputs[:-1]
+
+
+def _Structure(value) -> str:
+    """`value`'s nest with each leaf as its type's name, for messages."""
+    return repr(tf.nest.map_structure(lambda x: type(x).__name__, value))
 
 
 def _TrainingFlag(training, name: str) -> bool:

@@ -114,7 +114,8 @@ class LoopedSchedule:
             # Stacked [M, micro-batch...], for a micro-batch's by its index in the loop.
             self._loss_inputs = (None if loss_inputs is None else tf.nest.map_structure(
                 lambda *xs: tf.stack(xs),
-                *microbatch.Split(loss_inputs, m_count, self._batch_dim)))
+                *microbatch.Split(_EvenlySplit(loss_inputs, m_count, self._batch_dim),
+                                  m_count, self._batch_dim)))
             self._loss = [tf.zeros([]), tf.zeros([])]
             # The outputs' gradients come from the loss, written as each forward ends.
             self._d_acts[-1] = self._EmptyArrays(leaves.FloatLeaves(self._output_specs),
