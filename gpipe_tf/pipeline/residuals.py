@@ -90,7 +90,12 @@ class SplitCell:
             for t in [t for op in ops for t in op.inputs] + list(fetches):
                 if not (t.op in ops or t.ref() in fed or t.ref() in exclude or
                         classes[t.op] == _FREE):
-                    found.setdefault(t.ref(), t)
+                    # Every output of the op: `prune` cannot feed one output of an op and
+                    # compute its others (a gradient's BroadcastGradientArgs for a run-time
+                    # batch: the input gradient reads one output, the weight gradient the
+                    # other).
+                    for sibling in t.op.outputs:
+                        found.setdefault(sibling.ref(), sibling)
             return sorted(found.values(), key=lambda t: (order[t.op], t.value_index))
 
         # B's and I's residuals come from the forward (or are the cell's input itself); W's
