@@ -816,6 +816,10 @@ def CheckPlan(p):
         raise errors.ConfigError(f'--num_micro_batches: {error} M must divide the '
                                  f'{per_replica} examples of a replica: one of {divisors}.'
                                  ) from None
+    if model.partition_method == 'time':
+        # Measuring would start TensorFlow's devices before they are set up; the counts and
+        # shapes check alike on any partition (`PartitionOnTime` then measures).
+        model = model.Copy().Set(partition_method='uniform')
     try:
         return plan_lib.MakePlan(model, place=False)  # K > layers, cells that do not chain.
     except errors.ConfigError as error:
@@ -823,6 +827,26 @@ def CheckPlan(p):
             raise errors.ConfigError(f'--worker_split_size={model.num_cells}: '
                                      f'{error}') from None
         raise
+
+
+def PartitionOnTime(p, logdir: str) -> None:
+    """partition_method="time": measures the layers on the devices just set up (cached in
+    `<logdir>/layer_costs.json`, so a restart finds the same cells without measuring again)
+    and sets the boundaries they give, which params.txt then records."""
+    from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    model = p.model
+    if not plan_lib.IsPipeline(model) or model.partition_method != 'time':
+        return
+    if model.costs_file is None:
+        model.costs_file = os.path.join(logdir, 'layer_costs.json')
+    print(f'measuring the layers of {model.name} for partition_method="time" (cached in '
+          f'{model.costs_file})', flush=True)
+    cells = plan_lib.MakePlan(model, place=False).cells
+    bounds = [0]
+    for layers in cells:
+        bounds.append(bounds[-1] + len(layers))
+    model.partition_method = bounds
+    print(f'partition on measured time: boundaries {bounds}', flush=True)
 
 
 def CheckDataDir(p) -> None:
@@ -853,6 +877,9 @@ def main(config: Config) -> None:
     if config.mode == 'export':
         CheckExport(config, p)
     _SetUpDevices(config, p, plan, plan_only=config.mode == 'inspect_model')
+    if plan is not None and p.model.partition_method == 'time':
+        PartitionOnTime(p, _Logdir(config))
+        plan = CheckPlan(p)
     if plan is not None and (config.mode == 'inspect_model' or TpuAddress(config) is None):
         # On the devices just set up (no second partition). A TPU's strategy places the cells
         # itself, and listing devices before it connects would start TensorFlow's runtime.

@@ -8,6 +8,9 @@ own classes and functions, so loading a `.keras` file runs no code that its conf
 
 from __future__ import annotations
 
+import json
+
+from absl import logging
 import keras
 import tensorflow as tf
 
@@ -16,6 +19,7 @@ from gpipe_tf import hyperparams
 from gpipe_tf.keras import keras_layer
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import sequential
+from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import pipelining_layer
 
@@ -153,7 +157,9 @@ def FromKeras(layers, num_cells: int, num_micro_batches: int, input_shape=None, 
         `keras.Sequential` built with a `keras.Input`.
       balance: None, or the number of layers of each of the v K cells (torchgpipe's
         `balance=[...]`); without it `partition_method` decides: "params" (the default: equal
-        parameter counts, optimal min-max), "uniform", or boundaries [0, b_1, ..., L].
+        parameter counts, optimal min-max), "time" (equal measured forward and backward time,
+        on copies of the layers, on `micro_batch_size` or TIMED_MICRO_BATCH examples; cached
+        in `costs_file` when given), "uniform", or boundaries [0, b_1, ..., L].
       **params: any other PipeliningLayer Param (`devices`, `recompute`, `schedule`,
         `micro_batch_size`, `virtual_stages`, `num_replicas`, `unroll`, ...).
 
@@ -186,8 +192,41 @@ def FromKeras(layers, num_cells: int, num_micro_batches: int, input_shape=None, 
         metas.append(meta)
         args = base_layer.AsArgs(meta.out_shapes)
     num_stages = p.num_cells * p.virtual_stages
-    p.partition_method = _KerasBoundaries(p.partition_method, balance, metas, num_stages)
+    if balance is None and p.partition_method == 'time':
+        costs = _MeasuredSeconds(p, layers, layer_params, shapes)
+    else:
+        costs = [m.num_params for m in metas]
+    p.partition_method = _KerasBoundaries(p.partition_method, balance, costs, num_stages)
     return p
+
+
+# The micro-batch the layers are timed on (partition_method="time") without micro_batch_size.
+TIMED_MICRO_BATCH = 16
+
+
+def _MeasuredSeconds(p, layers: list, layer_params: list, shapes: list) -> list[float]:
+    """Each layer's measured share of a training step (`measured_costs`), timed on copies of
+    the layers (from their configs: the layers themselves stay unbuilt, for their cells'
+    devices) on the first cell's device, on `p.micro_batch_size` examples or
+    TIMED_MICRO_BATCH."""
+    from gpipe_tf.perf import measured_costs  # pylint: disable=g-import-not-at-top
+    copies = [type(layer).from_config(layer.get_config()) for layer in layers]
+    timed = [lp.Copy().Set(layer=keras_layer.Handle(copy))
+             for lp, copy in zip(layer_params, copies)]
+    size = p.micro_batch_size or TIMED_MICRO_BATCH
+    inputs = [tf.random.stateless_uniform([size] + s, [i, 0]) for i, s in enumerate(shapes)]
+    device = devices_lib.MeshDevices(p.devices, p.num_replicas, p.num_cells)[0][0]
+    by_handle = dict(zip((lp.layer for lp in timed), copies))
+
+    def KeyOf(lp):
+        layer = by_handle[lp.layer]
+        config = {k: v for k, v in layer.get_config().items() if k != 'name'}
+        return json.dumps([type(layer).__module__, type(layer).__name__, config],
+                          sort_keys=True, default=str)
+
+    costs = measured_costs.MeasureLayers(timed, inputs, device, cache_file=p.costs_file,
+                                         key_of=KeyOf, progress=logging.info)
+    return [c.StepSeconds(p.recompute != 'never') for c in costs]
 
 
 def _KerasLayers(layers, input_shape) -> tuple[list, object]:
@@ -232,9 +271,10 @@ def _InputShapes(input_shape) -> list[list]:
         f'ints, batch excluded), or a list of them; got {_Describe(input_shape)}.')
 
 
-def _KerasBoundaries(method, balance, metas: list, num_stages: int) -> list[int]:
-    """Cell boundaries [0, ..., L] from `balance` (layers per cell) or `method`."""
-    num_layers = len(metas)
+def _KerasBoundaries(method, balance, costs: list, num_stages: int) -> list[int]:
+    """Cell boundaries [0, ..., L] from `balance` (layers per cell) or `method`; `costs` are
+    the layers' parameter counts, or with method "time" their measured seconds."""
+    num_layers = len(costs)
     try:
         if balance is not None:
             if (not isinstance(balance, (list, tuple)) or
@@ -251,11 +291,11 @@ def _KerasBoundaries(method, balance, metas: list, num_stages: int) -> list[int]
             return bounds
         if isinstance(method, (list, tuple)):
             return partition.CheckBoundaries(list(method), num_layers, num_stages)
-        if method == 'params':
-            return partition.OptimalBoundaries([m.num_params for m in metas], num_stages)
+        if method in ('params', 'time'):
+            return partition.OptimalBoundaries(costs, num_stages)
         if method == 'uniform':
             return partition.UniformBoundaries(num_layers, num_stages)
-        raise ValueError(f'partition_method for Keras layers is "params", "uniform" or '
+        raise ValueError(f'partition_method for Keras layers is "params", "time", "uniform" or '
                          f'boundaries; got {method!r}')
     except ValueError as error:
         raise errors.ConfigError(f'{LAYER}.FromKeras: {error}.') from None

@@ -116,11 +116,21 @@ class PipeliningLayer(BaseLayer):
                  'are as fast or faster).', check=hyperparams.OneOf(*plan_lib.UNROLL_MODES))
         p.Define('partition_method', 'flops',
                  f'How layer_tpl is split: one of {PARTITION_METHODS}, or explicit boundaries '
-                 '[0, b_1, ..., L] (cell k holds layers b_k .. b_{k+1} - 1).')
+                 '[0, b_1, ..., L] (cell k holds layers b_k .. b_{k+1} - 1). "time" measures '
+                 'each layer\'s training forward and backward on one micro-batch on the first '
+                 'cell\'s device (perf/measured_costs.py) and balances their sum.')
         p.Define('input_shapes', None,
                  'Shapes of the inputs for one mini-batch (list of ints per input, or a dict of '
-                 'them for a NestedMap input); needed by the flops/params partitioners and to '
-                 'check that adjacent cells fit together.')
+                 'them for a NestedMap input); needed by the flops/params/time partitioners and '
+                 'to check that adjacent cells fit together.')
+        p.Define('input_dtypes', None,
+                 'Dtypes of the inputs (partition_method="time" synthesizes a micro-batch of '
+                 'them): None (float32), one dtype name for every input, or a dict of names '
+                 'by key for a NestedMap input (missing keys: float32).')
+        p.Define('costs_file', None,
+                 'partition_method="time": a JSON file that keeps measured layer costs, so a '
+                 'second run does not measure again (the trainer uses <logdir>/layer_costs.json);'
+                 ' None keeps them for the process only.')
         return p
 
     def __init__(self, params):

@@ -29,7 +29,7 @@ from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import schedule as schedule_lib
 
 RECOMPUTE_MODES = ('always', 'except_last', 'never')
-PARTITION_METHODS = ('flops', 'params', 'uniform')
+PARTITION_METHODS = ('flops', 'params', 'time', 'uniform')
 UNROLL_MODES = (True, False, 'auto')
 # unroll='auto' runs the schedule as a loop from this many cell calls per forward (v K M): the
 # unrolled graph's optimization grows with them (at K=8 Transformer layers, M=8: 37 s against
@@ -369,7 +369,11 @@ def _Boundaries(p, layers: list) -> list[int]:
         _, metas = sequential.ChainMeta(layers, *shapes)
     except ValueError as e:  # A layer that cannot take its predecessor's output.
         raise errors.ConfigError(f'{p.name}: the layers do not chain: {e}') from None
-    costs = [m.flops if method == 'flops' else m.num_params for m in metas]
+    if method == 'time':
+        from gpipe_tf.perf import measured_costs  # pylint: disable=g-import-not-at-top
+        costs = measured_costs.StepSeconds(p, BeforeLayers(p), layers)
+    else:
+        costs = [m.flops if method == 'flops' else m.num_params for m in metas]
     return partition.OptimalBoundaries(costs, num_cells)
 
 

@@ -1,0 +1,289 @@
+"""Each layer's cost measured on one micro-batch, on the device it would run on.
+
+FLOPs (`FPropMeta`) say nothing of memory-bound layers (normalisation, softmax, embedding
+gathers): a FLOPs-balanced pipeline can still be time-unbalanced. torchgpipe's
+`balance_by_time` times each layer instead; so does this module, and more finely, as the
+schedules need it: per layer the training forward, the backward (input and weight gradients
+together), the input gradient alone (zero-bubble's I; W is the rest), the bytes of its output
+(a cell boundary's activation) and the bytes its forward and backward take above what was in
+use (on devices whose allocator reports them).
+
+Each quantity is the median of `repeats` timed calls of a `tf.function` after two warm-up
+calls, within a time limit per layer: F (the forward), FB (forward and every gradient) and FI
+(forward and the input gradient); backward = FB - F, input gradient = FI - F. Inputs are
+synthesized from shapes and dtypes (uniform floats, zero integers: valid ids and labels), and
+each layer takes its predecessor's output, as in the pipeline.
+
+Costs are cached by (the layer's Params less its name, its input shapes and dtypes, the device
+kind and intra-op threads): in process, and in a JSON file when one is given, so a second run
+does not measure again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import time
+from typing import Callable, Sequence
+
+from absl import logging
+import tensorflow as tf
+
+from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import fprop_context
+from gpipe_tf.pipeline import leaves
+
+# Bump when what is measured changes: older cache entries are then measured again.
+_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """One layer's measured cost on one micro-batch (seconds and bytes)."""
+    forward_s: float
+    backward_s: float
+    input_grad_s: float
+    output_bytes: int
+    working_bytes: int
+
+    @property
+    def weight_grad_s(self) -> float:
+        """W: the backward less its input gradient."""
+        return max(self.backward_s - self.input_grad_s, 0.0)
+
+    def StepSeconds(self, recompute: bool) -> float:
+        """Its share of a training step: forward, a re-materialized forward, and backward."""
+        return self.forward_s * (2 if recompute else 1) + self.backward_s
+
+
+# Process-wide cache: key -> LayerCost.
+_CACHE: dict[str, LayerCost] = {}
+
+
+def SynthesizedInputs(shapes, dtypes=None):
+    """A tensor per leaf of `shapes` (a TensorShape, or a NestedMap or list of them): uniform
+    [0, 1) floats, zero integers (valid ids and labels).
+
+    Args:
+      shapes: the inputs' shapes.
+      dtypes: None (float32), one dtype for every leaf, a dict of dtypes by key for a NestedMap
+        (missing keys: float32), or a list of these, one per entry of a list of shapes.
+    """
+    counter = iter(range(1 << 30))
+
+    def Make(shape, dtype):
+        dtype = tf.as_dtype(dtype or tf.float32)
+        shape = tf.TensorShape(shape)
+        if dtype.is_floating:
+            return tf.random.stateless_uniform(shape, [next(counter), 0], dtype=dtype)
+        return tf.zeros(shape, dtype)
+
+    def Synthesize(shapes, dtypes):
+        if isinstance(shapes, dict):
+            return type(shapes)({key: Make(shape, dtypes.get(key) if isinstance(dtypes, dict)
+                                           else dtypes) for key, shape in shapes.items()})
+        if isinstance(shapes, (list, tuple)) and not isinstance(shapes, tf.TensorShape):
+            per = dtypes if isinstance(dtypes, (list, tuple)) else [dtypes] * len(shapes)
+            return type(shapes)(Synthesize(s, d) for s, d in zip(shapes, per))
+        return Make(shapes, dtypes)
+
+    return Synthesize(shapes, dtypes)
+
+
+def StepSeconds(p, before: list, layers: list) -> list[float]:
+    """Each of `layers`' measured share of a training step (`LayerCost.StepSeconds`), for
+    PipeliningLayer Params `p`: on one micro-batch of `p.input_shapes` and `p.input_dtypes`
+    (after the `before` layers), on the first cell's device, cached in `p.costs_file`.
+    `before` and `layers` are named layer Params (`plan`)."""
+    from gpipe_tf.pipeline import devices as devices_lib  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    batch_size = plan_lib.BatchSize(p)
+    micro_batch = -(-batch_size // p.num_replicas // plan_lib.NumMicroBatches(p, batch_size))
+    shapes = [_WithBatch(s, p.batch_dim, micro_batch) for s in plan_lib.InputShapes(p)]
+    dtypes = p.input_dtypes
+    inputs = SynthesizedInputs(shapes, dtypes if isinstance(dtypes, (list, tuple)) else
+                               [dtypes] * len(shapes))
+    device = devices_lib.MeshDevices(p.devices, p.num_replicas, p.num_cells)[0][0]
+    costs = MeasureLayers(list(before) + list(layers), inputs, device,
+                          cache_file=p.costs_file, progress=logging.info)[len(before):]
+    recompute = p.recompute != 'never'
+    return [c.StepSeconds(recompute) for c in costs]
+
+
+def _WithBatch(shapes, batch_dim: int, batch_size: int):
+    if isinstance(shapes, dict):
+        return type(shapes)({k: _WithBatch(v, batch_dim, batch_size) for k, v in shapes.items()})
+    shape = tf.TensorShape(shapes).as_list()
+    shape[batch_dim] = batch_size
+    return tf.TensorShape(shape)
+
+
+def DeviceKind(device: str | None) -> str:
+    """What a measurement depends on of the device: its type and name, and the intra-op threads
+    (two virtual CPUs of one thread each differ from one CPU of all cores)."""
+    spec = tf.DeviceSpec.from_string(device or '')
+    kind = spec.device_type or 'CPU'
+    physical = tf.config.list_physical_devices(kind)
+    name = ''
+    if physical:
+        name = tf.config.experimental.get_device_details(physical[0]).get('device_name', '')
+    threads = tf.config.threading.get_intra_op_parallelism_threads()
+    return f'{kind}:{name}:threads={threads}'
+
+
+def MeasureLayers(layer_params: Sequence, inputs, device: str | None = None,
+                  repeats: int = 5, time_limit_s: float = 5.0, cache_file: str | None = None,
+                  key_of: Callable | None = None, progress: Callable | None = None
+                  ) -> list[LayerCost]:
+    """Each layer's cost on `inputs` (the first layer's arguments: a tuple of nests of
+    tensors, one micro-batch), the layers chained as in the pipeline.
+
+    Args:
+      layer_params: the layers' Params, in order. Each is instantiated afresh for measuring
+        (its own variables, initialised from its Params), under `device`.
+      inputs: the first layer's arguments (`SynthesizedInputs` of the micro-batch's shapes).
+      device: where to run them (the device the layers will run on; None: the default).
+      repeats: timed calls per quantity (the median is taken).
+      time_limit_s: stop repeating a layer's measurement after this many seconds.
+      cache_file: None, or a JSON file of costs measured before; new ones are added to it.
+      key_of: `key_of(layer_params)` -> a string that identifies the layer's computation
+        (default: its Params text less its name).
+      progress: None, or called with one line per layer measured.
+
+    Returns:
+      One LayerCost per layer.
+    """
+    key_of = key_of or ParamsKey
+    stored = _Load(cache_file)
+    kind = DeviceKind(device)
+    costs, args, changed = [], tuple(inputs), False
+    for index, lp in enumerate(layer_params):
+        key = _Key(key_of(lp), args, kind)
+        with tf.device(device):
+            layer = lp.Copy().Set(name=f'measured_{index}').Instantiate()
+            outputs = _Forward(layer, args)
+        cost = _CACHE.get(key) or stored.get(key)
+        if cost is None:
+            started = time.perf_counter()
+            cost = _Measure(layer, args, device, repeats, time_limit_s, outputs)
+            changed = True
+            if progress:
+                progress(f'measured layer {index} ({lp.name or lp.cls.__name__}): forward '
+                         f'{cost.forward_s * 1e3:.2f} ms, backward {cost.backward_s * 1e3:.2f} '
+                         f'ms ({time.perf_counter() - started:.1f} s)')
+        _CACHE[key] = stored[key] = cost
+        costs.append(cost)
+        args = base_layer.AsArgs(outputs)
+    if cache_file and changed:
+        _Store(cache_file, stored)
+    return costs
+
+
+def ParamsKey(lp) -> str:
+    """The layer's Params text without its name: two layers of one configuration cost alike."""
+    return lp.Copy().Set(name='').ToText()
+
+
+def _Key(layer_key: str, args, kind: str) -> str:
+    specs = [f'{tuple(x.shape)}:{x.dtype.name}' for x in tf.nest.flatten(args)]
+    text = json.dumps([_VERSION, layer_key, specs, kind])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _Forward(layer, args, theta=None):
+    with fprop_context.Scope(training=True, update_collector=fprop_context.UpdateCollector()):
+        return layer.FProp(layer.theta if theta is None else theta, *args)
+
+
+def _Measure(layer, args, device, repeats, time_limit_s, outputs) -> LayerCost:
+    trainable = [v for v in layer.trainable_variables]
+    float_args = leaves.FloatLeaves(args)
+
+    def Gradients(with_weights: bool):
+        def Run(args):
+            with tf.GradientTape() as tape:
+                tape.watch(leaves.FloatLeaves(args))
+                ys = leaves.FloatLeaves(_Forward(layer, args))
+            sources = leaves.FloatLeaves(args) + (trainable if with_weights else [])
+            if not sources:
+                return ys
+            return tape.gradient(ys, sources, output_gradients=[tf.ones_like(y) for y in ys],
+                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return tf.function(Run, autograph=False)
+
+    forward = tf.function(lambda args: _Forward(layer, args), autograph=False)
+    deadline = time.perf_counter() + time_limit_s
+    with tf.device(device):
+        forward_s = _Median(forward, args, repeats, deadline)
+        working = _WorkingBytes(device, Gradients(True), args)
+        both_s = _Median(Gradients(True), args, repeats, deadline)
+        input_s = (_Median(Gradients(False), args, repeats, deadline) if float_args
+                   else forward_s)
+    return LayerCost(
+        forward_s=forward_s, backward_s=max(both_s - forward_s, 0.0),
+        input_grad_s=max(input_s - forward_s, 0.0),
+        output_bytes=sum(x.shape.num_elements() * x.dtype.size
+                         for x in tf.nest.flatten(outputs)),
+        working_bytes=working)
+
+
+def _Median(fn, args, repeats: int, deadline: float) -> float:
+    for _ in range(2):  # Warm up: the trace, and the first run's allocations.
+        _Sync(fn(args))
+    times = []
+    while len(times) < max(repeats, 1):
+        started = time.perf_counter()
+        _Sync(fn(args))
+        times.append(time.perf_counter() - started)
+        if time.perf_counter() > deadline:
+            break
+    return statistics.median(times)
+
+
+def _Sync(result) -> None:
+    """Waits for the values (a GPU runs asynchronously)."""
+    for x in tf.nest.flatten(result):
+        if isinstance(x, tf.Tensor):
+            x.numpy()
+
+
+def _WorkingBytes(device, fn, args) -> int:
+    """Peak bytes above what was in use during one forward and backward; 0 where the device's
+    allocator keeps no statistics."""
+    name = device or 'CPU:0'
+    try:
+        _Sync(fn(args))
+        tf.config.experimental.reset_memory_stats(name)
+        before = tf.config.experimental.get_memory_info(name)['current']
+        _Sync(fn(args))
+        return max(tf.config.experimental.get_memory_info(name)['peak'] - before, 0)
+    except (ValueError, tf.errors.OpError):
+        return 0
+
+
+def _Load(cache_file: str | None) -> dict[str, LayerCost]:
+    if not cache_file or not tf.io.gfile.exists(cache_file):
+        return {}
+    try:
+        with tf.io.gfile.GFile(cache_file) as f:
+            entries = json.load(f)
+        return {key: LayerCost(**value) for key, value in entries.items()}
+    except (ValueError, TypeError) as error:
+        logging.warning('Measuring again: the costs file %s does not read (%s).', cache_file,
+                        error)
+        return {}
+
+
+def _Store(cache_file: str, costs: dict[str, LayerCost]) -> None:
+    """Writes the file whole, through a temporary file: a reader never sees half of it."""
+    directory = os.path.dirname(cache_file)
+    if directory:
+        tf.io.gfile.makedirs(directory)
+    temporary = f'{cache_file}.tmp'
+    with tf.io.gfile.GFile(temporary, 'w') as f:
+        json.dump({key: dataclasses.asdict(c) for key, c in sorted(costs.items())}, f,
+                  indent=1)
+    tf.io.gfile.rename(temporary, cache_file, overwrite=True)
