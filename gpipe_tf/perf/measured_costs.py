@@ -64,7 +64,8 @@ _CACHE: dict[str, LayerCost] = {}
 
 
 def SynthesizedInputs(shapes, dtypes=None):
-    """A tensor per leaf of `shapes` (a TensorShape, or a NestedMap or list of them): uniform
+    """A tensor per leaf of `shapes` (a shape: a TensorShape or a list of ints; or a NestedMap or
+    list of shapes): uniform
     [0, 1) floats, zero integers (valid ids and labels).
 
     Args:
@@ -85,7 +86,8 @@ def SynthesizedInputs(shapes, dtypes=None):
         if isinstance(shapes, dict):
             return type(shapes)({key: Make(shape, dtypes.get(key) if isinstance(dtypes, dict)
                                            else dtypes) for key, shape in shapes.items()})
-        if isinstance(shapes, (list, tuple)) and not isinstance(shapes, tf.TensorShape):
+        if isinstance(shapes, (list, tuple)) and not all(
+                isinstance(d, int) or d is None for d in shapes):  # A list of shapes.
             per = dtypes if isinstance(dtypes, (list, tuple)) else [dtypes] * len(shapes)
             return type(shapes)(Synthesize(s, d) for s, d in zip(shapes, per))
         return Make(shapes, dtypes)

@@ -601,7 +601,7 @@ def PipelineParams(p, batch_size: int, num_cells: int, num_micro_batches: int,
     return pipelining_layer.PipeliningLayer.Params().Set(
         name=name, dtype=p.dtype, layer_tpl=NetworkLayers(p), num_cells=num_cells,
         num_micro_batches=num_micro_batches, recompute=recompute,
-        input_shapes=InputShapes(p, batch_size))
+        input_shapes=InputShapes(p, batch_size), input_dtypes={'labels': 'int32'})
 
 
 def Metrics(outputs: NestedMap) -> NestedMap:

@@ -479,7 +479,8 @@ def LmPipelineParams(p, batch_size: int, num_cells: int, num_micro_batches: int,
     return pipelining_layer.PipeliningLayer.Params().Set(
         name=name, layer_tpl=LmLayers(p), num_cells=num_cells,
         num_micro_batches=num_micro_batches, recompute=recompute,
-        input_shapes=LmInputShapes(batch_size, p.max_length))
+        input_shapes=LmInputShapes(batch_size, p.max_length),
+        input_dtypes={key: 'int32' for key in LM_INPUT_KEYS if key in ('ids', 'labels')})
 
 
 def MtPipelineParams(p, batch_size: int, num_cells: int, num_micro_batches: int,
@@ -490,7 +491,8 @@ def MtPipelineParams(p, batch_size: int, num_cells: int, num_micro_batches: int,
     return pipelining_layer.PipeliningLayer.Params().Set(
         name=name, layer_tpl=MtLayers(p), num_cells=num_cells,
         num_micro_batches=num_micro_batches, recompute=recompute,
-        input_shapes=MtInputShapes(batch_size, p.max_length, p.max_length))
+        input_shapes=MtInputShapes(batch_size, p.max_length, p.max_length),
+        input_dtypes={key: 'int32' for key in MT_INPUT_KEYS if key.endswith(('ids', 'labels'))})
 
 
 def PipelineMeta(pipeline_params) -> LayerMeta:
