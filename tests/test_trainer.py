@@ -23,7 +23,9 @@ import tempfile
 import time
 from unittest import mock
 
+from absl import flags as absl_flags
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from gpipe_tf import model_registry
@@ -945,3 +947,21 @@ class PipelineFiguresTest(tf.test.TestCase):
 
 if __name__ == '__main__':
     tf.test.main()
+
+
+@pytest.mark.unit
+class FlagTableTest(tf.test.TestCase):
+    """README's flag table names every flag the trainer defines (`trainer.DefineFlags`), and
+    only those; a flag's row is its first column."""
+
+    def testEveryFlagHasARowAndEveryRowAFlag(self):
+        defined = absl_flags.FlagValues()
+        trainer.DefineFlags(defined)
+        readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              'README.md')
+        with open(readme) as f:
+            rows = [line.split('|')[1] for line in f if line.startswith('| `--')]
+        in_table = set(re.findall(r'`--([a-z0-9_]+)', ''.join(rows)))
+        deprecated = {'device_memory_gb'}  # Named in --device_memory_gib's row.
+        self.assertEmpty(set(defined) - deprecated - in_table, 'flags without a row')
+        self.assertEmpty(in_table - set(defined), 'rows without a flag')
