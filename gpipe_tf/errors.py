@@ -1,7 +1,7 @@
 """Errors that are the user's to resolve, not bugs of ours.
 
 The trainer prints such an error as one line on stderr (`error: <message>`) and exits with
-status 2; anything else that escapes is a bug and keeps its traceback. The message alone must
+status 2 (an EnvironmentFault: 1); anything else that escapes is a bug and keeps its traceback. The message alone must
 say what was wrong, the values seen, and what to do instead.
 """
 
@@ -19,3 +19,14 @@ class ConfigError(UserError, ValueError):
 class InputError(UserError, ValueError):
     """An input the user gave (a file to decode, a data file) is not what it must be: the message
     names the file and what was expected. A ValueError too, as ConfigError."""
+
+
+class MissingInputError(InputError, FileNotFoundError):
+    """A file or directory the input names does not exist (or a pattern matches nothing). A
+    FileNotFoundError too, for library callers that catch it."""
+
+
+class EnvironmentFault(Exception):
+    """The machine failed the run, not the user's input (a full disk while a checkpoint is
+    written): the trainer prints it as one line and exits with status 1; the message says what
+    was kept and how to go on."""

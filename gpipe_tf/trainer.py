@@ -33,6 +33,7 @@ from absl import flags
 from gpipe_tf import errors
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import schedule as schedule_lib
+from gpipe_tf.train import logdir as logdir_lib
 from gpipe_tf.train import partition_change
 
 MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model', 'decode',
@@ -469,7 +470,6 @@ def ReadParams(logdir: str) -> str | None:
 def WriteParams(text: str, logdir: str) -> str:
     """Writes Params `text` to `<logdir>/params.txt` atomically (creating logdir); returns the
     path."""
-    from gpipe_tf.train import logdir as logdir_lib  # pylint: disable=g-import-not-at-top
     return logdir_lib.WriteAtomically(os.path.join(logdir, 'params.txt'), text)
 
 
@@ -479,7 +479,6 @@ _OLD_DEFAULT_ROOT = '/tmp/gpipe_tf'
 
 def _Logdir(config: Config) -> str:
     """--logdir, or the user's private default (created and checked)."""
-    from gpipe_tf.train import logdir as logdir_lib  # pylint: disable=g-import-not-at-top
     if config.logdir:
         if os.path.exists(config.logdir) and not os.path.isdir(config.logdir):
             raise errors.UserError(f'--logdir={config.logdir} is a file, not a directory.')
@@ -503,7 +502,6 @@ def LockLogdir(logdir: str):
     """The logdir's trainer lock, as a context manager that takes and releases it (a warning,
     and no lock, for a logdir that is not a local path). Entering raises
     logdir.LogdirBusyError naming the holder."""
-    from gpipe_tf.train import logdir as logdir_lib  # pylint: disable=g-import-not-at-top
     if not logdir_lib.IsLocalPath(logdir):
         Warn(f'{logdir} is not a local path: no lock keeps a second trainer out of it.')
         return contextlib.nullcontext()
@@ -659,7 +657,6 @@ def ReportBleu(prog, eval_params, name: str, logdir: str, num_samples: int = 5) 
     start = time.time()
     bleu, rows = decode.EvaluateBleu(prog.task, eval_params)
     step = prog.CurrentStep()
-    from gpipe_tf.train import logdir as logdir_lib  # pylint: disable=g-import-not-at-top
     path = logdir_lib.WriteAtomically(
         os.path.join(logdir, f'decode_{name.lower()}_{step}.tsv'),
         'source\thypothesis\treference\n' + ''.join('\t'.join(row) + '\n' for row in rows))
@@ -867,6 +864,8 @@ def main(config: Config) -> None:
     if not config.model:
         raise errors.UserError('--model is required (see --list_models).')
     p = TaskParams(config)
+    if config.logdir and config.mode != 'inspect_model':
+        logdir_lib.CheckCreatable(config.logdir)  # Before anything is built.
     if config.mode == 'inspect_params':
         RunInspectParams(p, _Logdir(config))
         return
@@ -891,6 +890,12 @@ def main(config: Config) -> None:
         return
     logdir = _Logdir(config)
     WarnIfClusterIsExposed(config)
+    with logdir_lib.RemovedAfterAMistake(logdir):
+        _RunMode(config, p, plan, logdir, lines)
+
+
+def _RunMode(config: Config, p, plan, logdir: str, lines) -> None:
+    """Trains, evaluates, exports or decodes in `logdir`."""
     if config.mode in ('train', 'train_and_eval'):
         # Held for the whole run: checkpoints, params.txt and summaries are this run's.
         with LockLogdir(logdir):
@@ -910,7 +915,6 @@ def main(config: Config) -> None:
 def RunInspectParams(p, logdir: str) -> None:
     """Prints the Params text and writes it to params.txt, unless a trainer holds the logdir
     (its params.txt describes its run)."""
-    from gpipe_tf.train import logdir as logdir_lib  # pylint: disable=g-import-not-at-top
     text = p.ToText()
     print(text, end='', flush=True)
     try:
@@ -938,7 +942,7 @@ def WarnIfClusterIsExposed(config: Config) -> None:
 
 def Main(config: Config) -> int:
     """Runs the trainer in this process; returns its exit status: 0, 2 for a user's mistake,
-    1 for a non-finite loss, 128 + the signal's number when stopped by one. A user's mistake
+    1 for a non-finite loss or a fault of the machine (a full disk), 128 + the signal's number when stopped by one. A user's mistake
     is one line `error: ...` on stderr (with --verbose, also its traceback).
 
     Raises:
@@ -952,6 +956,9 @@ def Main(config: Config) -> int:
         # The user's to resolve, not a bug: the message says what to do.
         _Error(error, config.verbose)
         return 2
+    except errors.EnvironmentFault as error:
+        _Error(error, config.verbose)
+        return 1
     except loop.NonFiniteLossError as error:
         _Error(error, config.verbose)
         return 1

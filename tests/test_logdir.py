@@ -138,3 +138,35 @@ class WriteAtomicallyTest(LogdirTestCase):
 
 if __name__ == '__main__':
     tf.test.main()
+
+
+@pytest.mark.unit
+class RemovedAfterAMistakeTest(tf.test.TestCase):
+    """A logdir the failed run created, holding no checkpoint, goes; anything else stays."""
+
+    def Fail(self, logdir, error, write=('params.txt',)):
+        with self.assertRaises(type(error)):
+            with logdir_lib.RemovedAfterAMistake(logdir):
+                for name in write:
+                    path = os.path.join(logdir, name)
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    with open(path, 'w') as f:
+                        f.write('x')
+                raise error
+
+    def testACreatedLogdirGoesAfterAMistake(self):
+        logdir = os.path.join(self.get_temp_dir(), 'created')
+        self.Fail(logdir, errors.InputError('bad file'))
+        self.assertFalse(os.path.exists(logdir))
+
+    def testWhatHoldsACheckpointOrExistedOrFailedByABugStays(self):
+        with_checkpoint = os.path.join(self.get_temp_dir(), 'with_checkpoint')
+        self.Fail(with_checkpoint, errors.InputError('late'), write=('train/ckpt-4.index',))
+        self.assertTrue(os.path.exists(os.path.join(with_checkpoint, 'train/ckpt-4.index')))
+        existing = os.path.join(self.get_temp_dir(), 'existing')
+        os.makedirs(existing)
+        self.Fail(existing, errors.InputError('bad file'))
+        self.assertTrue(os.path.exists(os.path.join(existing, 'params.txt')))
+        bug = os.path.join(self.get_temp_dir(), 'bug')
+        self.Fail(bug, KeyError('ours'))  # A traceback: what it left is evidence.
+        self.assertTrue(os.path.exists(os.path.join(bug, 'params.txt')))

@@ -760,6 +760,71 @@ class ErrorsTest(TrainerTestCase):
         self.AssertFails(r'/no/such/dir', '--model=image.amoebanet.AmoebaNetD_Small',
                          '--max_steps=1', f'--logdir={self.LogDir()}', '--data_dir=/no/such/dir')
 
+    def AssertFailsAndLeavesNothing(self, pattern, *flags, status=2):
+        """One line `error: ...` matching `pattern`, exit `status`, and the logdir this run
+        would have created is not there."""
+        logdir = os.path.join(self.LogDir(), 'run')
+        result = InProcess(f'--logdir={logdir}', *flags, check=False)
+        self.assertEqual(result.returncode, status, result.stderr)
+        self.assertRegex(ErrorLine(result), pattern)
+        self.assertNotIn('Traceback', result.stderr)
+        self.assertFalse(os.path.exists(logdir))
+
+    def testATruncatedFashionMnistFileNamesItAndItsExpectedSize(self):
+        data_dir = self.LogDir()
+        images = os.path.join(data_dir, 'train-images-idx3-ubyte')
+        with open(images, 'wb') as f:  # A header of 60000 28x28 images, and 10 of their bytes.
+            f.write(b''.join(n.to_bytes(4, 'big') for n in (0x803, 60000, 28, 28)) + bytes(10))
+        with open(os.path.join(data_dir, 'train-labels-idx1-ubyte'), 'wb') as f:
+            f.write(b''.join(n.to_bytes(4, 'big') for n in (0x801, 60000)) + bytes(60000))
+        self.AssertFailsAndLeavesNothing(
+            rf'^error: .*{re.escape(images)}: truncated: 26 bytes, expected 47040016',
+            '--model=image.amoebanet.AmoebaNetD_Small', '--num_micro_batches=2',
+            '--max_steps=1', f'--data_dir={data_dir}')
+
+    def _Translation(self, file_pattern):
+        return ('--model=mt.multilingual.TransformerTiny', '--max_steps=1',
+                f"--model_params_override=input.file_pattern : '{file_pattern}'")
+
+    def testAMalformedParallelTextLineNamesFileAndLine(self):
+        corpus = os.path.join(self.LogDir(), 'pairs.tsv')
+        with open(corpus, 'w') as f:
+            f.write('en\tde\tAdd user\tBenutzer hinzufuegen\nen\tde\tonly three fields\n')
+        self.AssertFailsAndLeavesNothing(
+            rf'^error: .*{re.escape(corpus)}:2: expected 4 non-empty tab-separated fields',
+            *self._Translation(corpus))
+
+    def testAFilePatternThatMatchesNothing(self):
+        pattern = os.path.join(self.LogDir(), 'none-*.tsv')
+        self.AssertFailsAndLeavesNothing(
+            rf'^error: .*No parallel text file matches {re.escape(pattern)}',
+            *self._Translation(pattern))
+
+    def testALogdirThatCannotBeCreated(self):
+        # /sys refuses new directories, to the superuser too.
+        result = InProcess(f'--model={MLP}', '--logdir=/sys/gpipe_tf_test/run', '--max_steps=1',
+                           check=False)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertRegex(ErrorLine(result), r'^error: cannot write the logdir '
+                         r'/sys/gpipe_tf_test/run: /sys.*; pass a --logdir in a directory')
+
+    def testAFullDiskIsOneLineExitOneAndKeepsTheCheckpointsBefore(self):
+        logdir = self.LogDir()
+        InProcess(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=4',
+                  f'--model_params_override={FAST}')
+        full = tf.errors.ResourceExhaustedError(
+            None, None, '{{function_node SaveV2}} ckpt-8_temp/part-00000: No space left on '
+            'device [Op:SaveV2]')
+        with mock.patch.object(tf.train.CheckpointManager, 'save', side_effect=full):
+            result = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=8',
+                               f'--model_params_override={FAST}', check=False)
+        self.assertEqual(result.returncode, 1, result.stderr)
+        self.assertRegex(ErrorLine(result), r'^error: could not write the checkpoint of step 8 '
+                         r'in .*/train: ckpt-8_temp/part-00000: No space left on device '
+                         r'\[Op:SaveV2\]\. The checkpoints written before it are kept')
+        self.assertNotIn('Traceback', result.stderr)
+        self.assertEqual(CheckpointSteps(logdir), [4])
+
     def testDataDirForAnInputWithoutOne(self):
         self.AssertFails(r'--data_dir: the input of examples.PipelinedMLP \(SyntheticImageInput\)',
                          f'--model={MLP}', '--mode=inspect_params', '--data_dir=/tmp')

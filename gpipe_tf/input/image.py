@@ -13,6 +13,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from gpipe_tf import errors
 from gpipe_tf import hyperparams
 from gpipe_tf.input import base_input
 from gpipe_tf.nested_map import NestedMap
@@ -48,8 +49,8 @@ def _CheckLabels(labels: np.ndarray, num_classes: int, where: str) -> None:
     bad = (labels < 0) | (labels >= num_classes)
     if bad.any():
         values = sorted(set(labels[bad].tolist()))
-        raise ValueError(f'{where}: {bad.sum()} labels outside [0, {num_classes}): values '
-                         f'{values[:10]}{" ..." if len(values) > 10 else ""}.')
+        raise errors.InputError(f'{where}: {bad.sum()} labels outside [0, {num_classes}): '
+                                f'values {values[:10]}{" ..." if len(values) > 10 else ""}.')
 
 
 # ---- IDX files ----------------------------------------------------------------------------------
@@ -68,7 +69,8 @@ def ReadIdx(path: str, expected_magic: int) -> np.ndarray:
       A uint8 array of the shape the header gives.
 
     Raises:
-      ValueError: on a bad magic number, a truncated or overlong file, or a corrupt gzip stream.
+      errors.InputError (a ValueError): on a bad magic number, a truncated or overlong file,
+        or a corrupt gzip stream.
     """
     opener = gzip.open if path.endswith('.gz') else open
     try:
@@ -77,23 +79,26 @@ def ReadIdx(path: str, expected_magic: int) -> np.ndarray:
     except FileNotFoundError:
         raise
     except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a cut-off stream, EOFError.
-        raise ValueError(f'{path}: cannot read it as an IDX file: {e}') from e
+        raise errors.InputError(f'{path}: cannot read it as an IDX file: {e}') from e
     if len(data) < 4:
-        raise ValueError(f'{path}: truncated: {len(data)} bytes, expected at least a 4-byte IDX '
-                         f'header with magic number {expected_magic}.')
+        raise errors.InputError(f'{path}: truncated: {len(data)} bytes, expected at least a '
+                                f'4-byte IDX header with magic number {expected_magic}.')
     magic = int.from_bytes(data[:4], 'big')
     if magic != expected_magic:
-        raise ValueError(f'{path}: bad magic number {magic}, expected {expected_magic} (an IDX '
-                         f'file of unsigned bytes with {expected_magic & 0xff} dimensions).')
+        raise errors.InputError(f'{path}: bad magic number {magic}, expected {expected_magic} '
+                                f'(an IDX file of unsigned bytes with {expected_magic & 0xff} '
+                                f'dimensions).')
     rank = magic & 0xff
     header = 4 + 4 * rank
     if len(data) < header:
-        raise ValueError(f'{path}: truncated: {len(data)} bytes, expected a {header}-byte header.')
+        raise errors.InputError(f'{path}: truncated: {len(data)} bytes, expected a {header}-byte '
+                                f'header.')
     shape = tuple(int(d) for d in np.frombuffer(data, '>u4', count=rank, offset=4))
     expected = header + int(np.prod(shape))
     if len(data) != expected:
-        raise ValueError(f'{path}: {"truncated" if len(data) < expected else "overlong"}: '
-                         f'{len(data)} bytes, expected {expected} for shape {list(shape)}.')
+        raise errors.InputError(f'{path}: {"truncated" if len(data) < expected else "overlong"}'
+                                f': {len(data)} bytes, expected {expected} for shape '
+                                f'{list(shape)}.')
     return np.frombuffer(data, np.uint8, offset=header).reshape(shape)
 
 
@@ -110,7 +115,7 @@ def _FindIdx(data_dir: str, stem: str) -> str:
     for path in candidates:
         if os.path.isfile(path):
             return path
-    raise FileNotFoundError(
+    raise errors.MissingInputError(
         f'Fashion-MNIST file not found: looked for {candidates[0]} and {candidates[1]}. '
         f'{_HOW_TO_GET_FASHION_MNIST}')
 
@@ -146,16 +151,17 @@ class FashionMnistInput(base_input.BaseInput):
     def _LoadExamples(self) -> NestedMap:
         p = self.p
         if not os.path.isdir(p.data_dir):
-            raise FileNotFoundError(f'{p.name}: Fashion-MNIST directory {p.data_dir} does not '
-                                    f'exist. {_HOW_TO_GET_FASHION_MNIST}')
+            raise errors.MissingInputError(f'{p.name}: Fashion-MNIST directory {p.data_dir} '
+                                           f'does not exist. {_HOW_TO_GET_FASHION_MNIST}')
         prefix = 'train' if p.split == 'train' else 't10k'
         images_path = _FindIdx(p.data_dir, f'{prefix}-images-idx3-ubyte')
         labels_path = _FindIdx(p.data_dir, f'{prefix}-labels-idx1-ubyte')
         images = ReadIdx(images_path, IDX_IMAGES_MAGIC)
         labels = ReadIdx(labels_path, IDX_LABELS_MAGIC)
         if len(images) != len(labels):
-            raise ValueError(f'{p.name}: {images_path} has {len(images)} images but '
-                             f'{labels_path} has {len(labels)} labels; expected equal counts.')
+            raise errors.InputError(f'{p.name}: {images_path} has {len(images)} images but '
+                                    f'{labels_path} has {len(labels)} labels; expected equal '
+                                    f'counts.')
         _CheckLabels(labels, p.num_classes, labels_path)
         return NestedMap(images=images, labels=labels.astype(np.int32))
 

@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from gpipe_tf import errors
 from gpipe_tf import hyperparams
 from gpipe_tf.input import base_input
 from gpipe_tf.input import vocabulary
@@ -55,13 +56,13 @@ def ReadParallelTsv(file_pattern: str) -> list[tuple[str, str, str, str]]:
     `file_pattern` (a path or a glob; files in sorted order). Blank lines are skipped.
 
     Raises:
-      FileNotFoundError: if no file matches.
-      ValueError: on a line that is not 4 non-empty tab-separated fields.
+      errors.MissingInputError (a FileNotFoundError): if no file matches.
+      errors.InputError (a ValueError): on a line that is not 4 non-empty tab-separated fields.
     """
     paths = sorted(glob.glob(file_pattern)) if glob.has_magic(file_pattern) else (
         [file_pattern] if os.path.isfile(file_pattern) else [])
     if not paths:
-        raise FileNotFoundError(f'No parallel text file matches {file_pattern}')
+        raise errors.MissingInputError(f'No parallel text file matches {file_pattern}')
     rows = []
     for path in paths:
         with open(path, encoding='utf-8', newline='') as f:
@@ -72,7 +73,7 @@ def ReadParallelTsv(file_pattern: str) -> list[tuple[str, str, str, str]]:
                 continue
             fields = line.split('\t')
             if len(fields) != _NUM_FIELDS or not all(fields):
-                raise ValueError(
+                raise errors.InputError(
                     f'{path}:{number}: expected {_NUM_FIELDS} non-empty tab-separated fields '
                     f'(source_language, target_language, source, target), got {len(fields)}: '
                     f'{line[:80]!r}.')
@@ -154,8 +155,9 @@ class ParallelTextInput(base_input.BaseInput):
             if p.languages is not None and tgt_lang not in p.languages:
                 continue
             if tgt_lang not in vocab.languages:
-                raise ValueError(f'{p.name}: {p.file_pattern} has target language {tgt_lang!r} '
-                                 f'(pair {src!r}); the vocabulary knows {list(vocab.languages)}.')
+                raise errors.InputError(f'{p.name}: {p.file_pattern} has target language '
+                                        f'{tgt_lang!r} (pair {src!r}); the vocabulary knows '
+                                        f'{list(vocab.languages)}.')
             source = [vocab.LanguageId(tgt_lang)] + vocab.Encode(src) + [vocabulary.EOS_ID]
             target = vocab.Encode(tgt)
             if len(source) > p.max_length or len(target) + 1 > p.max_length:

@@ -26,6 +26,8 @@ import os
 import re
 from typing import Iterable, Sequence
 
+from gpipe_tf import errors
+
 PAD, BOS, EOS, UNK = '<pad>', '<s>', '</s>', '<unk>'
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
@@ -135,7 +137,7 @@ class CharVocabulary:
           ValueError: if the file is not a vocabulary file.
         """
         if not os.path.exists(path):
-            raise FileNotFoundError(f'Vocabulary file not found: {path}')
+            raise errors.MissingInputError(f'Vocabulary file not found: {path}')
         with open(path, encoding='utf-8', newline='') as f:
             lines = f.read().split('\n')
         if lines[-1] != '':

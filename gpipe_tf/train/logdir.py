@@ -15,11 +15,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import getpass
 import json
 import os
+import shutil
 import socket
 import stat
 import tempfile
@@ -90,11 +92,75 @@ def DefaultLogdir(model: str) -> str:
     return os.path.join(root, model)
 
 
+class UnwritableLogdirError(errors.UserError):
+    """A logdir that cannot be created or written (permissions, a read-only file system)."""
+
+
+def CheckCreatable(logdir: str) -> None:
+    """Fails early (before anything is built) when the nearest existing directory of a local
+    `logdir` is not writable by this process (`os.access`; a superuser's denials show only
+    when `MakeDirs` tries).
+
+    Raises:
+      UnwritableLogdirError: naming the directory.
+    """
+    if not IsLocalPath(logdir):
+        return
+    existing = os.path.abspath(logdir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return  # A logdir that is a file, or under one: the makedirs error names it.
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UnwritableLogdirError(_Unwritable(logdir, existing, 'permission denied'))
+
+
+def MakeDirs(directory: str) -> None:
+    """os.makedirs, a denial as one line naming the directory.
+
+    Raises:
+      UnwritableLogdirError: when the directory cannot be created (permissions, read-only).
+    """
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except (PermissionError, OSError) as error:
+        if isinstance(error, (FileExistsError, NotADirectoryError)):
+            raise
+        raise UnwritableLogdirError(_Unwritable(directory, error.filename or directory,
+                                                error.strerror or str(error))) from None
+
+
+def _Unwritable(logdir: str, where: str, why: str) -> str:
+    return (f'cannot write the logdir {logdir}: {where}: {why.lower()}; pass a --logdir in a '
+            'directory this user may write.')
+
+
+@contextlib.contextmanager
+def RemovedAfterAMistake(logdir: str):
+    """A local logdir that this run creates is removed again when the run ends in a user's
+    mistake (errors.UserError) before a checkpoint is written into it: a mistake leaves
+    nothing behind. A logdir that existed before, or holds a checkpoint, is kept as it is."""
+    created = IsLocalPath(logdir) and not os.path.lexists(logdir)
+    try:
+        yield
+    except errors.UserError:
+        if created and os.path.isdir(logdir) and not _HoldsCheckpoint(logdir):
+            shutil.rmtree(logdir, ignore_errors=True)
+        raise
+
+
+def _HoldsCheckpoint(logdir: str) -> bool:
+    for _, _, files in os.walk(logdir):
+        if any(name.startswith(('ckpt', 'checkpoint')) for name in files):
+            return True
+    return False
+
+
 def WriteAtomically(path: str, text: str) -> str:
     """Writes `text` to `path` through a temporary file in the same directory renamed over it;
     returns `path`. A symlink at `path` is replaced, never followed."""
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    MakeDirs(directory)
     fd, temp = tempfile.mkstemp(prefix=f'.{os.path.basename(path)}.', dir=directory)
     try:
         with os.fdopen(fd, 'w', encoding='utf-8') as f:
@@ -132,7 +198,7 @@ class Lock:
             it.
           UnsafeLogdirError: when the lock file is a symlink.
         """
-        os.makedirs(self.logdir, exist_ok=True)
+        MakeDirs(self.logdir)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as error:

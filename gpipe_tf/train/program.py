@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import shutil
 import tempfile
 
@@ -36,6 +37,25 @@ STEP_KEY = 'global_step/.ATTRIBUTES/VARIABLE_VALUE'
 
 def CheckpointDir(logdir: str) -> str:
     return os.path.join(logdir, 'train')
+
+
+class CheckpointWriteError(errors.EnvironmentFault):
+    """A checkpoint could not be written (a full disk, a file system gone read-only)."""
+
+
+@contextlib.contextmanager
+def _WritingCheckpoint(directory: str, step: int):
+    """A failed checkpoint write as CheckpointWriteError: the checkpoints before it restore,
+    and the next start resumes from the newest of them (setting the unfinished one aside)."""
+    try:
+        yield
+    except (tf.errors.OpError, OSError) as error:
+        why = (getattr(error, 'message', None) or str(error)).strip().splitlines()[0]
+        why = re.sub(r'^\{\{[^}]*\}\}\s*', '', why)  # TF's "{{function_node ...}}" prefix.
+        raise CheckpointWriteError(
+            f'could not write the checkpoint of step {step} in {directory}: {why}. The '
+            'checkpoints written before it are kept; free space (or fix the cause) and run the '
+            'same command to resume from the newest.') from error
 
 
 class CheckpointMismatchError(errors.UserError):
@@ -252,7 +272,8 @@ class EagerProgram:
         return int(self.global_step.numpy())
 
     def Save(self) -> str:
-        return self.manager.save(checkpoint_number=self.global_step)
+        with _WritingCheckpoint(self.manager.directory, self.CurrentStep()):
+            return self.manager.save(checkpoint_number=self.global_step)
 
 
 class StrategyProgram(EagerProgram):
@@ -453,4 +474,6 @@ class GraphProgram:
 
     def Save(self) -> str:
         with self._Guard(), self.graph.as_default(), self.session.as_default():
-            return self.manager.save(checkpoint_number=self.CurrentStep())
+            step = self.CurrentStep()
+            with _WritingCheckpoint(self.manager.directory, step):
+                return self.manager.save(checkpoint_number=step)
