@@ -1,8 +1,9 @@
 """Errors that are the user's to resolve, not bugs of ours.
 
 The trainer prints such an error as one line on stderr (`error: <message>`) and exits with
-status 2 (an EnvironmentFault: 1); anything else that escapes is a bug and keeps its traceback. The message alone must
-say what was wrong, the values seen, and what to do instead.
+status 2 (an EnvironmentFault: 1); anything else that escapes is a bug and keeps its
+traceback. The message alone must say what was wrong, the values seen, and what to do
+instead.
 """
 
 

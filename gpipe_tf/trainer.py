@@ -890,8 +890,14 @@ def main(config: Config) -> None:
         return
     logdir = _Logdir(config)
     WarnIfClusterIsExposed(config)
-    with logdir_lib.RemovedAfterAMistake(logdir):
+    with logdir_lib.RemovedAfterAMistake(logdir, _HoldsCheckpoint):
         _RunMode(config, p, plan, logdir, lines)
+
+
+def _HoldsCheckpoint(logdir: str) -> bool:
+    from gpipe_tf.train import checkpoints  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
+    return checkpoints.AnyFiles(program.CheckpointDir(logdir))
 
 
 def _RunMode(config: Config, p, plan, logdir: str, lines) -> None:
@@ -942,8 +948,9 @@ def WarnIfClusterIsExposed(config: Config) -> None:
 
 def Main(config: Config) -> int:
     """Runs the trainer in this process; returns its exit status: 0, 2 for a user's mistake,
-    1 for a non-finite loss or a fault of the machine (a full disk), 128 + the signal's number when stopped by one. A user's mistake
-    is one line `error: ...` on stderr (with --verbose, also its traceback).
+    1 for a non-finite loss or a fault of the machine (a full disk), 128 + the signal's number
+    when stopped by one. A user's mistake is one line `error: ...` on stderr (with --verbose,
+    also its traceback).
 
     Raises:
       cluster.ClusterError: when a task of the cluster (or the TPU) cannot be reached.
@@ -956,10 +963,7 @@ def Main(config: Config) -> int:
         # The user's to resolve, not a bug: the message says what to do.
         _Error(error, config.verbose)
         return 2
-    except errors.EnvironmentFault as error:
-        _Error(error, config.verbose)
-        return 1
-    except loop.NonFiniteLossError as error:
+    except (errors.EnvironmentFault, loop.NonFiniteLossError) as error:
         _Error(error, config.verbose)
         return 1
     except loop.Interrupted as interrupted:

@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 from gpipe_tf import errors
+from gpipe_tf.train import checkpoints
 from gpipe_tf.train import logdir as logdir_lib
 
 # Holds the lock of argv[1], says so, and sleeps until killed.
@@ -146,7 +147,8 @@ class RemovedAfterAMistakeTest(tf.test.TestCase):
 
     def Fail(self, logdir, error, write=('params.txt',)):
         with self.assertRaises(type(error)):
-            with logdir_lib.RemovedAfterAMistake(logdir):
+            with logdir_lib.RemovedAfterAMistake(
+                    logdir, lambda d: checkpoints.AnyFiles(os.path.join(d, 'train'))):
                 for name in write:
                     path = os.path.join(logdir, name)
                     os.makedirs(os.path.dirname(path), exist_ok=True)

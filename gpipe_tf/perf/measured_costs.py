@@ -65,8 +65,7 @@ _CACHE: dict[str, LayerCost] = {}
 
 def SynthesizedInputs(shapes, dtypes=None):
     """A tensor per leaf of `shapes` (a shape: a TensorShape or a list of ints; or a NestedMap or
-    list of shapes): uniform
-    [0, 1) floats, zero integers (valid ids and labels).
+    list of shapes): uniform [0, 1) floats, zero integers (valid ids and labels).
 
     Args:
       shapes: the inputs' shapes.

@@ -89,6 +89,12 @@ def Prefixes(directory: str) -> list[str]:
     return [os.path.join(directory, f'{PREFIX}-{step}') for step in sorted(steps, reverse=True)]
 
 
+def AnyFiles(directory: str) -> bool:
+    """Whether `directory` holds any checkpoint file: complete, damaged or unfinished (cheap:
+    names only, nothing read)."""
+    return bool(Prefixes(directory) or Unfinished(directory))
+
+
 def Unfinished(directory: str) -> list[str]:
     """Paths left by saves that never finished: `ckpt-N_temp*` folders, and data files of a
     `ckpt-N` without an `.index`."""

@@ -25,6 +25,7 @@ import shutil
 import socket
 import stat
 import tempfile
+from typing import Callable
 
 from gpipe_tf import errors
 
@@ -123,9 +124,9 @@ def MakeDirs(directory: str) -> None:
     """
     try:
         os.makedirs(directory, exist_ok=True)
-    except (PermissionError, OSError) as error:
-        if isinstance(error, (FileExistsError, NotADirectoryError)):
-            raise
+    except (FileExistsError, NotADirectoryError):
+        raise  # A file in the way: its own error names it.
+    except OSError as error:
         raise UnwritableLogdirError(_Unwritable(directory, error.filename or directory,
                                                 error.strerror or str(error))) from None
 
@@ -136,24 +137,18 @@ def _Unwritable(logdir: str, where: str, why: str) -> str:
 
 
 @contextlib.contextmanager
-def RemovedAfterAMistake(logdir: str):
+def RemovedAfterAMistake(logdir: str, holds_checkpoint: Callable[[str], bool]):
     """A local logdir that this run creates is removed again when the run ends in a user's
-    mistake (errors.UserError) before a checkpoint is written into it: a mistake leaves
-    nothing behind. A logdir that existed before, or holds a checkpoint, is kept as it is."""
+    mistake (errors.UserError) before a checkpoint is written into it
+    (`holds_checkpoint(logdir)`): a mistake leaves nothing behind. A logdir that existed
+    before, or holds a checkpoint, is kept as it is."""
     created = IsLocalPath(logdir) and not os.path.lexists(logdir)
     try:
         yield
     except errors.UserError:
-        if created and os.path.isdir(logdir) and not _HoldsCheckpoint(logdir):
+        if created and os.path.isdir(logdir) and not holds_checkpoint(logdir):
             shutil.rmtree(logdir, ignore_errors=True)
         raise
-
-
-def _HoldsCheckpoint(logdir: str) -> bool:
-    for _, _, files in os.walk(logdir):
-        if any(name.startswith(('ckpt', 'checkpoint')) for name in files):
-            return True
-    return False
 
 
 def WriteAtomically(path: str, text: str) -> str:
