@@ -25,6 +25,7 @@ from gpipe_tf import optimizer
 from gpipe_tf import test_utils
 from gpipe_tf.layers import basic
 from gpipe_tf.perf import trace
+from gpipe_tf.train import cluster as cluster_lib
 from gpipe_tf.train import program
 
 DEVICES = test_utils.ConfigureVirtualCpus()
@@ -170,6 +171,39 @@ class LatestStepTest(tf.test.TestCase):
         test_utils.DamageFile(os.path.join(program.CheckpointDir(self.logdir), 'checkpoint'),
                               'garble')
         self.assertEqual(program.LatestStep(self.logdir), 0)
+
+
+@pytest.mark.unit
+class WritingCheckpointTest(tf.test.TestCase):
+    """A failed checkpoint write is the disk's fault (CheckpointWriteError) unless a task of the
+    cluster is gone: then it is that task's ClusterError, as for a failed step."""
+
+    FAILED = tf.errors.InternalError(None, None, 'Graph execution error:\n\nsomething failed')
+
+    def _Write(self, error, cluster=None):
+        with program._WritingCheckpoint('/logdir/train', 4, cluster):
+            raise error
+
+    def testAFullDiskNamesTheStepAndTheReason(self):
+        full = tf.errors.ResourceExhaustedError(None, None, 'No space left on device')
+        with self.assertRaisesRegex(program.CheckpointWriteError,
+                                    r'^could not write the checkpoint of step 4 in /logdir/train: '
+                                    r'No space left on device\. The checkpoints written before'):
+            self._Write(full)
+        with self.assertRaisesRegex(program.CheckpointWriteError, r'/logdir/train: something '
+                                    r'failed\.'):
+            self._Write(self.FAILED)
+
+    def testTheClustersOwnFailuresPassThrough(self):
+        with self.assertRaises(tf.errors.UnavailableError):
+            self._Write(tf.errors.UnavailableError(None, None, 'Socket closed'))
+
+    def testAWriteThatFailedWhileATaskIsGoneNamesTheTask(self):
+        port, = cluster_lib.FreePorts(1)  # Nothing listens there.
+        cluster = tf.train.ClusterSpec({'worker': [f'127.0.0.1:{port}']})
+        with self.assertRaisesRegex(cluster_lib.ClusterError, rf'^Unreachable: /job:worker/task:0 '
+                                    rf'at 127\.0\.0\.1:{port}: no process accepts connections'):
+            self._Write(self.FAILED, cluster)
 
 
 # ---- EagerProgram -------------------------------------------------------------------------------

@@ -193,9 +193,13 @@ def Diagnose(cluster: tf.train.ClusterSpec, job: str = DEFAULT_JOB,
 
 
 def UnreachableError(cluster: tf.train.ClusterSpec, error: Exception, job: str = DEFAULT_JOB,
-                     probe_timeout_s: float = 5.0) -> ClusterError:
-    """A ClusterError naming the unreachable tasks behind a failed Session.run."""
-    bad = [s for s in Diagnose(cluster, job, probe_timeout_s) if s.problem]
+                     probe_timeout_s: float = 5.0,
+                     statuses: list[TaskStatus] | None = None) -> ClusterError:
+    """A ClusterError naming the unreachable tasks behind a failed Session.run (from
+    `statuses` when the caller has diagnosed the cluster already)."""
+    if statuses is None:
+        statuses = Diagnose(cluster, job, probe_timeout_s)
+    bad = [s for s in statuses if s.problem]
     line = FirstLine(error)
     what = f'{type(error).__name__}' + (f' ({line[:200]})' if line else '')
     if not bad:

@@ -43,14 +43,29 @@ class CheckpointWriteError(errors.EnvironmentFault):
     """A checkpoint could not be written (a full disk, a file system gone read-only)."""
 
 
+# A step whose task went away fails with one of these; they name the cluster, not the disk.
+CLUSTER_FAILURES = (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
+                    tf.errors.AbortedError, tf.errors.CancelledError)
+
+
 @contextlib.contextmanager
-def _WritingCheckpoint(directory: str, step: int):
+def _WritingCheckpoint(directory: str, step: int, cluster: tf.train.ClusterSpec | None = None,
+                       job: str = cluster_lib.DEFAULT_JOB):
     """A failed checkpoint write as CheckpointWriteError: the checkpoints before it restore,
-    and the next start resumes from the newest of them (setting the unfinished one aside)."""
+    and the next start resumes from the newest of them (setting the unfinished one aside).
+
+    The cluster's own failures pass through unchanged; on a cluster (`cluster`, `job`), a
+    write that failed otherwise while a task does not answer is that task's ClusterError.
+    """
     try:
         yield
+    except CLUSTER_FAILURES:
+        raise
     except (tf.errors.OpError, OSError) as error:
-        why = (getattr(error, 'message', None) or str(error)).strip().splitlines()[0]
+        statuses = cluster_lib.Diagnose(cluster, job) if cluster is not None else []
+        if any(s.problem for s in statuses):
+            raise cluster_lib.UnreachableError(cluster, error, job, statuses=statuses) from error
+        why = cluster_lib.FirstLine(error) or type(error).__name__
         why = re.sub(r'^\{\{[^}]*\}\}\s*', '', why)  # TF's "{{function_node ...}}" prefix.
         raise CheckpointWriteError(
             f'could not write the checkpoint of step {step} in {directory}: {why}. The '
@@ -402,8 +417,7 @@ class GraphProgram:
         """Turns a cluster's failed or timed-out run into a ClusterError naming the task."""
         try:
             yield
-        except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
-                tf.errors.AbortedError, tf.errors.CancelledError) as error:
+        except CLUSTER_FAILURES as error:
             if self._cluster is None:
                 raise
             raise cluster_lib.UnreachableError(self._cluster, error, self._job) from error
@@ -475,5 +489,5 @@ class GraphProgram:
     def Save(self) -> str:
         with self._Guard(), self.graph.as_default(), self.session.as_default():
             step = self.CurrentStep()
-            with _WritingCheckpoint(self.manager.directory, step):
+            with _WritingCheckpoint(self.manager.directory, step, self._cluster, self._job):
                 return self.manager.save(checkpoint_number=step)
