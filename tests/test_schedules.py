@@ -11,6 +11,7 @@ from absl.testing import parameterized
 from gpipe_tf import errors
 from gpipe_tf import test_utils
 from gpipe_tf.layers import basic
+from gpipe_tf.layers import conv
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import normalization
 from gpipe_tf.nested_map import NestedMap
@@ -338,6 +339,42 @@ class LoopedKeepingTest(tf.test.TestCase, parameterized.TestCase):
         x, loss_inputs = Data()
         self.assertSameStep(PipelineStep(layer, x, loss_inputs),
                             ReferenceStep(layer, x, loss_inputs))
+
+    @parameterized.parameters('1f1b', 'zero_bubble_v')
+    def testConvolutionsWhoseFilterGradientHasNoStaticShape(self, kind):
+        # Inside the loop's switch_case TF cannot infer a convolution's filter gradient's
+        # shape: the gradient sums must keep their own, or the loop refuses them.
+        layers = [conv.Conv2DLayer.Params().Set(name=f'conv_{i}', filter_shape=(1, 1, 2, 2),
+                                                activation='tanh') for i in range(4)]
+        layer = pipelining_layer.PipeliningLayer.Params().Set(
+            name='model', layer_tpl=layers, num_cells=2, virtual_stages=2 if kind ==
+            'zero_bubble_v' else 1, num_micro_batches=4, schedule=kind, recompute='never',
+            unroll=False, input_shapes=[BATCH, 3, 3, 2], devices=DEVICES[:2],
+            partition_method='uniform', random_seed=3).Instantiate()
+        x = tf.random.stateless_normal([BATCH, 3, 3, 2], [1, 2])
+        loss_inputs = NestedMap(target=tf.zeros([BATCH, 3, 3, 2]),
+                                weights=Data()[1].weights)
+
+        def Loss(outputs, loss_inputs):  # LossFn's, per micro-batch of images.
+            per_example = tf.reduce_sum(tf.square(outputs - loss_inputs.target), axis=[1, 2, 3])
+            total = tf.reduce_sum(loss_inputs.weights)
+            return tf.math.divide_no_nan(tf.reduce_sum(per_example * loss_inputs.weights),
+                                         total), total
+
+        def Step(x):
+            with tf.GradientTape() as tape, fprop_context.Scope(step=5):
+                tape.watch(x)
+                _, loss, _ = layer.FPropLoss(layer.theta, x, Loss, loss_inputs)
+            return loss, tape.gradient(loss, [x] + list(layer.trainable_variables))
+
+        loss, grads = tf.function(Step)(x)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            want_loss, _ = Loss(test_utils.Unpartitioned(layer, x, 1, step=5), loss_inputs)
+        want = tape.gradient(want_loss, [x] + list(layer.trainable_variables))
+        self.assertAllClose(loss, want_loss, rtol=RTOL)
+        for got, expected in zip(grads, want):
+            self.assertAllClose(got, expected, rtol=1e-4, atol=1e-6)
 
     @parameterized.parameters('1f1b', 'zero_bubble')
     def testNeverRunsNoForwardAgain(self, kind):

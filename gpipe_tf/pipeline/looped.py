@@ -588,9 +588,14 @@ def _ReadSlot(store, slot):
 
 
 def _Add(sums: list, grads: list) -> list:
-    """Each sum plus its gradient (`grads` flat over theta, None for non-trainable leaves)."""
+    """Each sum plus its gradient (`grads` flat over theta, None for non-trainable leaves),
+    of the sum's static shape: a gradient whose shape TF cannot infer (a 1x1 convolution's
+    filter gradient, say) would otherwise loosen the loop variable's shape."""
     grads = [g for g in grads if g is not None]
-    return [total + tf.convert_to_tensor(g) for total, g in zip(sums, grads)]
+    added = [total + tf.convert_to_tensor(g) for total, g in zip(sums, grads)]
+    for total, new in zip(sums, added):
+        new.set_shape(total.shape)
+    return added
 
 
 def _AsList(results):
