@@ -37,7 +37,7 @@ from gpipe_tf.train import logdir as logdir_lib
 from gpipe_tf.train import partition_change
 
 MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model', 'decode',
-         'export')
+         'export', 'tune', 'check')
 
 
 def DefineFlags(flag_values: flags.FlagValues) -> None:
@@ -113,9 +113,17 @@ def DefineFlags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_string('plot_dir', None, 'inspect_model: also write the plan pictures here: '
                         'cell_costs.png, timeline_predicted.png and memory.png.',
                         flag_values=flag_values)
-    flags.DEFINE_float('device_memory_gib', None, 'inspect_model: an accelerator\'s memory in '
-                       'GiB (2**30 bytes); the memory plan says which cells fit, and memory.png '
-                       'draws it as a line.', flag_values=flag_values)
+    flags.DEFINE_float('device_memory_gib', None, 'inspect_model, tune: an accelerator\'s memory '
+                       'in GiB (2**30 bytes); the memory plan says which cells fit, memory.png '
+                       'draws it as a line, and tune fits every device in it.',
+                       flag_values=flag_values)
+    flags.DEFINE_enum('tune_costs', 'auto', ['auto', 'measured', 'flops'], 'tune: the layer '
+                      'costs to predict steps from: measured on the first device, FLOPs, or auto '
+                      '(measured where the model fits in half this machine\'s memory).',
+                      flag_values=flag_values)
+    flags.DEFINE_integer('tune_steps', 5, 'tune: train the chosen configuration this many steps '
+                         'and print its measured step and memory beside the prediction '
+                         '(measured costs only; 0: do not run it).', flag_values=flag_values)
     flags.DEFINE_float('device_memory_gb', None, 'Deprecated (until 0.2): the old name of '
                        '--device_memory_gib; it always meant GiB.', flag_values=flag_values)
     flags.register_multi_flags_validator(
@@ -173,6 +181,8 @@ class Config:
     data_dir: str | None
     plot_dir: str | None
     device_memory_gib: float | None
+    tune_costs: str
+    tune_steps: int
     seed: int | None
     decode_input: tuple[str, ...]
     decode_input_file: str | None
@@ -864,6 +874,8 @@ def main(config: Config) -> None:
     if not config.model:
         raise errors.UserError('--model is required (see --list_models).')
     p = TaskParams(config)
+    if config.mode == 'tune' and config.num_devices is not None:
+        p.model.num_cells = config.num_devices // p.model.num_replicas  # K, tuned for.
     if config.logdir and config.mode != 'inspect_model':
         logdir_lib.CheckCreatable(config.logdir)  # Before anything is built.
     if config.mode == 'inspect_params':
@@ -887,6 +899,15 @@ def main(config: Config) -> None:
         print(GpuMemoryReport(p, plan), flush=True)
     if config.mode == 'inspect_model':
         RunInspectModel(config, p, plan)
+        return
+    if config.mode == 'tune':
+        from gpipe_tf.train import tune  # pylint: disable=g-import-not-at-top
+        tune.Run(p, config.model, _Logdir(config), config.device_memory_gib, config.tune_costs,
+                 config.tune_steps)
+        return
+    if config.mode == 'check':
+        from gpipe_tf.train import check  # pylint: disable=g-import-not-at-top
+        check.Run(p, config.model)
         return
     logdir = _Logdir(config)
     WarnIfClusterIsExposed(config)

@@ -94,22 +94,40 @@ def SynthesizedInputs(shapes, dtypes=None):
     return Synthesize(shapes, dtypes)
 
 
-def StepSeconds(p, before: list, layers: list) -> list[float]:
-    """Each of `layers`' measured share of a training step (`LayerCost.StepSeconds`), for
-    PipeliningLayer Params `p`: on one micro-batch of `p.input_shapes` and `p.input_dtypes`
-    (after the `before` layers), on the first cell's device, cached in `p.costs_file`.
-    `before` and `layers` are named layer Params (`plan`)."""
+def FirstDevice(p) -> str:
+    """The device of PipeliningLayer Params `p`'s first cell, where its layers are measured."""
     from gpipe_tf.pipeline import devices as devices_lib  # pylint: disable=g-import-not-at-top
+    return devices_lib.MeshDevices(p.devices, p.num_replicas, p.num_cells)[0][0]
+
+
+def PipelineLayerCosts(p, micro_batch_size: int | None = None, progress: Callable | None = None,
+                       before: list | None = None, layers: list | None = None
+                       ) -> tuple[list[LayerCost], list[LayerCost]]:
+    """The measured costs of PipeliningLayer Params `p`'s before_tpl layers and body layers, on
+    one micro-batch of `p.input_shapes` and `p.input_dtypes` (of `micro_batch_size` examples;
+    None: the Params' own micro-batch), on the first cell's device, cached in `p.costs_file`.
+    `before` and `layers` are the named layer Params (default: the plan's)."""
     from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
-    batch_size = plan_lib.BatchSize(p)
-    micro_batch = -(-batch_size // p.num_replicas // plan_lib.NumMicroBatches(p, batch_size))
-    shapes = [_WithBatch(s, p.batch_dim, micro_batch) for s in plan_lib.InputShapes(p)]
+    before = plan_lib.BeforeLayers(p) if before is None else before
+    layers = plan_lib.BodyLayers(p) if layers is None else layers
+    if micro_batch_size is None:
+        batch_size = plan_lib.BatchSize(p)
+        micro_batch_size = -(-batch_size // p.num_replicas //
+                             plan_lib.NumMicroBatches(p, batch_size))
+    shapes = [_WithBatch(s, p.batch_dim, micro_batch_size) for s in plan_lib.InputShapes(p)]
     dtypes = p.input_dtypes
     inputs = SynthesizedInputs(shapes, dtypes if isinstance(dtypes, (list, tuple)) else
                                [dtypes] * len(shapes))
-    device = devices_lib.MeshDevices(p.devices, p.num_replicas, p.num_cells)[0][0]
-    costs = MeasureLayers(list(before) + list(layers), inputs, device,
-                          cache_file=p.costs_file, progress=logging.info)[len(before):]
+    costs = MeasureLayers(list(before) + list(layers), inputs, FirstDevice(p),
+                          cache_file=p.costs_file, progress=progress)
+    return costs[:len(before)], costs[len(before):]
+
+
+def StepSeconds(p, before: list, layers: list) -> list[float]:
+    """Each of `layers`' measured share of a training step (`LayerCost.StepSeconds`), for
+    PipeliningLayer Params `p` (`PipelineLayerCosts` on its micro-batch). `before` and `layers`
+    are named layer Params (`plan`)."""
+    _, costs = PipelineLayerCosts(p, progress=logging.info, before=before, layers=layers)
     recompute = p.recompute != 'never'
     return [c.StepSeconds(recompute) for c in costs]
 

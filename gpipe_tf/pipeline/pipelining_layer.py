@@ -41,6 +41,12 @@ from gpipe_tf.pipeline import unfolded
 
 RECOMPUTE_MODES = plan_lib.RECOMPUTE_MODES
 PARTITION_METHODS = plan_lib.PARTITION_METHODS
+# A method's name, or boundaries (which the plan checks against the layers and cells).
+_PARTITION_METHOD = hyperparams.Check(
+    lambda v: v in PARTITION_METHODS if isinstance(v, str) else (
+        isinstance(v, (list, tuple)) and
+        all(isinstance(b, int) and not isinstance(b, bool) for b in v)),
+    f'one of {PARTITION_METHODS} or a list of layer indices [0, b_1, ..., L]')
 # The device functions live in `devices`, the one owner of device choices; these names stay
 # for callers of this module.
 DefaultDevices = devices_lib.DefaultDevices
@@ -118,7 +124,8 @@ class PipeliningLayer(BaseLayer):
                  f'How layer_tpl is split: one of {PARTITION_METHODS}, or explicit boundaries '
                  '[0, b_1, ..., L] (cell k holds layers b_k .. b_{k+1} - 1). "time" measures '
                  'each layer\'s training forward and backward on one micro-batch on the first '
-                 'cell\'s device (perf/measured_costs.py) and balances their sum.')
+                 'cell\'s device (perf/measured_costs.py) and balances their sum.',
+                 check=_PARTITION_METHOD)
         p.Define('input_shapes', None,
                  'Shapes of the inputs for one mini-batch (list of ints per input, or a dict of '
                  'them for a NestedMap input); needed by the flops/params/time partitioners and '

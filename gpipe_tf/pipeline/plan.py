@@ -286,6 +286,11 @@ def Cells(p) -> tuple[list[list], list[LayerMeta] | None]:
     return cells, _CheckCellsFit(p, cells)
 
 
+def BodyLayers(p) -> list:
+    """The layer_tpl layers' Params, named as the pipeline builds them (`LayerName`)."""
+    return [_Named(p, lp, i) for i, lp in enumerate(p.layer_tpl)]
+
+
 def BeforeLayers(p) -> list:
     """The before_tpl layers' Params, named (their own name, else `layer_<index>`)."""
     return [_Named(p, lp, i) for i, lp in enumerate(p.before_tpl)]
@@ -342,7 +347,7 @@ def _CellLayerParams(p) -> list[list]:
             named.append([_Named(p, lp, index + i) for i, lp in enumerate(cell)])
             index += len(cell)
         return named
-    layers = [_Named(p, lp, i) for i, lp in enumerate(p.layer_tpl)]
+    layers = BodyLayers(p)
     boundaries = _Boundaries(p, layers)
     return [layers[boundaries[k]:boundaries[k + 1]] for k in range(len(boundaries) - 1)]
 

@@ -1,0 +1,348 @@
+"""Chooses a pipeline's configuration: M, the schedule, virtual stages, re-materialization and the
+cell boundaries that minimise the simulated step while every device's planned peak fits.
+
+For each configuration of the search (`Space`), the boundaries are first the time-optimal
+partition of the layers' step costs (the min-max partition `partition_method='time'` makes);
+where a device's planned peak exceeds its memory, boundaries next to the fullest device move
+one layer at a time to its neighbours while the peak falls (so a 1F1B stage 0, which holds K
+micro-batches, is given fewer layers than the last stage, which holds one). Each configuration is
+then scored by `simulator.Simulate` on the per-cell sums of the layers' costs and by the memory
+planner (`memory.FromPlan`) on the same plan the pipeline would make, so the prediction and the
+run share one partition.
+
+Layer costs come from a `Costs`: measured on the device (`MeasuredCosts`, the costs
+`partition_method='time'` uses, per micro-batch size) or estimated from FLOPs at a nominal rate
+(`FlopsCosts`, for models no device here can run: their predicted steps rank configurations but
+are not seconds of any device). Boundary transfers are not modelled (free), as between virtual
+devices of one host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+from gpipe_tf import errors
+from gpipe_tf import units
+from gpipe_tf.layers import sequential
+from gpipe_tf.perf import measured_costs
+from gpipe_tf.perf import memory as memory_lib
+from gpipe_tf.perf import simulator
+from gpipe_tf.pipeline import partition
+from gpipe_tf.pipeline import plan as plan_lib
+from gpipe_tf.pipeline import schedule as schedule_lib
+
+# Schedules that place two stages per device (their virtual_stages in the search).
+_TWO_STAGES = ('interleaved_1f1b', 'zero_bubble_v')
+# The FLOP rate of FLOPs-estimated costs: ranks configurations, is no device's.
+NOMINAL_FLOPS_PER_SEC = 1e12
+# Per configuration, at most this many one-layer boundary moves towards fitting.
+_MAX_MOVES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSeconds:
+    """One layer's seconds on one micro-batch: forward, backward (all gradients), and the
+    backward's input gradient (zero-bubble's I; its W is the rest)."""
+    forward: float
+    backward: float
+    input_grad: float
+
+    def Step(self, recompute: bool) -> float:
+        return self.forward * (2 if recompute else 1) + self.backward
+
+
+class Costs:
+    """Per-layer costs on one micro-batch of a given size: `Of(micro_batch_size)` -> (the
+    before_tpl layers', the body layers'). `measured` says whether they are seconds measured
+    on a device or an estimate."""
+    measured: bool = False
+    description: str = ''
+
+    def Of(self, micro_batch_size: int) -> tuple[list[LayerSeconds], list[LayerSeconds]]:
+        raise NotImplementedError
+
+
+class FlopsCosts(Costs):
+    """Seconds at `flops_per_sec` from each layer's forward FLOPs (`FPropMeta`), the backward
+    twice the forward and split evenly into input and weight gradients."""
+
+    def __init__(self, p, flops_per_sec: float = NOMINAL_FLOPS_PER_SEC):
+        self.description = f'estimated from FLOPs at {flops_per_sec:.0e} FLOP/s'
+        self._rate = flops_per_sec
+        self._batch = plan_lib.BatchSize(p)
+        before = plan_lib.BeforeLayers(p)
+        shapes = plan_lib.InputShapes(p)
+        self._before = ([m.flops for m in sequential.ChainMeta(before, *shapes)[1]]
+                        if before else [])
+        layers = plan_lib.BodyLayers(p)
+        self._layers = [m.flops for m in
+                        sequential.ChainMeta(layers, *plan_lib.BodyInputShapes(p))[1]]
+
+    def Of(self, micro_batch_size):
+        def Seconds(flops):
+            forward = flops * micro_batch_size / self._batch / self._rate
+            return LayerSeconds(forward, 2 * forward, forward)
+        return [Seconds(f) for f in self._before], [Seconds(f) for f in self._layers]
+
+
+class MeasuredCosts(Costs):
+    """Seconds measured on the pipeline's first device (`measured_costs.PipelineLayerCosts`),
+    once per micro-batch size, cached in `p.costs_file`."""
+    measured = True
+
+    def __init__(self, p, progress: Callable | None = None):
+        kind, rest = measured_costs.DeviceKind(measured_costs.FirstDevice(p)).split(':', 1)
+        name, threads = rest.rsplit(':threads=', 1)
+        self.description = (f'measured on {kind}{" " + name if name else ""} (intra-op threads: '
+                            f'{"all" if threads == "0" else threads})')
+        self._p, self._progress, self._memo = p, progress, {}
+
+    def Of(self, micro_batch_size):
+        if micro_batch_size not in self._memo:
+            before, layers = measured_costs.PipelineLayerCosts(self._p, micro_batch_size,
+                                                               self._progress)
+            self._memo[micro_batch_size] = tuple(
+                [LayerSeconds(c.forward_s, c.backward_s, c.input_grad_s) for c in costs]
+                for costs in (before, layers))
+        return self._memo[micro_batch_size]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One point of the search."""
+    schedule: str
+    num_micro_batches: int
+    virtual_stages: int
+    recompute: str
+
+    def __str__(self) -> str:
+        v = f' v={self.virtual_stages}' if self.virtual_stages > 1 else ''
+        return f'{self.schedule}{v} M={self.num_micro_batches} recompute={self.recompute}'
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A configuration with its boundaries, scored.
+
+    Attributes:
+      config: schedule, M, v and recompute mode.
+      boundaries: the cell boundaries (v K + 1 layer indices).
+      step_s: the simulated step (seconds with measured costs; nominal with FLOPs).
+      bubble: the simulated step's idle fraction of device time.
+      device_bytes: per device, the planned peak.
+      fits: whether every device's peak fits the memory given.
+      moved: whether the boundaries were moved from the time-optimal ones to fit.
+      params: the PipeliningLayer Params of this configuration.
+      memory: its memory plan.
+    """
+    config: Config
+    boundaries: tuple[int, ...]
+    step_s: float
+    bubble: float
+    device_bytes: tuple[int, ...]
+    fits: bool
+    moved: bool
+    params: object = dataclasses.field(repr=False, compare=False, default=None)
+    memory: memory_lib.MemoryPlan | None = dataclasses.field(repr=False, compare=False,
+                                                             default=None)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.device_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """Every configuration scored, ranked: those that fit by predicted step, then the others
+    by peak memory."""
+    candidates: list[Candidate]
+    device_memory_bytes: float
+    costs: str
+    measured: bool
+    skipped: dict[str, str]  # Configuration -> why the pipeline refuses it.
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates and self.candidates[0].fits else None
+
+    def Format(self, limit: int | None = 20) -> str:
+        """The ranked table (the first `limit` rows; None: all), step times in ms."""
+        unit = 'ms' if self.measured else 'nominal ms'
+        header = ('rank', 'schedule', 'v', 'M', 'recompute', 'boundaries', f'step ({unit})',
+                  'bubble', 'peak per device (MiB)', 'fits')
+        rows = [header]
+        for rank, c in enumerate(self.candidates[:limit], 1):
+            rows.append((str(rank), c.config.schedule, str(c.config.virtual_stages),
+                         str(c.config.num_micro_batches), c.config.recompute,
+                         ','.join(map(str, c.boundaries)) + (' (moved)' if c.moved else ''),
+                         f'{c.step_s * 1e3:.2f}', f'{c.bubble:.0%}',
+                         ' '.join(units.MiB(b) for b in c.device_bytes),
+                         'yes' if c.fits else 'no'))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = ['  '.join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+        shown = min(len(self.candidates), limit or len(self.candidates))
+        lines.append(f'{shown} of {len(self.candidates)} configurations; layer costs '
+                     f'{self.costs}; devices of {units.MiB(self.device_memory_bytes)} MiB')
+        return '\n'.join(lines)
+
+
+def MicroBatchCounts(batch_per_replica: int, num_devices: int) -> list[int]:
+    """The M searched: for i = 0..3, the smallest divisor of the replica's batch at least
+    2^i K (M below K leaves devices idle); the largest divisor when none is that large."""
+    divisors = [d for d in range(1, batch_per_replica + 1) if batch_per_replica % d == 0]
+    counts = {next((d for d in divisors if d >= num_devices << i), divisors[-1])
+              for i in range(4)}
+    return sorted(counts)
+
+
+def Space(num_layers: int, num_devices: int, batch_per_replica: int,
+          schedules: Sequence[str] = schedule_lib.KINDS,
+          recompute_modes: Sequence[str] = plan_lib.RECOMPUTE_MODES,
+          micro_batches: Sequence[int] | None = None) -> list[Config]:
+    """The configurations searched: every schedule (two stages per device for interleaved_1f1b
+    and zero_bubble_v, where the layers allow), M (`MicroBatchCounts` unless given) and
+    recompute mode."""
+    counts = micro_batches or MicroBatchCounts(batch_per_replica, num_devices)
+    space = []
+    for kind in schedules:
+        v = 2 if kind in _TWO_STAGES else 1
+        if v * num_devices > num_layers:
+            continue
+        space += [Config(kind, m, v, mode) for m in counts for mode in recompute_modes]
+    return space
+
+
+def Tune(p, num_devices: int, device_memory_bytes: float, costs: Costs | None = None,
+         slots_per_param: int = 1, space: Sequence[Config] | None = None,
+         progress: Callable | None = None) -> Result:
+    """Scores every configuration of `space` for PipeliningLayer Params `p` (with layer_tpl
+    and input_shapes) on `num_devices` devices of `device_memory_bytes` each.
+
+    Args:
+      p: the pipeline's Params; its other settings (devices, replicas, dtypes) are kept.
+      num_devices: K.
+      device_memory_bytes: each device's memory.
+      costs: the layers' costs (None: `FlopsCosts(p)`).
+      slots_per_param: the optimizer's slots per parameter (`memory.SlotsPerParam`).
+      space: the configurations (None: `Space(...)` for the layers, K and the batch).
+      progress: None, or called with a line per configuration scored.
+
+    Raises:
+      errors.ConfigError: for Params without layer_tpl or input_shapes.
+    """
+    if p.layer_tpl is None or p.input_shapes is None:
+        raise errors.ConfigError(f'{p.name}: tuning needs layer_tpl (layers to partition) and '
+                                 'input_shapes (the shapes of one mini-batch).')
+    costs = costs or FlopsCosts(p)
+    batch = plan_lib.BatchSize(p) // p.num_replicas
+    if space is None:
+        space = Space(len(p.layer_tpl), num_devices, batch)
+    scored, skipped = [], {}
+    for config in space:
+        before, layers = costs.Of(batch // config.num_micro_batches)
+        try:
+            candidate = _Fitted(p, num_devices, config, before, layers, device_memory_bytes,
+                                slots_per_param)
+        except (errors.ConfigError, ValueError) as error:
+            skipped[str(config)] = str(error)
+            continue
+        scored.append(candidate)
+        if progress:
+            progress(f'{config}: {candidate.step_s * 1e3:.2f} ms, peak '
+                     f'{units.MiB(candidate.peak_bytes)} MiB')
+    scored.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.peak_bytes, c.peak_bytes))
+    return Result(scored, device_memory_bytes, costs.description, costs.measured, skipped)
+
+
+def NoFitError(p, result: Result) -> errors.ConfigError:
+    """The one line for a search where nothing fits: the smallest peak and its configuration."""
+    if not result.candidates:
+        reasons = '; '.join(f'{k}: {v}' for k, v in list(result.skipped.items())[:2])
+        return errors.ConfigError(f'{p.name}: the pipeline refuses every configuration tried '
+                                  f'({reasons}).')
+    least = min(result.candidates, key=lambda c: c.peak_bytes)
+    return errors.ConfigError(
+        f'{p.name}: no configuration fits devices of '
+        f'{_GiB(result.device_memory_bytes)} GiB; the smallest peak, '
+        f'{_GiB(least.peak_bytes)} GiB per device, is {least.config} with boundaries '
+        f'{list(least.boundaries)}: give devices of at least that much memory, or more of them.')
+
+
+def _GiB(value: float) -> str:
+    return f'{value / 2**30:.3g}'
+
+
+def Score(p, num_devices: int, config: Config, boundaries: Sequence[int],
+          before: Sequence[LayerSeconds], layers: Sequence[LayerSeconds],
+          device_memory_bytes: float, slots_per_param: int = 1, moved: bool = False) -> Candidate:
+    """One configuration with `boundaries`, simulated and planned on the plan the pipeline
+    makes of it.
+
+    Raises:
+      errors.ConfigError: if the pipeline refuses the configuration.
+    """
+    q = p.Copy().Set(num_cells=num_devices, virtual_stages=config.virtual_stages,
+                     schedule=config.schedule, recompute=config.recompute,
+                     num_micro_batches=config.num_micro_batches, micro_batch_size=None,
+                     partition_method=list(boundaries))
+    pipeline_plan = plan_lib.MakePlan(q, place=False)
+    memory = memory_lib.FromPlan(pipeline_plan, slots_per_param)
+    forward, backward, input_grad = [], [], []
+    for k in range(len(boundaries) - 1):
+        cell = list(layers[boundaries[k]:boundaries[k + 1]]) + (list(before) if k == 0 else [])
+        forward.append(sum(c.forward for c in cell))
+        backward.append(sum(c.backward for c in cell))
+        input_grad.append(sum(c.input_grad for c in cell))
+    total = sum(backward)
+    weight_fraction = min(max(1 - sum(input_grad) / total, 0.0), 1.0) if total else 0.5
+    timeline = simulator.Simulate(
+        simulator.CellCosts(forward=forward, backward=backward, recompute=forward,
+                            weight_fraction=weight_fraction),
+        config.num_micro_batches, pipeline_plan.recompute, pipeline_plan.schedule)
+    totals = tuple(memory.device_totals)
+    return Candidate(config, tuple(boundaries), timeline.makespan, timeline.bubble, totals,
+                     memory.Fits(device_memory_bytes), moved, q, memory)
+
+
+def _Fitted(p, num_devices, config, before, layers, device_memory_bytes, slots_per_param):
+    """The configuration at its time-optimal boundaries, or, if a device does not fit, at the
+    boundaries one-layer moves away from the fullest device reach while its peak falls."""
+    remat = config.recompute != 'never'
+    step = [c.Step(remat) for c in layers]
+    step[0] += sum(c.Step(remat) for c in before)  # Before layers run on cell 0's device.
+    boundaries = partition.OptimalBoundaries(step, num_devices * config.virtual_stages)
+    args = (before, layers, device_memory_bytes, slots_per_param)
+    best = Score(p, num_devices, config, boundaries, *args)
+    for _ in range(_MAX_MOVES):
+        if best.fits:
+            break
+        moves = []
+        fullest = best.device_bytes.index(best.peak_bytes)
+        for b in _MovesFrom(list(best.boundaries), fullest, num_devices, config):
+            try:
+                moves.append(Score(p, num_devices, config, b, *args, moved=True))
+            except errors.ConfigError:
+                continue
+        if not moves:
+            break
+        move = min(moves, key=lambda c: (c.peak_bytes, c.step_s))
+        if move.peak_bytes >= best.peak_bytes:
+            break
+        best = move
+    return best
+
+
+def _MovesFrom(boundaries: list[int], device: int, num_devices: int, config: Config):
+    """Boundaries with one layer moved off each cell of `device` to a neighbouring cell."""
+    num_cells = len(boundaries) - 1
+    for cell in range(num_cells):
+        if schedule_lib.StageDevice(cell, num_devices,
+                                    schedule_lib.Placement(config.schedule)) != device:
+            continue
+        if boundaries[cell + 1] - boundaries[cell] < 2:
+            continue  # A cell keeps at least one layer.
+        if cell > 0:  # Its first layer to the cell before.
+            yield boundaries[:cell] + [boundaries[cell] + 1] + boundaries[cell + 1:]
+        if cell < num_cells - 1:  # Its last layer to the cell after.
+            yield boundaries[:cell + 1] + [boundaries[cell + 1] - 1] + boundaries[cell + 2:]

@@ -1,0 +1,171 @@
+"""`--mode=tune`: the pipeline configures itself for K devices of a given memory.
+
+Scores every configuration of the search (`perf.tuner`) on measured layer costs where this
+machine can run the model (else on FLOPs), prints the ranked table, writes the pick as a Params
+override file (`<logdir>/tuned_params.txt`, for `--model_params_file_override`), and, with
+measured costs, runs the pick for a few steps and prints its measured step and memory beside the
+prediction.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import tensorflow as tf
+
+from gpipe_tf import errors
+from gpipe_tf import units
+from gpipe_tf.perf import measured_costs
+from gpipe_tf.perf import memory as memory_lib
+from gpipe_tf.perf import tuner
+from gpipe_tf.pipeline import plan as plan_lib
+
+COSTS = ('auto', 'measured', 'flops')
+TUNED_PARAMS = 'tuned_params.txt'
+# The pipeline's Params the tuner chooses, as task Params keys under `model.`.
+TUNED_KEYS = ('num_cells', 'num_micro_batches', 'micro_batch_size', 'schedule', 'virtual_stages',
+              'recompute', 'partition_method')
+# Run the pick only when its steps are predicted to take at most this many seconds.
+_MAX_RUN_S = 120.0
+# Measure only a model whose un-partitioned step takes at most this share of host memory.
+_HOST_SHARE = 0.5
+
+
+def OverrideText(task_params, candidate: tuner.Candidate) -> str:
+    """The candidate's pipeline settings as Params override lines (`model.<key> : <value>`)."""
+    task = task_params.Copy()
+    task.model = candidate.params
+    wanted = {f'model.{key}' for key in TUNED_KEYS}
+    return ''.join(line + '\n' for line in task.ToText().splitlines()
+                   if line.split(' : ', 1)[0].strip() in wanted)
+
+
+def _HostBytes() -> int:
+    return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+
+
+def ChooseCosts(p, kind: str, slots_per_param: int, micro_batches: int) -> tuner.Costs:
+    """The layer costs for `kind` ('auto': measured where the model's un-partitioned step at
+    its smallest micro-batch fits in half the host's memory, else FLOPs).
+
+    Raises:
+      errors.ConfigError: for 'measured' on a model too large to measure here.
+    """
+    if kind == 'flops':
+        return tuner.FlopsCosts(p)
+    needed = memory_lib.PlanMemory(p, slots_per_param, num_cells=1,
+                                   num_micro_batches=micro_batches,
+                                   recompute='always').peak_device_bytes
+    fits = needed <= _HOST_SHARE * _HostBytes()
+    if kind == 'measured' and not fits:
+        raise errors.ConfigError(
+            f'--tune_costs=measured: {p.name} needs about {units.MiB(needed)} MiB un-partitioned, '
+            f'more than half of this machine\'s {units.MiB(_HostBytes())} MiB; use '
+            '--tune_costs=flops (or auto).')
+    if not fits:
+        return tuner.FlopsCosts(p)
+    return tuner.MeasuredCosts(p, progress=lambda line: print(line, flush=True))
+
+
+def _PlannedStepBytes(memory: memory_lib.MemoryPlan) -> int:
+    """What a step after the first allocates at its peak, all devices in one memory: the plan's
+    step_bytes less the optimizer's slots, which the first step created."""
+    return memory.step_bytes - sum(c.slots for c in memory.cells)
+
+
+def MeasurePick(task_params, candidate: tuner.Candidate, steps: int) -> tuple[float, int | None]:
+    """Trains `candidate` for 1 + `steps` steps in a scratch logdir; (the median step after the
+    first, in seconds; the peak bytes a step allocated above what was in use before it, on the
+    first cell's device, or None where its allocator keeps no statistics)."""
+    from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
+    task = task_params.Copy()
+    task.model = candidate.params.Copy()
+    scratch = tempfile.mkdtemp(prefix='gpipe_tune_')
+    try:
+        prog = program.EagerProgram(task, scratch)
+        prog.Restore()
+        prog.Step()  # The trace, and the optimizer's slots.
+        device = measured_costs.FirstDevice(candidate.params) or 'CPU:0'
+        try:
+            tf.config.experimental.reset_memory_stats(device)
+            before = tf.config.experimental.get_memory_info(device)['current']
+        except (ValueError, tf.errors.OpError):
+            before = None
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            prog.Step()
+            times.append(time.perf_counter() - started)
+        peak = None
+        if before is not None:
+            peak = tf.config.experimental.get_memory_info(device)['peak'] - before
+        return statistics.median(times), peak
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
+        costs: str = 'auto', steps: int = 5) -> tuner.Result:
+    """Tunes task Params' pipeline for its K devices (`model.num_cells`, set up already) of
+    `device_memory_gib` each; prints the table, writes `<logdir>/tuned_params.txt`, and runs the
+    pick for `steps` steps when the costs were measured (0: not at all).
+
+    Raises:
+      errors.ConfigError: for a model that is not a pipeline, a missing or bad memory, or no
+        configuration that fits (naming the smallest memory that would).
+    """
+    p = task_params.model
+    if not plan_lib.IsPipeline(p) or p.layer_tpl is None:
+        raise errors.ConfigError(f'{name}: --mode=tune needs a PipeliningLayer model with '
+                                 'layer_tpl (layers to partition).')
+    if device_memory_gib is None or not device_memory_gib > 0:
+        raise errors.ConfigError('--mode=tune needs --device_memory_gib=G > 0, the memory of '
+                                 f'one device in GiB; got {device_memory_gib}.')
+    if costs not in COSTS:
+        raise errors.ConfigError(f'--tune_costs must be one of {COSTS}, got {costs!r}.')
+    device_bytes = device_memory_gib * 2**30
+    slots = memory_lib.SlotsPerParam(task_params.train.optimizer)
+    k = p.num_cells
+    batch = plan_lib.BatchSize(p) // p.num_replicas
+    space = tuner.Space(len(p.layer_tpl), k, batch)
+    layer_costs = ChooseCosts(p, costs, slots, max(c.num_micro_batches for c in space))
+    print(f'tuning {name} for K={k} devices of {device_memory_gib:g} GiB, batch '
+          f'{plan_lib.BatchSize(p)}: {len(space)} configurations, layer costs '
+          f'{layer_costs.description}', flush=True)
+    started = time.perf_counter()
+    result = tuner.Tune(p, k, device_bytes, layer_costs, slots, space)
+    print(result.Format(), flush=True)
+    print(f'tuned in {time.perf_counter() - started:.1f} s', flush=True)
+    pick = result.best
+    if pick is None:
+        raise tuner.NoFitError(p, result)
+    tf.io.gfile.makedirs(logdir)
+    path = os.path.join(logdir, TUNED_PARAMS)
+    with tf.io.gfile.GFile(path, 'w') as f:
+        f.write(f'# --mode=tune of {name}: {pick.config}, K={k}, devices of '
+                f'{device_memory_gib:g} GiB\n')
+        f.write(OverrideText(task_params, pick))
+    print(f'chosen: {pick.config} with boundaries {list(pick.boundaries)}; wrote {path} (train '
+          f'with --model_params_file_override={path})', flush=True)
+    if steps and result.measured and pick.step_s * steps > _MAX_RUN_S:
+        print(f'not run: {steps} steps would take about {pick.step_s * steps:.0f} s as '
+              f'predicted (more than {_MAX_RUN_S:g} s); train with the file to see them',
+              flush=True)
+    elif steps and result.measured:
+        try:
+            step_s, peak = MeasurePick(task_params, pick, steps)
+        except errors.UserError as error:  # The input's data are not here, say.
+            print(f'not run: {error}', flush=True)
+            return result
+        planned = _PlannedStepBytes(pick.memory)
+        memory = ('' if peak is None else f'; a step allocates {units.MiB(peak)} MiB at its peak '
+                  f'(planned {units.MiB(planned)} MiB, all devices in one memory)')
+        print(f'ran the pick for {steps} steps: step {step_s * 1e3:.1f} ms measured, '
+              f'{pick.step_s * 1e3:.1f} ms predicted{memory}', flush=True)
+    elif steps:
+        print('not run: FLOPs costs predict no seconds of this machine', flush=True)
+    return result

@@ -1,0 +1,208 @@
+"""The tuner (`gpipe_tf.perf.tuner`) and the trainer's `--mode=tune` and `--mode=check`.
+
+The tuner's search, checked against oracles of its own: on K=2 every boundary placement is
+scored and none beats the tuner's for its configuration; its pick fits the memory by a memory
+plan made afresh from the pick's Params (not the tuner's); where the time-optimal boundaries do
+not fit a 1F1B stage 0, moved ones do; a search where nothing fits names the smallest peak. The
+trainer's tune mode writes an override file that, applied, gives the chosen plan, and its errors
+are one line; the check mode passes a pipeline and fails one whose reference computes something
+else. Costs are FLOPs (deterministic) except in the one run that measures.
+"""
+
+import os
+import re
+import shutil
+import tempfile
+from unittest import mock
+
+import pytest
+import tensorflow as tf
+
+from gpipe_tf import errors
+from gpipe_tf import test_utils
+from gpipe_tf import trainer
+from gpipe_tf.layers import basic
+from gpipe_tf.perf import memory as memory_lib
+from gpipe_tf.perf import tuner
+from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.pipeline import plan as plan_lib
+from gpipe_tf.train import check
+
+pytestmark = pytest.mark.unit
+
+DEVICES = test_utils.ConfigureVirtualCpus()
+MLP = 'examples.PipelinedMLP'
+InProcess = test_utils.TrainerInProcess
+
+
+def Dense(widths, batch, **overrides):
+    """A dense stack of `widths` on inputs of [batch, widths[0]]."""
+    layers = [basic.DenseLayer.Params().Set(name=f'dense_{i}', input_dim=a, output_dim=b,
+                                            activation='tanh')
+              for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))]
+    return pipelining_layer.PipeliningLayer.Params().Set(
+        name='model', layer_tpl=layers, num_cells=2, num_micro_batches=4,
+        input_shapes=[batch, widths[0]]).Set(**overrides)
+
+
+def ErrorLine(result):
+    assert 'Traceback' not in result.stderr, result.stderr[-3000:]
+    return result.stderr.strip().splitlines()[-1]
+
+
+class TuneTest(tf.test.TestCase):
+
+    def testMicroBatchCountsAreDivisorsFromK(self):
+        self.assertEqual(tuner.MicroBatchCounts(64, 2), [2, 4, 8, 16])
+        self.assertEqual(tuner.MicroBatchCounts(12, 2), [2, 4, 12])
+        self.assertEqual(tuner.MicroBatchCounts(3, 4), [3])  # None as large as K: the batch.
+
+    def testNoBoundaryPlacementOfKTwoBeatsTheTunersForItsConfiguration(self):
+        # Widths that vary tenfold: the layers' costs differ by up to 100 times.
+        p = Dense([32, 320, 32, 64, 640, 64, 32], 256)
+        space = [tuner.Config(kind, 8, 1, mode) for kind in ('gpipe', '1f1b', 'zero_bubble')
+                 for mode in ('never', 'always')]
+        result = tuner.Tune(p, 2, 1e12, space=space)
+        self.assertLen(result.candidates, len(space))
+        costs = tuner.FlopsCosts(p)
+        before, layers = costs.Of(256 // 8)
+        for candidate in result.candidates:
+            for cut in range(1, 6):
+                other = tuner.Score(p, 2, candidate.config, [0, cut, 6], before, layers, 1e12)
+                self.assertGreaterEqual(other.step_s, candidate.step_s * (1 - 1e-9),
+                                        f'{candidate.config}: cut at {cut} beats '
+                                        f'{candidate.boundaries}')
+
+    def testThePickFitsWhereTheFlopsBalancedGpipeConfigurationDoesNot(self):
+        p = Dense([64] * 13, 4096, num_micro_batches=8, recompute='never')
+        gpipe = memory_lib.PlanMemory(p.Copy().Set(partition_method='flops'))
+        limit = 0.5 * gpipe.peak_device_bytes
+        self.assertFalse(gpipe.Fits(limit))
+        result = tuner.Tune(p, 2, limit)
+        pick = result.best
+        self.assertIsNotNone(pick)
+        # A plan made afresh from the pick's own Params, as the pipeline would make it.
+        planned = memory_lib.PlanMemory(pick.params)
+        self.assertLessEqual(planned.peak_device_bytes, limit)
+        self.assertEqual(pick.params.num_cells, 2)
+        # Ranked: every candidate that fits, fastest first, ahead of those that do not.
+        fits = [c.fits for c in result.candidates]
+        self.assertEqual(fits, sorted(fits, reverse=True))
+        steps = [c.step_s for c in result.candidates if c.fits]
+        self.assertEqual(steps, sorted(steps))
+
+    def testMovedBoundariesFitAOneFOneBStageZeroWhereTheTimeOptimalOnesDoNot(self):
+        # Uniform layers: the time-optimal cut is in the middle, but 1F1B's stage 0 holds two
+        # micro-batches and stage 1 one.
+        p = Dense([64] * 13, 4096)
+        space = [tuner.Config('1f1b', 8, 1, 'never')]
+        optimal = tuner.Tune(p, 2, 1e12, space=space).candidates[0]
+        self.assertEqual(optimal.boundaries, (0, 6, 12))
+        self.assertGreater(optimal.device_bytes[0], optimal.device_bytes[1])
+        limit = 0.95 * optimal.peak_bytes
+        moved = tuner.Tune(p, 2, limit, space=space).best
+        self.assertIsNotNone(moved)
+        self.assertTrue(moved.moved)
+        self.assertLess(moved.boundaries[1], 6)  # Layers moved off stage 0.
+        self.assertLessEqual(memory_lib.PlanMemory(moved.params).peak_device_bytes, limit)
+
+    def testNothingFitsNamesTheSmallestPeak(self):
+        p = Dense([64] * 5, 256)
+        result = tuner.Tune(p, 2, 1024)
+        self.assertIsNone(result.best)
+        least = min(c.peak_bytes for c in result.candidates)
+        error = tuner.NoFitError(p, result)
+        self.assertIsInstance(error, errors.ConfigError)
+        self.assertIn(f'the smallest peak, {least / 2**30:.3g} GiB per device', str(error))
+        self.assertNotIn('\n', str(error))
+
+    def testTheTableSaysWhereTheCostsCameFrom(self):
+        result = tuner.Tune(Dense([64] * 5, 256), 2, 2**30)
+        table = result.Format(3)
+        self.assertIn('step (nominal ms)', table)
+        self.assertIn('layer costs estimated from FLOPs', table)
+        self.assertLen(table.splitlines(), 1 + 3 + 1)
+
+    def testPipelineParamsWithoutLayersToPartitionAreRefused(self):
+        p = Dense([64] * 5, 256).Set(input_shapes=None)
+        with self.assertRaisesRegex(errors.ConfigError, 'input_shapes'):
+            tuner.Tune(p, 2, 2**30)
+
+
+class TuneModeTest(tf.test.TestCase):
+
+    def LogDir(self):
+        path = tempfile.mkdtemp(prefix='tune_test_')
+        self.addCleanup(shutil.rmtree, path, ignore_errors=True)
+        return path
+
+    def testTheOverrideFileGivesTheChosenPlan(self):
+        logdir = self.LogDir()
+        output = InProcess(f'--model={MLP}', '--mode=tune', '--num_devices=2',
+                           '--device_memory_gib=1', '--tune_costs=flops',
+                           f'--logdir={logdir}').stdout
+        self.assertIn('layer costs estimated from FLOPs', output)
+        chosen = re.search(r'chosen: (\S+)(?: v=(\d))? M=(\d+) recompute=(\S+) with boundaries '
+                           r'\[([\d, ]+)\]', output)
+        self.assertIsNotNone(chosen, output)
+        path = os.path.join(logdir, 'tuned_params.txt')
+        self.assertIn(f'wrote {path}', output)
+        task = trainer.TaskParams(trainer.ParseConfig(
+            [f'--model={MLP}', f'--model_params_file_override={path}']))
+        plan = plan_lib.MakePlan(task.model, place=False)
+        kind, v, m, recompute, bounds = chosen.groups()
+        self.assertEqual(task.model.schedule, kind)
+        self.assertEqual(plan.num_devices, 2)
+        self.assertEqual(plan.virtual_stages, int(v or 1))
+        self.assertEqual(plan.num_micro_batches, int(m))
+        self.assertEqual(task.model.recompute, recompute)
+        sizes = [len(cell) for cell in plan.cells]
+        self.assertEqual([0] + [sum(sizes[:i + 1]) for i in range(len(sizes))],
+                         [int(b) for b in bounds.split(',')])
+
+    def testMeasuredCostsRunThePickAndPrintMeasuredBesidePredicted(self):
+        output = InProcess(f'--model={MLP}', '--mode=tune', '--num_devices=2',
+                           '--device_memory_gib=1', '--tune_costs=measured', '--tune_steps=2',
+                           f'--logdir={self.LogDir()}').stdout
+        self.assertIn('layer costs measured on CPU', output)
+        self.assertRegex(output, r'ran the pick for 2 steps: step [\d.]+ ms measured, '
+                         r'[\d.]+ ms predicted')
+
+    def testWithoutAMemoryIsOneLine(self):
+        result = InProcess(f'--model={MLP}', '--mode=tune', f'--logdir={self.LogDir()}',
+                           check=False)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertRegex(ErrorLine(result), r'^error: --mode=tune needs --device_memory_gib')
+
+    def testNothingFitsIsOneLineNamingTheMemoryThatWould(self):
+        logdir = os.path.join(self.LogDir(), 'run')
+        result = InProcess(f'--model={MLP}', '--mode=tune', '--device_memory_gib=1e-6',
+                           '--tune_costs=flops', f'--logdir={logdir}', check=False)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertRegex(ErrorLine(result), r'^error: .*no configuration fits devices of '
+                         r'1e-06 GiB; the smallest peak, [\d.e-]+ GiB per device, is ')
+        self.assertFalse(os.path.exists(logdir))
+
+
+class CheckModeTest(tf.test.TestCase):
+
+    def testAPipelineComputesWhatItsLayersDoUnpartitioned(self):
+        output = InProcess(f'--model={MLP}', '--mode=check').stdout
+        self.assertIn('the un-partitioned layers run the whole batch at once', output)
+        self.assertRegex(output, r'worst per-variable gradient difference \(8 variables\)')
+        self.assertIn('parity: the pipeline computes what its layers do un-partitioned', output)
+
+    def testAReferenceThatDiffersFails(self):
+        original = check.ReferenceParams
+
+        def Changed(task_params, num_micro_batches=1):
+            reference = original(task_params, num_micro_batches)
+            reference.model.layer_tpl[1].activation = 'tanh'  # Not the pipeline's layers.
+            return reference
+
+        with mock.patch.object(check, 'ReferenceParams', Changed):
+            result = InProcess(f'--model={MLP}', '--mode=check', check=False)
+        self.assertEqual(result.returncode, 1, result.stderr)
+        self.assertRegex(ErrorLine(result), r"^error: examples\.PipelinedMLP: the pipeline's "
+                         r"gradients differ from its layers' un-partitioned by [\d.e-]+ of the "
+                         r'largest \(tolerance 0\.0001\), worst at ')
