@@ -66,16 +66,6 @@ MODELS = {
 }
 
 
-def Inputs(p):
-    from gpipe_tf.perf import measured_costs  # pylint: disable=g-import-not-at-top
-    from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
-    shapes = plan_lib.InputShapes(p)
-    dtypes = p.input_dtypes
-    inputs = measured_costs.SynthesizedInputs(
-        shapes, dtypes if isinstance(dtypes, (list, tuple)) else [dtypes] * len(shapes))
-    return inputs[0]
-
-
 def Loss(outputs, weights):
     floats = [x for x in tf.nest.flatten(outputs) if x.dtype.is_floating]
     value = tf.add_n([tf.reduce_mean(tf.square(tf.cast(x, tf.float32))) for x in floats])
@@ -85,9 +75,10 @@ def Loss(outputs, weights):
 def Measure(p, repeats):
     """(median step seconds, peak bytes a step allocates above what was in use before it)."""
     from gpipe_tf.layers import fprop_context  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.perf import measured_costs  # pylint: disable=g-import-not-at-top
     from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
     layer = p.Copy().Set(devices=bench.DEVICES[:p.num_cells]).Instantiate()
-    inputs = Inputs(p)
+    inputs = measured_costs.PipelineInputs(p)[0]  # The pipeline's one input (a nest).
     weights = tf.ones([plan_lib.BatchSize(p)])
 
     @tf.function

@@ -195,8 +195,8 @@ class CheckModeTest(tf.test.TestCase):
     def testAReferenceThatDiffersFails(self):
         original = check.ReferenceParams
 
-        def Changed(task_params, num_micro_batches=1):
-            reference = original(task_params, num_micro_batches)
+        def Changed(task_params, device, num_micro_batches=1):
+            reference = original(task_params, device, num_micro_batches)
             reference.model.layer_tpl[1].activation = 'tanh'  # Not the pipeline's layers.
             return reference
 

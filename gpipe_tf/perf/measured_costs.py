@@ -100,6 +100,18 @@ def FirstDevice(p) -> str:
     return devices_lib.MeshDevices(p.devices, p.num_replicas, p.num_cells)[0][0]
 
 
+def PipelineInputs(p, batch_size: int | None = None) -> list:
+    """`SynthesizedInputs` for PipeliningLayer Params `p`: one tensor (or nest) per input of
+    `p.input_shapes` and `p.input_dtypes`, with `batch_size` examples (None: the Params')."""
+    from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    shapes = plan_lib.InputShapes(p)
+    if batch_size is not None:
+        shapes = [_WithBatch(s, p.batch_dim, batch_size) for s in shapes]
+    dtypes = p.input_dtypes
+    return SynthesizedInputs(shapes, dtypes if isinstance(dtypes, (list, tuple)) else
+                             [dtypes] * len(shapes))
+
+
 def PipelineLayerCosts(p, micro_batch_size: int | None = None, progress: Callable | None = None,
                        before: list | None = None, layers: list | None = None
                        ) -> tuple[list[LayerCost], list[LayerCost]]:
@@ -114,10 +126,7 @@ def PipelineLayerCosts(p, micro_batch_size: int | None = None, progress: Callabl
         batch_size = plan_lib.BatchSize(p)
         micro_batch_size = -(-batch_size // p.num_replicas //
                              plan_lib.NumMicroBatches(p, batch_size))
-    shapes = [_WithBatch(s, p.batch_dim, micro_batch_size) for s in plan_lib.InputShapes(p)]
-    dtypes = p.input_dtypes
-    inputs = SynthesizedInputs(shapes, dtypes if isinstance(dtypes, (list, tuple)) else
-                               [dtypes] * len(shapes))
+    inputs = PipelineInputs(p, micro_batch_size)
     costs = MeasureLayers(list(before) + list(layers), inputs, FirstDevice(p),
                           cache_file=p.costs_file, progress=progress)
     return costs[:len(before)], costs[len(before):]
@@ -140,17 +149,29 @@ def _WithBatch(shapes, batch_dim: int, batch_size: int):
     return tf.TensorShape(shape)
 
 
-def DeviceKind(device: str | None) -> str:
-    """What a measurement depends on of the device: its type and name, and the intra-op threads
-    (two virtual CPUs of one thread each differ from one CPU of all cores)."""
+def _DeviceParts(device: str | None) -> tuple[str, str, int]:
+    """(the device's type, its name, the intra-op threads: 0 for all)."""
     spec = tf.DeviceSpec.from_string(device or '')
     kind = spec.device_type or 'CPU'
     physical = tf.config.list_physical_devices(kind)
     name = ''
     if physical:
         name = tf.config.experimental.get_device_details(physical[0]).get('device_name', '')
-    threads = tf.config.threading.get_intra_op_parallelism_threads()
+    return kind, name, tf.config.threading.get_intra_op_parallelism_threads()
+
+
+def DeviceKind(device: str | None) -> str:
+    """What a measurement depends on of the device: its type and name, and the intra-op threads
+    (two virtual CPUs of one thread each differ from one CPU of all cores)."""
+    kind, name, threads = _DeviceParts(device)
     return f'{kind}:{name}:threads={threads}'
+
+
+def DescribeDevice(device: str | None) -> str:
+    """`DeviceKind` in words, e.g. 'CPU (intra-op threads: 1)'."""
+    kind, name, threads = _DeviceParts(device)
+    return (f'{kind}{" " + name if name else ""} (intra-op threads: '
+            f'{"all" if threads == 0 else threads})')
 
 
 def MeasureLayers(layer_params: Sequence, inputs, device: str | None = None,

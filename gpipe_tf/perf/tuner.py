@@ -92,10 +92,8 @@ class MeasuredCosts(Costs):
     measured = True
 
     def __init__(self, p, progress: Callable | None = None):
-        kind, rest = measured_costs.DeviceKind(measured_costs.FirstDevice(p)).split(':', 1)
-        name, threads = rest.rsplit(':threads=', 1)
-        self.description = (f'measured on {kind}{" " + name if name else ""} (intra-op threads: '
-                            f'{"all" if threads == "0" else threads})')
+        self.description = 'measured on ' + measured_costs.DescribeDevice(
+            measured_costs.FirstDevice(p))
         self._p, self._progress, self._memo = p, progress, {}
 
     def Of(self, micro_batch_size):

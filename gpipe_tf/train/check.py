@@ -72,16 +72,15 @@ def NormalisesOverTheBatch(task) -> bool:
     return any(isinstance(m, normalization.BatchNormLayer) for m in task.submodules)
 
 
-def ReferenceParams(task_params, num_micro_batches: int = 1):
-    """The task with its pipeline as one cell of `num_micro_batches`, gpipe, no
-    re-materialization, on the pipeline's first device."""
+def ReferenceParams(task_params, device: str, num_micro_batches: int = 1):
+    """The task with its pipeline as one cell of `num_micro_batches` on `device`, gpipe, no
+    re-materialization."""
     reference = task_params.Copy()
     model = reference.model
-    first = plan_lib.MakePlan(task_params.model).devices[0]
     model.Set(num_cells=1, num_micro_batches=num_micro_batches,
               micro_batch_size=None, schedule='gpipe',
               virtual_stages=1, recompute='never', partition_method='uniform',
-              num_replicas=1, devices=[first])
+              num_replicas=1, devices=[device])
     if 'cell_tpl' in model and model.cell_tpl is not None:
         layers = [lp for cell in model.cell_tpl
                   for lp in (cell if isinstance(cell, (list, tuple)) else [cell])]
@@ -107,18 +106,18 @@ def Compare(task_params) -> Parity:
     """Builds the task and its reference (of the pipeline's M micro-batches for a task that
     normalises over the batch, else of one), gives the reference the task's weights, and
     computes both on the input's first training batch."""
-    task = task_params.Instantiate()
-    m = task.model.plan.num_micro_batches if NormalisesOverTheBatch(task) else 1
-    reference = ReferenceParams(task_params, m).Instantiate()
-    batch = next(iter(task_params.input.Instantiate().TrainDataset(start_step=0)))
-    loss, grads = _Gradients(task, batch)  # Creates the variables.
+    task = task_params.Instantiate()  # Its variables exist once it is built.
+    plan = task.model.plan
+    m = plan.num_micro_batches if NormalisesOverTheBatch(task) else 1
+    reference = ReferenceParams(task_params, plan.devices[0], m).Instantiate()
     scratch = tempfile.mkdtemp(prefix='gpipe_check_')
     try:
         path = tf.train.Checkpoint(task=task).write(os.path.join(scratch, 'weights'))
-        _Gradients(reference, batch)  # Creates its variables, then takes the task's.
         tf.train.Checkpoint(task=reference).read(path).assert_existing_objects_matched()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    batch = next(iter(task_params.input.Instantiate().TrainDataset(start_step=0)))
+    loss, grads = _Gradients(task, batch)
     reference_loss, reference_grads = _Gradients(reference, batch)
     if sorted(grads) != sorted(reference_grads):
         missing = sorted(set(grads) ^ set(reference_grads))[:3]
