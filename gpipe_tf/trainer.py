@@ -696,14 +696,18 @@ def _RestoredProgram(config: Config, p, plan, logdir: str):
     if found.path is None:
         raise errors.UserError(f'{config.mode}: no checkpoint under '
                                f'{os.path.join(logdir, "train")}; train first (--mode=train).')
+    from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
     prog = _Program(config, p, plan, logdir)
     for attempt in range(_RESTORE_ATTEMPTS):
         try:
             return prog, prog.Restore(training=False, path=found.path)
-        except tf.errors.NotFoundError:
-            # A trainer beside us deleted it (max_to_keep) after we found it: a newer one is
-            # there now.
-            if attempt + 1 == _RESTORE_ATTEMPTS:
+        except (tf.errors.OpError, program.CheckpointMismatchError):
+            # A trainer beside us deleted it (max_to_keep) after we found it, perhaps while we
+            # read it (a data file gone is an OpError; objects read from half of it do not
+            # match): a newer one is there now. One still whole fails for another reason.
+            gone = not (tf.io.gfile.exists(found.path + '.index') and
+                        tf.io.gfile.glob(found.path + '.data-*'))
+            if attempt + 1 == _RESTORE_ATTEMPTS or not gone:
                 raise
             found = FindCheckpoint(logdir, writer=False)
 

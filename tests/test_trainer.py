@@ -201,20 +201,28 @@ class TrainAndResumeTest(ReferenceRunTestCase):
         self.assertRegex(output, r'eval Test at step 24: accuracy 0\.\d+\s+log_loss \d')
 
     def testEvalLooksAgainWhenATrainerDeletesItsCheckpointUnderIt(self):
-        # A trainer beside eval deletes old checkpoints (max_to_keep) as it saves new ones.
-        restore, paths = program.EagerProgram.Restore, []
+        # A trainer beside eval deletes old checkpoints (max_to_keep) as it saves new ones,
+        # here while eval reads the one it found (TF then fails on the missing data file, an
+        # OpError that is not a NotFoundError).
+        logdir = self.LogDir()
+        shutil.copytree(self.reference_dir, logdir, dirs_exist_ok=True)
+        restore, paths = program._RestoreMatched, []  # pylint: disable=protected-access
 
-        def RestoreAfterADeletion(prog, training=True, path=None):
+        def DeletedWhileRead(checkpoint, path):
             paths.append(path)
-            if len(paths) == 1:
-                raise tf.errors.NotFoundError(None, None, f'{path}.index: not found')
-            return restore(prog, training, path)
+            if len(paths) > 1:
+                return restore(checkpoint, path)
+            for name in glob.glob(path + '.data-*'):
+                os.remove(name)
+            try:
+                return restore(checkpoint, path)  # The index read, its data gone.
+            finally:
+                os.remove(path + '.index')
 
-        with mock.patch.object(program.EagerProgram, 'Restore', RestoreAfterADeletion):
-            output = InProcess(f'--model={MLP}', f'--logdir={self.reference_dir}',
-                               '--mode=eval').stdout
-        self.assertLen(paths, 2)
-        self.assertRegex(output, r'eval Test at step 24: accuracy 0\.\d+')
+        with mock.patch.object(program, '_RestoreMatched', DeletedWhileRead):
+            output = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--mode=eval').stdout
+        self.assertEqual([os.path.basename(path) for path in paths], ['ckpt-24', 'ckpt-20'])
+        self.assertRegex(output, r'eval Test at step 20: accuracy 0\.\d+')
 
     def testSeedFlagChangesInitialisationAndDataOrder(self):
         logdir = self.LogDir()
