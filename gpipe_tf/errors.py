@@ -6,6 +6,8 @@ traceback. The message alone must say what was wrong, the values seen, and what 
 instead.
 """
 
+import sys
+
 
 class UserError(Exception):
     """A mistake or a state only the user can resolve (a logdir in use, no checkpoint that
@@ -31,3 +33,9 @@ class EnvironmentFault(Exception):
     """The machine failed the run, not the user's input (a full disk while a checkpoint is
     written): the trainer prints it as one line and exits with status 1; the message says what
     was kept and how to go on."""
+
+
+
+def Warn(text: str) -> None:
+    """A one-line warning for the user, on stderr: what happened and what was done about it."""
+    print(f'warning: {text}', file=sys.stderr, flush=True)

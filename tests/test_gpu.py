@@ -254,7 +254,6 @@ class TrainerReportTest(FakeSmiTest):
 
     def testTheTrainersReportUsesTheTaskPlanAndNvidiaSmiOnPath(self):
         from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
-        from gpipe_tf import trainer  # pylint: disable=g-import-not-at-top
         from gpipe_tf.perf import pictures  # pylint: disable=g-import-not-at-top
         from gpipe_tf.tasks import base_task  # pylint: disable=g-import-not-at-top
         p = base_task.SyncInputShapes(model_registry.GetParams('examples.PipelinedMLP', 'Train'))
@@ -263,7 +262,7 @@ class TrainerReportTest(FakeSmiTest):
         environ = {'PATH': self.dir + os.pathsep + os.environ.get('PATH', '')}
         with mock.patch.dict(os.environ, environ):
             os.environ.pop('CUDA_VISIBLE_DEVICES', None)
-            text = trainer.GpuMemoryReport(p)
+            text = gpu_lib.PipelineReport(p)
         plan = pictures.Plan(p).memory
         self.assertStartsWith(text, "Planned peak memory per cell against its GPU's free memory")
         rows = {_Columns(l)[0]: _Columns(l) for l in text.splitlines() if l.startswith('GPU:')}
@@ -277,24 +276,22 @@ class TrainerReportTest(FakeSmiTest):
 
     def testNoReportForReplicasOrDevicesThatAreNotGpus(self):
         from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
-        from gpipe_tf import trainer  # pylint: disable=g-import-not-at-top
         from gpipe_tf.tasks import base_task  # pylint: disable=g-import-not-at-top
         p = base_task.SyncInputShapes(model_registry.GetParams('examples.PipelinedMLP', 'Train'))
         p.model.num_replicas = 2
-        self.assertEqual(trainer.GpuMemoryReport(p), 'No GPU memory report: the memory plan '
+        self.assertEqual(gpu_lib.PipelineReport(p), 'No GPU memory report: the memory plan '
                          'covers one pipeline, not 2 replicas.')
         p.model.num_replicas = 1
         p.model.devices = ['/device:CPU:0']
-        self.assertStartsWith(trainer.GpuMemoryReport(p),
+        self.assertStartsWith(gpu_lib.PipelineReport(p),
                               "No GPU memory report: '/device:CPU:0' is not a GPU device")
 
     def testNoPlanWithoutInputShapes(self):
         from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
-        from gpipe_tf import trainer  # pylint: disable=g-import-not-at-top
         p = model_registry.GetParams('examples.PipelinedMLP', 'Train')
         p.model.input_shapes = None
         p.model.partition_method = 'uniform'
-        self.assertStartsWith(trainer.GpuMemoryReport(p), 'No GPU memory report: ')
+        self.assertStartsWith(gpu_lib.PipelineReport(p), 'No GPU memory report: ')
 
 
 if __name__ == '__main__':

@@ -18,8 +18,10 @@ from gpipe_tf import trainer
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.train import cluster as cluster_lib
 from gpipe_tf.train import program
+from gpipe_tf.train import setup
 from gpipe_tf.train import tpu
 
 test_utils.ConfigureVirtualCpus()
@@ -344,17 +346,17 @@ class TrainerTpuProgramTest(tf.test.TestCase):
         config = trainer.ParseConfig(['--model=examples.PipelinedMLP', '--tpu=grpc://tpu:8470',
                                       '--worker_split_size=2', '--schedule=interleaved_1f1b',
                                       '--virtual_stages=2'])
-        p = trainer.TaskParams(config)
-        plan = trainer.PipelinePlan(p)
+        p = setup.TaskParams(config)
+        plan = plan_lib.MakePlan(p.model)
         self.assertEqual(plan.num_cells, 2 * plan.num_devices)
         with mock.patch.object(tpu, 'Connect', return_value=('resolver', 'topology')), \
                 mock.patch.object(tpu, 'Strategy', return_value='strategy') as strategy, \
                 mock.patch.object(program, 'StrategyProgram',
                                   side_effect=lambda p, logdir, strategy: p), \
                 tempfile.TemporaryDirectory() as logdir:
-            ran = trainer._TpuProgram(config, p, plan, logdir)  # pylint: disable=protected-access
+            ran = setup.TpuProgram(config, setup.Target.Of(config), p, plan, logdir)
         strategy.assert_called_once_with('resolver', 'topology', plan.num_devices, 1)
-        placed = trainer.PipelinePlan(ran)
+        placed = plan_lib.MakePlan(ran.model)
         cores = tpu.CoreDevices(plan.num_devices)
         self.assertEqual(placed.devices, [cores[k % plan.num_devices]
                                           for k in range(plan.num_cells)])

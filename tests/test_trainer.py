@@ -32,6 +32,7 @@ from gpipe_tf import model_registry
 from gpipe_tf import test_utils
 from gpipe_tf import trainer
 from gpipe_tf.perf import pictures
+from gpipe_tf.perf import reports
 from gpipe_tf.perf import trace
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.tasks import base_task
@@ -39,6 +40,7 @@ from gpipe_tf.tasks import classifier
 from gpipe_tf.train import cluster as cluster_lib
 from gpipe_tf.train import loop
 from gpipe_tf.train import program
+from gpipe_tf.train import setup
 
 # Before TensorFlow initialises: the in-process trainer runs on the first R x K of these.
 DEVICES = test_utils.ConfigureVirtualCpus()
@@ -478,7 +480,7 @@ class ModesTest(TrainerTestCase):
             for key in model_registry.ListModels():
                 with self.subTest(model=key):
                     p = base_task.SyncInputShapes(model_registry.GetParams(key, 'Train'))
-                    table = trainer.InspectModel(p, key)
+                    table = reports.PartitionTable(p, key)
                     rows = [line for line in table.splitlines() if line[:1].isdigit()]
                     self.assertLen(rows, p.model.num_cells)
         self.assertEmpty(graph.get_operations())
@@ -599,7 +601,7 @@ class ClusterExposureTest(tf.test.TestCase):
         config = trainer.ParseConfig([f'--cluster_spec={cluster_spec}'] if cluster_spec else [])
         stderr = io.StringIO()
         with contextlib.redirect_stderr(stderr):
-            trainer.WarnIfClusterIsExposed(config)
+            setup.WarnIfClusterIsExposed(setup.Target.Of(config).cluster)
         return stderr.getvalue().splitlines()
 
     def testTasksOnOtherHostsAreNamedInOneWarning(self):
@@ -987,7 +989,7 @@ class PipelineFiguresTest(tf.test.TestCase):
 
     def testTheLoopsPicturesUseTheTrainersPlan(self):
         p = self.MlpParams()
-        plan = trainer.PipelinePlan(p)
+        plan = plan_lib.MakePlan(p.model)
         events = [trace.OpEvent(f'model/cell_{k}_mb_{m}_fwd/MatMul', k + m, k + m + 1.0)
                   for k in range(plan.num_cells) for m in range(plan.num_micro_batches)]
         with mock.patch.object(plan_lib, 'MakePlan', side_effect=AssertionError('re-planned')):
@@ -1004,7 +1006,7 @@ class PipelineFiguresTest(tf.test.TestCase):
     def testFailedTracingLeavesTheMeasuredTimelineOut(self):
         p = self.MlpParams()
         with self.assertLogs('absl', 'WARNING') as logs:
-            figures = loop.PipelineFigures(p, trainer.PipelinePlan(p), 2,
+            figures = loop.PipelineFigures(p, plan_lib.MakePlan(p.model), 2,
                                            program.StepTrace(error=RuntimeError('busy')))
         self.assertCountEqual(figures, PLAN_PICTURES)
         self.assertIn('tracing step 2 failed: busy', '\n'.join(logs.output))
@@ -1013,7 +1015,7 @@ class PipelineFiguresTest(tf.test.TestCase):
         step_trace = program.StepTrace(events=[trace.OpEvent('loss/Mean', 0.0, 1.0)])
         with self.assertLogs('absl', 'WARNING') as logs:
             p = self.MlpParams()
-            figures = loop.PipelineFigures(p, trainer.PipelinePlan(p), 2, step_trace)
+            figures = loop.PipelineFigures(p, plan_lib.MakePlan(p.model), 2, step_trace)
         self.assertCountEqual(figures, PLAN_PICTURES)
         self.assertIn('None of the 1 traced ops is a pipeline op', '\n'.join(logs.output))
 

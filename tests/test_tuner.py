@@ -27,6 +27,7 @@ from gpipe_tf.perf import tuner
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.train import check
+from gpipe_tf.train import setup
 
 pytestmark = pytest.mark.unit
 
@@ -147,7 +148,7 @@ class TuneModeTest(tf.test.TestCase):
         self.assertIsNotNone(chosen, output)
         path = os.path.join(logdir, 'tuned_params.txt')
         self.assertIn(f'wrote {path}', output)
-        task = trainer.TaskParams(trainer.ParseConfig(
+        task = setup.TaskParams(trainer.ParseConfig(
             [f'--model={MLP}', f'--model_params_file_override={path}']))
         plan = plan_lib.MakePlan(task.model, place=False)
         kind, v, m, recompute, bounds = chosen.groups()

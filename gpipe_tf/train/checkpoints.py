@@ -257,3 +257,30 @@ def _IndexLatest(directory: str) -> str | None:
     if state is None or not state.model_checkpoint_path:
         return None
     return os.path.join(directory, state.model_checkpoint_path)
+
+
+def Choose(directory: str, writer: bool, start_from_scratch: bool = False) -> Found:
+    """The newest checkpoint in `directory` that restores (`Found`), after a warning per damaged
+    or unfinished one. A `writer` (a trainer, holding the lock) moves those to damaged/ and
+    repairs the index.
+
+    Raises:
+      NoCheckpointRestoresError: if checkpoint files exist and none restores (for a trainer,
+        unless --start_from_scratch).
+    """
+    found = Find(directory)
+    for line in Warnings(found):
+        errors.Warn(line)
+    if found.path is None and found.any_files and not (writer and start_from_scratch):
+        raise NoCheckpointRestoresError(NoneRestoresMessage(
+            directory, found, '--start_from_scratch'))
+    if found.path is not None and start_from_scratch:
+        raise errors.UserError(f'--start_from_scratch: {found.path} restores; resume from it '
+                               '(drop the flag), or pass another --logdir to start over.')
+    if writer and found.any_files:
+        moved = SetAside(directory, found)
+        if moved:
+            errors.Warn(f'moved {len(moved)} damaged or unfinished checkpoint file(s) to '
+                        f'{os.path.join(directory, DAMAGED_DIR)}.')
+    return found
+

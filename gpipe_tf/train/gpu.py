@@ -28,6 +28,8 @@ import tensorflow as tf
 
 from gpipe_tf import units
 from gpipe_tf.perf import memory as memory_lib
+from gpipe_tf.perf import pictures
+from gpipe_tf.pipeline import plan as plan_lib
 
 QUERY_COLUMNS = ('index', 'uuid', 'name', 'memory.free', 'memory.total')
 _MIB = 2**20
@@ -291,6 +293,26 @@ def Report(plan: memory_lib.MemoryPlan, stage_devices: Sequence[str],
                    'number them fastest first, not in nvidia-smi\'s order, which this report '
                    'assumes.')
     return report
+
+
+def PipelineReport(p, plan=None) -> str:
+    """`Report` for task Params `p`'s pipeline (its `plan`, or one made here): each cell's
+    planned memory against the free memory of the GPU it runs on; a line saying why when there
+    is no report (no plan, R > 1 replicas, devices that are not this machine's GPUs)."""
+    model = p.model
+    if plan_lib.IsPipeline(model) and model.num_replicas > 1:
+        # The plan is one pipeline's on the whole batch; replicas share GPUs round-robin.
+        return (f'No GPU memory report: the memory plan covers one pipeline, not '
+                f'{model.num_replicas} replicas.')
+    try:
+        if plan is None and plan_lib.IsPipeline(model):
+            plan = plan_lib.MakePlan(model)
+        memory = pictures.Plan(p, pipeline_plan=plan).memory  # Raises for a non-pipeline.
+        report = Report(memory, plan.devices)
+    except ValueError as error:  # Informational: never stops the run.
+        return f'No GPU memory report: {error}'
+    return (report + '\nPlanned memory leaves out what CUDA and TensorFlow themselves take on '
+            'each GPU.')
 
 
 def _GpuLabel(position: int, gpu: GpuMemory) -> str:

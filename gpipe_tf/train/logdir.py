@@ -235,3 +235,53 @@ def _ReadHolder(fd: int) -> str:
         return f'pid {holder["pid"]} on {holder["host"]}, started {holder["started"]}'
     except (ValueError, KeyError, OSError):
         return 'holder unknown: it is starting'
+
+
+def ReadParams(logdir: str) -> str | None:
+    """The text of `<logdir>/params.txt` (the last start's Params), or None without one."""
+    # TensorFlow's gfile reads a gs:// logdir too; imported here, so that taking the lock
+    # (all a lock holder needs of this module) does not load TensorFlow.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    path = os.path.join(logdir, 'params.txt')
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            return f.read()
+    except (tf.errors.NotFoundError, UnicodeDecodeError):
+        return None
+
+
+def WriteParams(text: str, logdir: str) -> str:
+    """Writes Params `text` to `<logdir>/params.txt` atomically (creating logdir); returns the
+    path."""
+    return WriteAtomically(os.path.join(logdir, 'params.txt'), text)
+
+
+# Where runs went before the default became private; a note points there, never a resume.
+_OLD_DEFAULT_ROOT = '/tmp/gpipe_tf'
+
+
+def Resolve(logdir: str | None, model: str) -> str:
+    """--logdir `logdir`, or the user's private default for `model` (created and checked)."""
+    if logdir:
+        if os.path.exists(logdir) and not os.path.isdir(logdir):
+            raise errors.UserError(f'--logdir={logdir} is a file, not a directory.')
+        return logdir
+    logdir = DefaultLogdir(model)
+    old = os.path.join(_OLD_DEFAULT_ROOT, model, 'train')
+    if not os.listdir(logdir) and os.path.isdir(old) and any(
+            name.endswith('.index') for name in os.listdir(old)):
+        errors.Warn(f'the default logdir is now {logdir}; checkpoints of an earlier run are in '
+                    f'the old shared default {os.path.dirname(old)}: pass '
+                    f'--logdir={os.path.dirname(old)} to resume them (after checking who else '
+                    'can write there).')
+    return logdir
+
+
+def LockOrWarn(logdir: str):
+    """The logdir's trainer lock, as a context manager that takes and releases it (a warning,
+    and no lock, for a logdir that is not a local path). Entering raises
+    LogdirBusyError naming the holder."""
+    if not IsLocalPath(logdir):
+        errors.Warn(f'{logdir} is not a local path: no lock keeps a second trainer out of it.')
+        return contextlib.nullcontext()
+    return Lock(logdir)

@@ -1,0 +1,259 @@
+"""A run's set-up, step by step, before its mode runs: the task Params of the command line,
+where the steps run (`Target`, resolved once), the plan checked before anything is built, the
+devices, the time partition, and the program that trains on them.
+
+Each function takes the trainer's `Config` (`gpipe_tf.trainer`) as `config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import tensorflow as tf
+
+from gpipe_tf import errors
+from gpipe_tf import model_registry
+from gpipe_tf import overrides
+from gpipe_tf.layers import precision
+from gpipe_tf.pipeline import devices as devices_lib
+from gpipe_tf.pipeline import plan as plan_lib
+from gpipe_tf.tasks import base_task
+from gpipe_tf.train import cluster as cluster_lib
+from gpipe_tf.train import logdir as logdir_lib
+from gpipe_tf.train import program
+from gpipe_tf.train import tpu
+
+
+def TaskParams(config, dataset: str = 'Train'):
+    """The task Params of `config.model` with the command line's overrides applied.
+
+    Raises:
+      errors.ConfigError: for an override or flag that the Params refuse.
+    """
+    try:
+        return _TaskParams(config, dataset)
+    except errors.ConfigError:
+        raise
+    except (ValueError, FileNotFoundError) as error:
+        # The Params name the field and the value; what is wrong is the command line's.
+        raise errors.ConfigError(str(error)) from None
+
+
+def _TaskParams(config, dataset: str):
+    model = config.model
+    try:
+        p = model_registry.GetParams(model, dataset)
+    except LookupError as error:  # An unknown model or dataset: the registry names the close ones.
+        # In the command line's words: the registry's ListModels() is --list_models here.
+        message = str(error).strip("'\"").replace('ListModels()', '--list_models')
+        raise errors.ConfigError(f'--model={model}: {message}') from None
+    if config.model_params_file_override:
+        path = config.model_params_file_override
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f'--model_params_file_override: no file {path!r}.')
+        with open(path, encoding='utf-8') as f:
+            overrides.Apply(p, f.read(), f'--model_params_file_override={path}')
+    if config.model_params_override:
+        lines = [line.strip() for line in config.model_params_override.split(';')]
+        overrides.Apply(p, '\n'.join(line for line in lines if line), '--model_params_override')
+    if 'model' not in p or 'train' not in p:
+        raise ValueError(f'{model}: the trainer needs task Params (gpipe_tf.tasks) with `model` '
+                         f'and `train`; got {p.cls.__name__}.')
+    for flag, key in (('worker_split_size', 'model.num_cells'),
+                      ('num_micro_batches', 'model.num_micro_batches'),
+                      ('schedule', 'model.schedule'),
+                      ('virtual_stages', 'model.virtual_stages'),
+                      ('worker_replicas', 'model.num_replicas'),
+                      ('max_steps', 'train.max_steps')):
+        value = getattr(config, flag)
+        if value is None:
+            continue
+        if key.startswith('model.') and key[len('model.'):] not in p.model:
+            raise ValueError(f'--{flag}: the model of {model} '
+                             f'({p.model.cls.__name__}) is not a PipeliningLayer.')
+        try:
+            p.Set(**{key: value})  # The field's own check names it: `must be >= 1, got 0`.
+        except ValueError as error:
+            raise ValueError(f'--{flag}: {error}') from None
+    if config.fprop_dtype is not None:
+        if 'fprop_dtype' not in p.model:
+            raise ValueError(f'--fprop_dtype: the model of {model} ({p.model.cls.__name__}) '
+                             'has no fprop_dtype (it is not a gpipe_tf layer).')
+        p.model.fprop_dtype = precision.FPROP_DTYPES[config.fprop_dtype]
+    if config.data_dir is not None:
+        if 'data_dir' not in p.input:
+            raise ValueError(f'--data_dir: the input of {model} ({p.input.cls.__name__}) reads '
+                             'no data directory.')
+        p.input.data_dir = config.data_dir
+    if config.seed is not None:
+        p.random_seed = config.seed
+        p.model.random_seed = config.seed
+        p.input.seed = config.seed
+    return base_task.SyncInputShapes(p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a run's steps run, resolved once from the command line and handed on."""
+    cluster: tf.train.ClusterSpec | None  # --cluster_spec (or TF_CONFIG); None: this machine.
+    tpu: str | None  # --tpu's address, 'local' for --run_locally=tpu; None without a TPU.
+    graph_mode: str  # --graph_mode, except that a cluster always runs the v1 graph path.
+
+    @classmethod
+    def Of(cls, config) -> Target:
+        """Raises errors.UserError for a cluster spec that does not parse."""
+        cluster = _Cluster(config.cluster_spec)
+        tpu_address = config.tpu
+        if tpu_address is None and config.run_locally == 'tpu':
+            tpu_address = 'local'
+        return cls(cluster=cluster, tpu=tpu_address,
+                   graph_mode='v1' if cluster is not None else config.graph_mode)
+
+
+def _Cluster(text: str | None):
+    if text is None and os.environ.get('TF_CONFIG'):
+        return cluster_lib.FromTfConfig(os.environ['TF_CONFIG'])
+    if text is None:
+        return None
+    if text.lstrip().startswith('{'):
+        return cluster_lib.FromTfConfig(text)
+    return cluster_lib.ParseClusterSpec(text)
+
+
+def CheckPlan(p):
+    """The plan of task Params `p`'s pipeline, not yet placed (None for a model that is not
+    one): making it checks, before anything is built or written, K against the layers (and the
+    cells' shapes), and the batch against R replicas and M micro-batches.
+
+    Raises:
+      errors.ConfigError: naming the flag to change and the values that would work.
+    """
+    model = p.model
+    if not plan_lib.IsPipeline(model):
+        return None
+    batch, replicas = p.input.batch_size, model.num_replicas
+    if batch % replicas:
+        raise errors.ConfigError(f'--worker_replicas={replicas}: the batch of {batch} examples '
+                                 f'does not split into {replicas} equal replicas.')
+    per_replica = batch // replicas
+    try:
+        plan_lib.NumMicroBatches(model, batch)
+    except errors.ConfigError as error:
+        divisors = [m for m in range(1, per_replica + 1) if per_replica % m == 0]
+        raise errors.ConfigError(f'--num_micro_batches: {error} M must divide the '
+                                 f'{per_replica} examples of a replica: one of {divisors}.'
+                                 ) from None
+    if model.partition_method == 'time':
+        # Measuring would start TensorFlow's devices before they are set up; the counts and
+        # shapes check alike on any partition (`PartitionOnTime` then measures).
+        model = model.Copy().Set(partition_method='uniform')
+    try:
+        return plan_lib.MakePlan(model, place=False)  # K > layers, cells that do not chain.
+    except errors.ConfigError as error:
+        if 'num_cells' in str(error):  # In the command line's words.
+            raise errors.ConfigError(f'--worker_split_size={model.num_cells}: '
+                                     f'{error}') from None
+        raise
+
+
+def CheckDataDir(p) -> None:
+    """A local data directory the input reads must exist (else the run would fail after
+    building the model)."""
+    path = p.input.data_dir if 'data_dir' in p.input else None
+    if path and '://' not in path and not os.path.isdir(path):
+        raise errors.ConfigError(f'--data_dir: {path} is not a directory; '
+                                 f'{p.input.cls.__name__} reads its files there.')
+
+
+def SetUpDevices(config, target: Target, p, plan, plan_only: bool = False) -> None:
+    """Asks `devices` for the run's devices (set up unless `plan_only`: `inspect_model` builds
+    nothing, so K may exceed the devices present) and puts them in the pipeline's Params, unless
+    the Params name their own."""
+    request = devices_lib.Request(
+        run_locally=config.run_locally, num_devices=config.num_devices,
+        cluster=target.cluster, cluster_job=config.cluster_job, tpu=target.tpu is not None)
+    devices = devices_lib.StageDeviceList(request, plan.num_devices if plan else 1,
+                                          plan.num_replicas if plan else 1, plan_only)
+    if plan is None or (request.tpu and not plan_only):
+        # A TPU run places its cells through the strategy instead (`TpuProgram`).
+        return
+    if not p.model.devices:  # The Params' own placement wins; the plan checks it exists.
+        p.model.devices = devices
+
+
+def PartitionOnTime(p, logdir: str) -> None:
+    """partition_method="time": measures the layers on the devices just set up (cached in
+    `<logdir>/layer_costs.json`, so a restart finds the same cells without measuring again)
+    and sets the boundaries they give, which params.txt then records."""
+    model = p.model
+    if not plan_lib.IsPipeline(model) or model.partition_method != 'time':
+        return
+    if model.costs_file is None:
+        model.costs_file = os.path.join(logdir, 'layer_costs.json')
+    print(f'measuring the layers of {model.name} for partition_method="time" (cached in '
+          f'{model.costs_file})', flush=True)
+    cells = plan_lib.MakePlan(model, place=False).cells
+    bounds = [0]
+    for layers in cells:
+        bounds.append(bounds[-1] + len(layers))
+    model.partition_method = bounds
+    print(f'partition on measured time: boundaries {bounds}', flush=True)
+
+
+def WarnIfClusterIsExposed(cluster) -> None:
+    """Once per run: the exposure of `cluster` (a tf.train.ClusterSpec or None) when its
+    tasks are not all on this machine's loopback (the launcher's own clusters are)."""
+    if cluster is None:
+        return
+    addresses = [a for job in cluster.jobs for a in cluster.job_tasks(job)]
+    exposed = [a for a in addresses
+               if a.rpartition(':')[0] not in ('127.0.0.1', 'localhost', '[::1]', '::1')]
+    if exposed:
+        errors.Warn(f'the cluster\'s tf.distribute.Server tasks ({", ".join(exposed)}) run any '
+                    'op that any host reaching their ports sends, without authentication: '
+                    'firewall them to the cluster\'s hosts (README, "Reliability and security").')
+
+
+def Program(config, target: Target, p, plan, logdir: str):
+    """The training program for `target`: a StrategyProgram on a TPU, a GraphProgram (v1
+    Session) on a cluster or for --graph_mode=v1, else an EagerProgram (tf.function)."""
+    cluster = target.cluster
+    if target.tpu is not None:
+        if cluster is not None:
+            raise errors.UserError('--tpu (or --run_locally=tpu) and --cluster_spec: give one; '
+                                   'a TPU brings its own workers.')
+        if config.graph_mode == 'v1':
+            raise errors.UserError(
+                '--tpu runs the tf_function path (a TPUStrategy). The v1 TPU path is '
+                'library-level: build the step inside tf.compat.v1.tpu.rewrite with '
+                'PipeliningLayer devices=gpipe_tf.train.tpu.CoreDevices(K) (README, "Cloud TPU").')
+        tf.config.experimental.enable_op_determinism()
+        return TpuProgram(config, target, p, plan, logdir)
+    tf.config.experimental.enable_op_determinism()
+    if cluster is not None:
+        if config.graph_mode_given and config.graph_mode != 'v1':
+            raise errors.UserError('--cluster_spec runs the v1 graph path (a Session with an '
+                                   'operation timeout: TF2 remote eager hangs on a stopped '
+                                   f'worker); drop --graph_mode={config.graph_mode}.')
+        return program.GraphProgram(p, logdir, cluster_lib.SessionConfig(config.cluster_timeout_s),
+                                    cluster=cluster, job=config.cluster_job)
+    if config.graph_mode == 'v1':
+        return program.GraphProgram(p, logdir)
+    return program.EagerProgram(p, logdir)
+
+
+def TpuProgram(config, target: Target, p, plan, logdir: str):
+    """A StrategyProgram on the TPU at `target.tpu`: R replicas of K logical devices, each cell's
+    variables and ops on its device's (`Plan.DeviceOf`: cell k on k % K with v virtual
+    stages). Raises tpu.TpuError when there is no usable TPU."""
+    num_devices = plan.num_devices if plan else 1
+    resolver, topology = tpu.Connect(target.tpu, config.tpu_timeout_s)
+    strategy = tpu.Strategy(resolver, topology, num_devices, p.model.num_replicas)
+    # The replicas are the strategy's. Within one, a cell's variables are created on its
+    # logical device, its ops run under that core's device scope, and the tensors crossing its
+    # boundary carry that logical device's sharding.
+    p.model.Set(num_replicas=1, devices=tpu.CoreDevices(num_devices),
+                logical_device_fn=tpu.AssignToLogicalDevice)
+    logdir_lib.WriteParams(p.ToText(), logdir)  # What runs: the replicas are now the strategy's.
+    return program.StrategyProgram(p, logdir, strategy)
