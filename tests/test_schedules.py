@@ -14,6 +14,7 @@ from gpipe_tf.layers import basic
 from gpipe_tf.layers import conv
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import normalization
+from gpipe_tf.models.transformer import network as transformer_network
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import schedule as schedule_lib
@@ -387,6 +388,46 @@ class LoopedKeepingTest(tf.test.TestCase, parameterized.TestCase):
             ).get_concrete_function(x).graph)
         self.assertEqual(ops['never'], 0)
         self.assertGreater(ops['always'], 0)
+
+
+class EmbeddingCellTest(tf.test.TestCase, parameterized.TestCase):
+    """A cell whose input is token ids beside float leaves it only passes on (a Transformer LM's
+    embedding cell): its weight gradient reads the ids and an output's gradient that no input
+    gradient depends on, so zero-bubble's W is given both (they were left out of its residuals,
+    and pruning W failed)."""
+
+    @parameterized.parameters(('zero_bubble', 1, True), ('zero_bubble', 1, False),
+                              ('zero_bubble_v', 2, False))
+    def testLossAndGradientsEqualTheLayersInSequence(self, kind, v, unroll):
+        model = transformer_network.LmParams().Set(
+            vocab_size=16, model_dim=8, hidden_dim=16, num_heads=2, dim_per_head=4,
+            num_layers=2, max_length=6, residual_dropout_keep_prob=1.0,
+            atten_dropout_keep_prob=1.0)
+        layer = transformer_network.LmPipelineParams(model, BATCH, 2, 4, 'never').Set(
+            schedule=kind, virtual_stages=v, unroll=unroll, devices=DEVICES[:2],
+            partition_method='uniform', random_seed=3).Instantiate()
+        seqs = tf.random.stateless_uniform([BATCH, 6], [5, 6], maxval=16, dtype=tf.int32)
+        batch = NestedMap(ids=seqs, labels=tf.roll(seqs, -1, axis=1),
+                          paddings=tf.zeros([BATCH, 6]), weights=tf.ones([BATCH, 6]))
+
+        def Loss(outputs, _):
+            reduced = transformer_network.ReduceLoss(outputs)
+            return reduced.loss, reduced.total_weight
+
+        @tf.function
+        def Step():
+            with tf.GradientTape() as tape, fprop_context.Scope(step=5):
+                _, loss, _ = layer.FPropLoss(layer.theta, batch, Loss, None)
+            return loss, tape.gradient(loss, layer.trainable_variables)
+
+        loss, grads = Step()
+        with tf.GradientTape() as tape:
+            want_loss, _ = Loss(test_utils.Unpartitioned(layer, batch, 1, step=5), None)
+        want = tape.gradient(want_loss, layer.trainable_variables)
+        self.assertAllClose(loss, want_loss, rtol=RTOL)
+        for var, got, expected in zip(layer.trainable_variables, grads, want):
+            self.assertAllClose(tf.convert_to_tensor(got), tf.convert_to_tensor(expected),
+                                rtol=1e-4, atol=1e-6, msg=var.name)
 
 
 class LoopedGraphSizeTest(tf.test.TestCase):

@@ -59,10 +59,6 @@ class TrainerSchedulesTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIn('M (1) must be a multiple of K (2)', result.stderr)
         self.assertNotIn('Traceback', result.stderr)
 
-
-if __name__ == '__main__':
-    tf.test.main()
-
     def testABadUnrollIsOneLine(self):
         result = test_utils.TrainerInProcess(
             f'--model={MLP}', '--model_params_override=model.unroll : "sometimes"',
@@ -71,3 +67,7 @@ if __name__ == '__main__':
         self.assertIn("model.unroll must be one of (True, False, 'auto'), got 'sometimes'",
                       result.stderr)
         self.assertNotIn('Traceback', result.stderr)
+
+
+if __name__ == '__main__':
+    tf.test.main()

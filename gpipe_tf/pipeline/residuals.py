@@ -78,8 +78,12 @@ class SplitCell:
         d_ys, d_theta, d_x = traced['d_ys'], traced['d_theta'], traced['d_x']
         order = {op: i for i, op in enumerate(wrapped.graph.get_operations())}
         classes = _Classes(order, x_ph, d_ys)
-        input_ops = {op for op in _Ancestors(d_x) if classes[op] == _BACKWARD}
-        weight_ops = {op for op, c in classes.items() if c == _BACKWARD} - input_ops
+        # The outputs' gradients are given to a part, never computed by it (W reads one that
+        # no input gradient depends on: a cell whose float input is only passed on).
+        given_d_ys = {t.op for t in d_ys}
+        input_ops = {op for op in _Ancestors(d_x) if classes[op] == _BACKWARD} - given_d_ys
+        weight_ops = ({op for op, c in classes.items() if c == _BACKWARD} - input_ops -
+                      given_d_ys)
         fed = _Refs(given)
 
         def Residuals(ops, fetches, exclude=()):
@@ -87,7 +91,9 @@ class SplitCell:
             every part is given (theta, step, first example), what it computes from those alone,
             and `exclude`; in the graph's order."""
             found = {}
-            for t in [t for op in ops for t in op.inputs] + list(fetches):
+            # An embedding's gradient is IndexedSlices: its indices are the forward's ids.
+            fetched = tf.nest.flatten(list(fetches), expand_composites=True)
+            for t in [t for op in ops for t in op.inputs] + fetched:
                 if not (t.op in ops or t.ref() in fed or t.ref() in exclude or
                         classes[t.op] == _FREE):
                     # Every output of the op: `prune` cannot feed one output of an op and
