@@ -33,7 +33,8 @@ WIDTH, MICRO_BATCH = 64, 8
 def Build(kind, k, devices, recompute):
     from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
     from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
-    virtual = 2 if kind in ('interleaved_1f1b', 'zero_bubble_v') else 1
+    from gpipe_tf.pipeline import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
+    virtual = schedule_lib.Kind(kind).searched_virtual_stages
     m = 4 * k
     layers = [basic.DenseLayer.Params().Set(name=f'dense_{i}', input_dim=WIDTH,
                                             output_dim=WIDTH, activation='tanh')

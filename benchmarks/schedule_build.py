@@ -45,9 +45,10 @@ def Measure(executor: str, kind: str, m: int, recompute: str = 'always') -> dict
     from gpipe_tf.layers import attention  # pylint: disable=g-import-not-at-top
     from gpipe_tf.nested_map import NestedMap  # pylint: disable=g-import-not-at-top
     from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.pipeline import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
 
     batch, length, dim = max(32, m), 64, 256
-    virtual = 2 if kind in ('interleaved_1f1b', 'zero_bubble_v') else 1
+    virtual = schedule_lib.Kind(kind).searched_virtual_stages
     layers = [attention.TransformerLayer.Params().Set(
         name=f'layer_{i}', model_dim=dim, hidden_dim=4 * dim, num_heads=4) for i in range(8)]
     start = time.perf_counter()
@@ -68,7 +69,7 @@ def Measure(executor: str, kind: str, m: int, recompute: str = 'always') -> dict
     @tf.function
     def Step(inputs):
         with tf.GradientTape() as tape:
-            if kind == 'gpipe':
+            if not schedule_lib.Kind(kind).loss_inside_pipeline:
                 loss = LossFn(layer(inputs), None)[0]
             else:
                 _, loss, _ = layer.FPropLoss(layer.theta, inputs, LossFn)

@@ -37,9 +37,10 @@ import os
 import subprocess
 import sys
 
+from gpipe_tf.pipeline import schedule as schedule_lib  # TensorFlow-free: the table of kinds.
+
 BATCH, WIDTH, LAYERS, K = 4096, 1024, 8, 4
 MIB = 2.0 ** 20
-KINDS = ('gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble', 'zero_bubble_v')
 MODES = ('never', 'except_last', 'always')
 
 
@@ -55,7 +56,7 @@ def MeasureHere(kind: str, k: int, m: int, recompute: str, graph_mode: str,
     from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
     from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
     devices = test_utils.ConfigureVirtualCpus(K)
-    virtual = 2 if kind in ('interleaved_1f1b', 'zero_bubble_v') and k > 1 else 1
+    virtual = schedule_lib.Kind(kind).searched_virtual_stages if k > 1 else 1
     layers = [basic.DenseLayer.Params().Set(name=f'dense_{i}', input_dim=WIDTH,
                                             output_dim=WIDTH, activation='tanh')
               for i in range(LAYERS)]
@@ -71,7 +72,7 @@ def MeasureHere(kind: str, k: int, m: int, recompute: str, graph_mode: str,
     def Step(layer, x):
         variables = layer.trainable_variables
         with tf.GradientTape() as tape:
-            if kind == 'gpipe':
+            if not schedule_lib.Kind(kind).loss_inside_pipeline:
                 loss = Loss(layer(x), None)[0]
             else:
                 _, loss, _ = layer.FPropLoss(layer.theta, x, Loss)
@@ -151,7 +152,7 @@ def _Held(row: dict) -> str:
 def Main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--m', type=int, default=32, help='Micro-batches.')
-    parser.add_argument('--schedules', default=','.join(KINDS))
+    parser.add_argument('--schedules', default=','.join(schedule_lib.KINDS))
     parser.add_argument('--recompute', default=','.join(MODES))
     parser.add_argument('--graph_modes', default='function,v1')
     parser.add_argument('--unroll', default='auto', choices=('auto', 'true', 'false'),

@@ -54,7 +54,8 @@ def Setup() -> list[str]:
 def Build(kind, k, m, devices, unroll=True, recompute='always'):
     from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
     from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
-    virtual = 2 if kind in ('interleaved_1f1b', 'zero_bubble_v') else 1
+    from gpipe_tf.pipeline import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
+    virtual = schedule_lib.Kind(kind).searched_virtual_stages
     layers = [basic.DenseLayer.Params().Set(name=f'dense_{i}', input_dim=WIDTH,
                                             output_dim=WIDTH, activation='relu')
               for i in range(LAYERS)]
@@ -69,12 +70,13 @@ def LossFn(outputs, _):
 
 
 def MakeStep(layer, kind):
+    from gpipe_tf.pipeline import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
     variables = layer.trainable_variables
 
     @tf.function
     def Step(x):
         with tf.GradientTape() as tape:
-            if kind == 'gpipe':
+            if not schedule_lib.Kind(kind).loss_inside_pipeline:
                 loss = LossFn(layer(x), None)[0]
             else:
                 _, loss, _ = layer.FPropLoss(layer.theta, x, LossFn)

@@ -47,6 +47,7 @@ from gpipe_tf.pipeline import executor  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import leaves  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import recompute as recompute_lib  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
 
 NUM_CELLS = 2
 TOLERANCE = 0.20
@@ -181,7 +182,7 @@ def TrainStep(layer, learning_rate=1e-4, kind='gpipe'):
     @tf.function
     def Step(x):
         with tf.GradientTape() as tape:
-            if kind == 'gpipe':  # The loss after the pipeline, on the whole batch.
+            if not schedule_lib.Kind(kind).loss_inside_pipeline:  # After, on the whole batch.
                 loss = LossFn(layer(x), None)[0]
             else:  # The loss per micro-batch, on the last stage (1f1b, zero_bubble need it).
                 _, loss, _ = layer.FPropLoss(layer.theta, x, LossFn)

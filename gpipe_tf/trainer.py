@@ -70,10 +70,7 @@ def DefineFlags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_integer('num_micro_batches', None, 'Override M, the number of micro-batches.',
                          flag_values=flag_values)
     flags.DEFINE_enum('schedule', None, list(schedule_lib.KINDS), 'Override the pipeline '
-                      'schedule: gpipe (fill-drain), 1f1b (at most K micro-batches\' activations '
-                      'stored), interleaved_1f1b (with --virtual_stages), zero_bubble (ZB-H1), '
-                      'zero_bubble_v (ZB-V, with --virtual_stages=2).',
-                      flag_values=flag_values)
+                      f'schedule: {schedule_lib.KindsHelp()}.', flag_values=flag_values)
     flags.DEFINE_integer('virtual_stages', None, 'Override v, cells per device '
                          '(interleaved_1f1b; 2 for zero_bubble_v): the layers are split into '
                          'v x K cells.',

@@ -244,6 +244,87 @@ class MakeTest(tf.test.TestCase, parameterized.TestCase):
             schedule.Make(kind, 2, 4, 2)
 
 
+class KindTableTest(tf.test.TestCase, parameterized.TestCase):
+    """The table of kinds (`schedule.SCHEDULE_KINDS`) against what the lists it makes do."""
+
+    def testKindsAreTheTablesNamesInItsOrder(self):
+        self.assertEqual(schedule.KINDS,
+                         ('gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble', 'zero_bubble_v'))
+        self.assertEqual(tuple(k.name for k in schedule.SCHEDULE_KINDS.values()), schedule.KINDS)
+        for name in schedule.KINDS:
+            self.assertIs(schedule.Kind(name), schedule.SCHEDULE_KINDS[name])
+
+    def testKindNamesTheKindsForAnUnknownName(self):
+        with self.assertRaisesRegex(schedule.ScheduleError,
+                                    "must be one of .*'zero_bubble_v'.*got 'pipedream'"):
+            schedule.Kind('pipedream')
+
+    @parameterized.parameters(*_GridCases())
+    def testMakeValidatesTheKindsOwnLists(self, kind, k, m, v):
+        sched = schedule.Make(kind, k, m, v)
+        made = schedule.Kind(kind).make(k, m, v)
+        self.assertEqual(sched.actions, tuple(tuple(Action(*a) for a in d) for d in made))
+        self.assertEqual(sched.kind, kind)
+
+    @parameterized.parameters(*_GridCases())
+    def testSplitsBackwardExactlyWhereTheListsHoldInputAndWeightGradients(self, kind, k, m, v):
+        kinds = {a.kind for device in schedule.Make(kind, k, m, v).actions for a in device}
+        split = bool(kinds & {'I', 'W'})
+        self.assertEqual(split, 'B' not in kinds)
+        self.assertEqual(schedule.Kind(kind).splits_backward, split)
+        self.assertEqual(split, kind in _SPLIT_KINDS)
+
+    @parameterized.parameters(*[case for case in _GridCases() if case[1] >= 2 and case[2] >= 2])
+    def testLossInsideExactlyWhereADeviceStartsABackwardBeforeItsLastForward(self, kind, k, m,
+                                                                              v):
+        early = False
+        for device in schedule.Make(kind, k, m, v).actions:
+            last_forward = max(i for i, a in enumerate(device) if a.kind == 'F')
+            early = early or any(a.kind != 'F' for a in device[:last_forward])
+        self.assertEqual(schedule.Kind(kind).loss_inside_pipeline, early)
+        self.assertEqual(early, kind != 'gpipe')
+
+    @parameterized.parameters(*_GridCases())
+    def testPlacementIsWhereTheListsRunEachStage(self, kind, k, m, v):
+        placement = schedule.Kind(kind).placement
+        self.assertIn(placement, schedule.PLACEMENTS)
+        self.assertEqual(schedule.Placement(kind), placement)
+        for d, device in enumerate(schedule.Make(kind, k, m, v).actions):
+            for a in device:
+                # Written out: in a V, stage s on device s, then back from K-1 to 0.
+                expected = (a.stage % k if placement == 'round' else
+                            a.stage if a.stage < k else 2 * k - 1 - a.stage)
+                self.assertEqual(d, expected, a)
+        self.assertEqual(placement == 'v', kind == 'zero_bubble_v')
+
+    @parameterized.parameters(*schedule.KINDS)
+    def testTakesExactlyTheVirtualStagesTheTableAllows(self, kind):
+        allowed = schedule.Kind(kind).virtual_stages
+        for v in (1, 2, 3, 4):
+            takes = allowed is None or allowed == v
+            if takes:
+                self.assertEqual(schedule.Make(kind, 2, 4, v).virtual_stages, v)
+            else:
+                with self.assertRaisesRegex(schedule.ScheduleError, f'virtual_stages.*{v}'):
+                    schedule.Make(kind, 2, 4, v)
+        searched = schedule.Kind(kind).searched_virtual_stages
+        self.assertEqual(schedule.Make(kind, 2, 4, searched).virtual_stages, searched)
+        self.assertEqual(searched, 2 if kind in ('interleaved_1f1b', 'zero_bubble_v') else 1)
+
+    def testAClosedFormBubbleForEveryKindButTheSplitOnes(self):
+        for kind in schedule.KINDS:
+            closed = schedule.Kind(kind).ideal_bubble is not None
+            self.assertEqual(closed, kind not in _SPLIT_KINDS, kind)
+            if not closed:
+                with self.assertRaisesRegex(schedule.ScheduleError, 'no closed-form bubble'):
+                    schedule.IdealBubble(kind, 4, 8)
+
+    def testTheHelpNamesEveryKind(self):
+        text = schedule.KindsHelp()
+        for kind in schedule.KINDS:
+            self.assertIn(f'{kind} (', text)
+
+
 class DependenciesTest(tf.test.TestCase):
 
     def testAForwardNeedsThePreviousStagesForward(self):

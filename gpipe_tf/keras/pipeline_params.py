@@ -22,6 +22,7 @@ from gpipe_tf.layers import sequential
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.pipeline import schedule as schedule_lib
 
 # What the messages call the layer.
 LAYER = 'gpipe_tf.keras.Pipeline'
@@ -62,7 +63,8 @@ def Checked(params, loss_inside: bool = False) -> hyperparams.Params:
             f'{LAYER} takes PipeliningLayer Params (gpipe_tf.PipeliningLayer.Params().Set('
             f'layer_tpl=[...], num_cells=K, num_micro_batches=M)); got {got}. For a list of '
             f'layer Params use {LAYER}.FromLayers(layers, num_cells, num_micro_batches).')
-    if params.schedule != 'gpipe' and not loss_inside:
+    kind = schedule_lib.SCHEDULE_KINDS.get(params.schedule)
+    if (kind is None or kind.loss_inside_pipeline) and not loss_inside:
         raise errors.ConfigError(
             f'{LAYER}: schedule {params.schedule!r} computes the loss per micro-batch inside '
             'the pipeline, but a Keras model computes it after the layer: use '

@@ -236,7 +236,7 @@ class MemoryPlan:
                 lines.append(f'device {d} (cells {",".join(cells)}): {units.MiB(total)} MiB'
                              f'{fits}')
         counts = f'K={k}' + (f' v={self.num_cells // k}' if k < self.num_cells else '')
-        if self.schedule is not None and self.schedule.kind != 'gpipe':
+        if self.schedule is not None and self.schedule.kind != schedule_lib.DEFAULT_KIND:
             counts += f' schedule={self.schedule.kind}'
         if self.schedule is not None and not self.schedule.training:
             counts += ' inference'

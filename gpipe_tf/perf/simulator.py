@@ -140,7 +140,7 @@ def IdealUtilisation(num_micro_batches: int, num_devices: int, kind: str = 'gpip
       ValueError: for M, K or v below 1, or a kind that is not one of `schedule.KINDS`.
     """
     _CheckCounts(num_micro_batches, num_devices)
-    if kind not in ('zero_bubble', 'zero_bubble_v'):
+    if schedule_lib.Kind(kind).ideal_bubble is not None:
         return 1.0 - schedule_lib.IdealBubble(kind, num_devices, num_micro_batches,
                                               virtual_stages)
     sched = schedule_lib.Make(kind, num_devices, num_micro_batches, virtual_stages)

@@ -32,8 +32,6 @@ from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import schedule as schedule_lib
 
-# Schedules that place two stages per device (their virtual_stages in the search).
-_TWO_STAGES = ('interleaved_1f1b', 'zero_bubble_v')
 # The FLOP rate of FLOPs-estimated costs: ranks configurations, is no device's.
 NOMINAL_FLOPS_PER_SEC = 1e12
 # Per configuration, at most this many one-layer boundary moves towards fitting.
@@ -198,13 +196,13 @@ def Space(num_layers: int, num_devices: int, batch_per_replica: int,
           schedules: Sequence[str] = schedule_lib.KINDS,
           recompute_modes: Sequence[str] = plan_lib.RECOMPUTE_MODES,
           micro_batches: Sequence[int] | None = None) -> list[Config]:
-    """The configurations searched: every schedule (two stages per device for interleaved_1f1b
-    and zero_bubble_v, where the layers allow), M (`MicroBatchCounts` unless given) and
-    recompute mode."""
+    """The configurations searched: every schedule (at its `searched_virtual_stages` per
+    device, two for interleaved_1f1b and zero_bubble_v, where the layers allow), M
+    (`MicroBatchCounts` unless given) and recompute mode."""
     counts = micro_batches or MicroBatchCounts(batch_per_replica, num_devices)
     space = []
     for kind in schedules:
-        v = 2 if kind in _TWO_STAGES else 1
+        v = schedule_lib.Kind(kind).searched_virtual_stages
         if v * num_devices > num_layers:
             continue
         space += [Config(kind, m, v, mode) for m in counts for mode in recompute_modes]

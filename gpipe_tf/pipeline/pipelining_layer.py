@@ -55,6 +55,12 @@ CheckDevices = devices_lib.CheckDevices
 StageDevices = devices_lib.StageDevices
 
 
+def _LossAfterKinds() -> str:
+    """The kinds whose loss may follow the pipeline, for help texts."""
+    return ' and '.join(kind.name for kind in schedule_lib.SCHEDULE_KINDS.values()
+                        if not kind.loss_inside_pipeline)
+
+
 class PipeliningLayer(BaseLayer):
     """Runs a sequence of layers as a GPipe pipeline of K cells over M micro-batches."""
 
@@ -99,15 +105,10 @@ class PipeliningLayer(BaseLayer):
         p.Define('recompute', 'always',
                  f'Re-materialization: {RECOMPUTE_MODES} ("except_last" keeps the last cell\'s '
                  'activations, which backprop needs first).')
-        p.Define('schedule', 'gpipe',
-                 f'The pipeline schedule, one of {schedule_lib.KINDS}: gpipe (fill-drain, all M '
-                 'micro-batches\' activations stored), 1f1b (the same bubble, at most K stored), '
-                 'interleaved_1f1b (virtual_stages cells per device, a smaller bubble), '
-                 'zero_bubble (ZB-H1: backward split into input and weight gradients, a third '
-                 'of 1f1b\'s bubble), zero_bubble_v (ZB-V: virtual_stages=2 cells per device in '
-                 'a V, cell s on device s for s < K, else 2K-1-s; about half ZB-H1\'s bubble). '
-                 'All but gpipe need the loss per micro-batch inside the pipeline (FPropLoss; '
-                 'tasks do this).')
+        p.Define('schedule', schedule_lib.DEFAULT_KIND,
+                 f'The pipeline schedule, one of {schedule_lib.KINDS}: '
+                 f'{schedule_lib.KindsHelp()}. All but {_LossAfterKinds()} need the loss per '
+                 'micro-batch inside the pipeline (FPropLoss; tasks do this).')
         p.Define('virtual_stages', 1,
                  'v, cells per device for interleaved_1f1b: the layers are partitioned into '
                  'v x num_cells cells, cell s on device s % num_cells (zero_bubble_v: 2, in a '

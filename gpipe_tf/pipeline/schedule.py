@@ -10,7 +10,10 @@ device 2K - 1 - s).
 
 `Make(kind, K, M, v)` returns a validated `Schedule`; the executor compiles its lists into the
 graph, and the simulator and the memory planner walk the same lists, so what is predicted and
-drawn is what is built. The kinds:
+drawn is what is built. What each kind implies (the loss inside the pipeline, a split backward,
+its placement, the virtual stages it takes, its list-making function) is one `ScheduleKind` in
+one table (`Kind(name)`, as PyTorch's `get_schedule_class`), read wherever a kind is acted on
+instead of comparing names. The kinds:
 
   gpipe             fill-drain (GPipe): every forward, then every backward. Bubble
                     (K-1)/(M+K-1); a stage holds all M micro-batches' stored activations.
@@ -37,9 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
-KINDS = ('gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble', 'zero_bubble_v')
 # How stages are placed on devices: round (stage s on device s % K) or a V (zero_bubble_v).
 PLACEMENTS = ('round', 'v')
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 'F', 'B', 'I', 'W'
@@ -123,8 +125,10 @@ class Schedule:
 
 
 def Placement(kind: str) -> str:
-    """The placement (one of PLACEMENTS) of schedule `kind`'s stages."""
-    return 'v' if kind == 'zero_bubble_v' else 'round'
+    """The placement (one of PLACEMENTS) of schedule `kind`'s stages ('round' for a name that
+    is no kind: `Make` refuses it, naming it)."""
+    found = SCHEDULE_KINDS.get(kind)
+    return found.placement if found is not None else 'round'
 
 
 def StageDevice(stage: int, num_devices: int, placement: str = 'round') -> int:
@@ -306,14 +310,117 @@ def _Ready(action: Action, num_stages: int, done_at: dict, time: int) -> bool:
                for dep in Dependencies(action, num_stages, backward_kind=INPUT_GRAD))
 
 
+# ---- the kinds ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ScheduleKind:
+    """A schedule kind and what it implies, read wherever a kind is acted on.
+
+    Attributes:
+      name: the kind's name, as Params (`PipeliningLayer.Params().schedule`) and the trainer's
+        --schedule give it.
+      summary: one line for help texts.
+      make: (K, M, v) -> per device, its training action list (what `Make` validates).
+      loss_inside_pipeline: whether a device starts backwards before its last forward, so the
+        loss must be computed per micro-batch on the last stage as its forward ends
+        (`PipeliningLayer.FPropLoss`; tasks do this); else it may follow the pipeline, on the
+        whole batch.
+      splits_backward: whether backwards are split into I (input gradient) and W (weight
+        gradient) actions.
+      placement: how stages sit on devices, one of PLACEMENTS (`StageDevice`).
+      virtual_stages: the v it takes: None for any, else that one count.
+      searched_virtual_stages: the v the tuner (`perf.tuner.Space`) and the benchmarks run it
+        with: 2 where several stages per device are the kind's point.
+      ideal_bubble: (K, M, v) -> the idle fraction of balanced stages with free transfers and a
+        backward twice the forward (`IdealBubble`); None where there is no closed form.
+    """
+    name: str
+    summary: str
+    make: Callable[[int, int, int], list[list[Action]]]
+    loss_inside_pipeline: bool
+    splits_backward: bool = False
+    placement: str = 'round'
+    virtual_stages: int | None = 1
+    searched_virtual_stages: int = 1
+    ideal_bubble: Callable[[int, int, int], float] | None = None
+
+    def CheckVirtualStages(self, virtual_stages: int) -> None:
+        """Raises ScheduleError unless this kind takes v = `virtual_stages`."""
+        if self.virtual_stages is None or virtual_stages == self.virtual_stages:
+            return
+        if self.virtual_stages == 1:
+            takers = ' or '.join(k.name for k in SCHEDULE_KINDS.values()
+                                 if k.virtual_stages is None)
+            raise ScheduleError(f'virtual_stages > 1 needs schedule {takers}, got {self.name!r} '
+                                f'with virtual_stages={virtual_stages}.')
+        count = 'two' if self.virtual_stages == 2 else str(self.virtual_stages)
+        where = ', in a V' if self.placement == 'v' else ''
+        raise ScheduleError(f'{self.name} runs {count} stages per device{where}: virtual_stages '
+                            f'must be {self.virtual_stages}, got {virtual_stages}.')
+
+
+def _FillDrainBubble(k_count: int, m_count: int, v: int) -> float:
+    del v  # A device runs its stages in turn: the bubble of one stage per device.
+    return (k_count - 1) / (m_count + k_count - 1)
+
+
+def _InterleavedBubble(k_count: int, m_count: int, v: int) -> float:
+    return (k_count - 1) / (v * m_count + k_count - 1)
+
+
+# Every kind, in the order help texts and the tuner list them (`KINDS`).
+SCHEDULE_KINDS: dict[str, ScheduleKind] = {kind.name: kind for kind in (
+    ScheduleKind(
+        'gpipe', 'GPipe\'s fill-drain, every forward then every backward, all M micro-batches\' '
+        'activations stored', _GPipe, loss_inside_pipeline=False, virtual_stages=None,
+        ideal_bubble=_FillDrainBubble),
+    ScheduleKind(
+        '1f1b', 'PipeDream-flush, one forward and one backward in turn, the same bubble with at '
+        'most K micro-batches stored', lambda k, m, v: _OneFOneB(k, m),
+        loss_inside_pipeline=True, ideal_bubble=_FillDrainBubble),
+    ScheduleKind(
+        'interleaved_1f1b', 'Megatron\'s interleaved 1F1B, virtual_stages cells per device for '
+        'a smaller bubble', _Interleaved, loss_inside_pipeline=True, virtual_stages=None,
+        searched_virtual_stages=2, ideal_bubble=_InterleavedBubble),
+    ScheduleKind(
+        'zero_bubble', 'ZB-H1, 1f1b with the backward split into input and weight gradients, '
+        'the weight gradients filling the drain, about a third of 1f1b\'s bubble',
+        lambda k, m, v: _ZeroBubbleH1(k, m), loss_inside_pipeline=True, splits_backward=True),
+    ScheduleKind(
+        'zero_bubble_v', 'ZB-V, virtual_stages=2 cells per device in a V, cell s on device s '
+        'for s < K, else on 2K-1-s, the backward split, at M >= K idling no more than '
+        'zero_bubble', lambda k, m, v: _ZeroBubbleV(k, m), loss_inside_pipeline=True,
+        splits_backward=True, placement='v', virtual_stages=2, searched_virtual_stages=2),
+)}
+KINDS = tuple(SCHEDULE_KINDS)
+# The kind Params give unless told (`PipeliningLayer.Params().schedule`): the paper's.
+DEFAULT_KIND = 'gpipe'
+
+
+def Kind(name: str) -> ScheduleKind:
+    """The schedule kind called `name`.
+
+    Raises:
+      ScheduleError: for a name that is not one of KINDS.
+    """
+    try:
+        return SCHEDULE_KINDS[name]
+    except (KeyError, TypeError):
+        raise ScheduleError(f'schedule must be one of {KINDS}, got {name!r}.') from None
+
+
+def KindsHelp() -> str:
+    """Every kind with its summary, for help texts."""
+    return '; '.join(f'{kind.name} ({kind.summary})' for kind in SCHEDULE_KINDS.values())
+
+
 def Make(kind: str, num_devices: int, num_micro_batches: int, virtual_stages: int = 1,
          training: bool = True) -> Schedule:
     """The validated schedule `kind` for K devices, M micro-batches and v stages per device.
 
     Args:
       kind: one of KINDS.
-      num_devices, num_micro_batches, virtual_stages: K, M and v (v > 1 only with
-        interleaved_1f1b; gpipe takes any v, running a device's stages in turn).
+      num_devices, num_micro_batches, virtual_stages: K, M and v (what the kind takes:
+        `ScheduleKind.virtual_stages`; gpipe runs a device's stages in turn).
       training: False gives the forward-only schedule (inference): every device runs its
         forwards in the training schedule's order, no backward.
 
@@ -321,28 +428,13 @@ def Make(kind: str, num_devices: int, num_micro_batches: int, virtual_stages: in
       ScheduleError: for an unknown kind or counts the kind cannot schedule.
     """
     _CheckCounts(num_devices, num_micro_batches, virtual_stages)
-    if kind not in KINDS:
-        raise ScheduleError(f'schedule must be one of {KINDS}, got {kind!r}.')
-    if kind == 'zero_bubble_v' and virtual_stages != 2:
-        raise ScheduleError(f'zero_bubble_v runs two stages per device, in a V: virtual_stages '
-                            f'must be 2, got {virtual_stages}.')
-    if virtual_stages > 1 and kind not in ('interleaved_1f1b', 'gpipe', 'zero_bubble_v'):
-        raise ScheduleError(f'virtual_stages > 1 needs schedule interleaved_1f1b (or gpipe), '
-                            f'got {kind!r} with virtual_stages={virtual_stages}.')
-    if kind == 'gpipe':
-        lists = _GPipe(num_devices, num_micro_batches, virtual_stages)
-    elif kind == '1f1b':
-        lists = _OneFOneB(num_devices, num_micro_batches)
-    elif kind == 'interleaved_1f1b':
-        lists = _Interleaved(num_devices, num_micro_batches, virtual_stages)
-    elif kind == 'zero_bubble':
-        lists = _ZeroBubbleH1(num_devices, num_micro_batches)
-    else:
-        lists = _ZeroBubbleV(num_devices, num_micro_batches)
+    found = Kind(kind)
+    found.CheckVirtualStages(virtual_stages)
+    lists = found.make(num_devices, num_micro_batches, virtual_stages)
     if not training:
         lists = [[a for a in device if a.kind == FORWARD] for device in lists]
     return FromLists(lists, num_micro_batches, virtual_stages, kind=kind,
-                     placement=Placement(kind))
+                     placement=found.placement)
 
 
 def FromLists(lists, num_micro_batches: int, virtual_stages: int = 1,
@@ -497,14 +589,14 @@ def IdealBubble(kind: str, num_devices: int, num_micro_batches: int,
     zero_bubble and zero_bubble_v have no closed form here (see `perf.simulator`).
 
     Raises:
-      ScheduleError: for zero_bubble or counts below 1.
+      ScheduleError: for a kind without a closed form (`ScheduleKind.ideal_bubble`), or counts
+        below 1.
     """
     _CheckCounts(num_devices, num_micro_batches, virtual_stages)
-    if kind in ('gpipe', '1f1b'):
-        return (num_devices - 1) / (num_micro_batches + num_devices - 1)
-    if kind == 'interleaved_1f1b':
-        return (num_devices - 1) / (virtual_stages * num_micro_batches + num_devices - 1)
-    raise ScheduleError(f'no closed-form bubble for schedule {kind!r}; simulate it.')
+    found = SCHEDULE_KINDS.get(kind)
+    if found is None or found.ideal_bubble is None:
+        raise ScheduleError(f'no closed-form bubble for schedule {kind!r}; simulate it.')
+    return found.ideal_bubble(num_devices, num_micro_batches, virtual_stages)
 
 
 def BubbleFraction(num_micro_batches: int, num_cells: int) -> float:

@@ -25,6 +25,7 @@ from gpipe_tf import optimizer
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import schedule as schedule_lib
 
 
 def TrainParams() -> hyperparams.Params:
@@ -145,8 +146,11 @@ class BaseTask(base_layer.BaseLayer):
 
 def _LossInsideModel(model_params) -> bool:
     """Whether the model is a pipeline whose schedule needs the loss per micro-batch."""
-    return ('schedule' in model_params and model_params.schedule != 'gpipe' and
-            hasattr(model_params.cls, 'FPropLoss'))
+    if 'schedule' not in model_params or not hasattr(model_params.cls, 'FPropLoss'):
+        return False
+    kind = schedule_lib.SCHEDULE_KINDS.get(model_params.schedule)
+    # A name that is no kind goes inside too: the pipeline's plan refuses it, naming it.
+    return kind is None or kind.loss_inside_pipeline
 
 
 def SyncInputShapes(p: hyperparams.Params) -> hyperparams.Params:
