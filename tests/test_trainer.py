@@ -1026,16 +1026,17 @@ if __name__ == '__main__':
 
 @pytest.mark.unit
 class FlagTableTest(tf.test.TestCase):
-    """README's flag table names every flag the trainer defines (`trainer.DefineFlags`), and
-    only those; a flag's row is its first column."""
+    """The flag table of docs/trainer.md names every flag the trainer defines
+    (`trainer.DefineFlags`), and only those; a flag's row is its first column."""
 
     def testEveryFlagHasARowAndEveryRowAFlag(self):
         defined = absl_flags.FlagValues()
         trainer.DefineFlags(defined)
-        readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              'README.md')
-        with open(readme) as f:
+        page = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'docs',
+                            'trainer.md')
+        with open(page, encoding='utf-8') as f:
             rows = [line.split('|')[1] for line in f if line.startswith('| `--')]
+        self.assertNotEmpty(rows, f'no flag table in {page}')
         in_table = set(re.findall(r'`--([a-z0-9_]+)', ''.join(rows)))
         deprecated = {'device_memory_gb'}  # Named in --device_memory_gib's row.
         self.assertEmpty(set(defined) - deprecated - in_table, 'flags without a row')
