@@ -26,6 +26,8 @@ setuptools.setup(
         # Keras tests' and examples' (gpipe_tf.keras itself needs only Keras).
         'test': ['pytest', 'pytest-xdist', 'keras-hub>=0.32'],
         'keras_hub': ['keras-hub>=0.32'],
+        # The documentation site: `mkdocs build --strict` (mkdocs.yml, docs/).
+        'docs': ['mkdocs>=1.6'],
     },
     entry_points={'console_scripts': ['gpipe-train = gpipe_tf.trainer:Run']},
     license='Apache-2.0',
