@@ -21,8 +21,9 @@ fewer cores than devices: expect contention). Per schedule and (K, M):
         [--plot_dir=benchmarks/results/schedule_timelines]
         [--out=benchmarks/results/schedules.json]
 
-`--unroll` is the pipeline's `unroll` (default true: the schedule unrolled into the graph, as the
-README's table was measured; false: run as a loop, `pipeline/looped.py`).
+`--unroll` is the pipeline's `unroll` (default true: the schedule unrolled into the graph; false:
+run as a loop, `pipeline/looped.py`; auto: by the plan's rule, as docs/schedules.md's tables were
+measured).
 """
 
 from __future__ import annotations

@@ -282,8 +282,8 @@ def Launch(args: argparse.Namespace, trainer_flags: list[str], exposure: str | N
     else:
         print(f'launch: {args.num_workers} workers: {spec}.\nlaunch: warning: {exposure}: the '
               'workers listen on every interface of this host and run any op sent to their '
-              'ports, without authentication; firewall these ports (README, "Reliability and '
-              'security").', file=sys.stderr, flush=True)
+              'ports, without authentication; firewall these ports (docs/reliability.md, '
+              '"Security model of the worker servers").', file=sys.stderr, flush=True)
     workers, trainer, status, what = [], None, None, ''
     try:
         for task in range(args.num_workers):

@@ -1,9 +1,10 @@
 """pytest: configure TensorFlow for the tests before any test touches it, and the test tiers.
 
-Tiers: `python -m pytest -q -m unit tests` runs the fast tier (pure Python and small graphs, about
-a minute on 2 cores), the contributor's inner loop; `python -m pytest -q -n 2 tests` runs
-everything on two worker processes (the README's and `.ci/run`'s command). A test module joins
-the fast tier with `pytestmark = pytest.mark.unit`, a class with `@pytest.mark.unit`.
+Tiers: `python -m pytest -q -m unit tests` runs the fast tier (pure Python and small graphs), the
+contributor's inner loop; `python -m pytest -q -n 2 tests` runs everything on two worker processes
+(the README's and `.ci/run`'s command); docs/contributing.md says how long each takes. A test
+module joins the fast tier with `pytestmark = pytest.mark.unit`, a class with
+`@pytest.mark.unit`.
 """
 
 import os

@@ -13,8 +13,8 @@ for a dead process, a probe run with its own deadline for a stopped one), so the
 
 A `tf.distribute.Server` listens on every interface, not only the address in its cluster spec,
 and runs any op a client sends: `gpipe_tf.launch` keeps its one-machine clusters in a private
-network namespace; firewall the ports of clusters of several hosts (README, "Reliability and
-security").
+network namespace; firewall the ports of clusters of several hosts (docs/reliability.md,
+"Security model of the worker servers").
 """
 
 from __future__ import annotations

@@ -212,7 +212,8 @@ def WarnIfClusterIsExposed(cluster) -> None:
     if exposed:
         errors.Warn(f'the cluster\'s tf.distribute.Server tasks ({", ".join(exposed)}) run any '
                     'op that any host reaching their ports sends, without authentication: '
-                    'firewall them to the cluster\'s hosts (README, "Reliability and security").')
+                    'firewall them to the cluster\'s hosts (docs/reliability.md, "Security '
+                    'model of the worker servers").')
 
 
 def Program(config, target: Target, p, plan, logdir: str):
@@ -227,7 +228,8 @@ def Program(config, target: Target, p, plan, logdir: str):
             raise errors.UserError(
                 '--tpu runs the tf_function path (a TPUStrategy). The v1 TPU path is '
                 'library-level: build the step inside tf.compat.v1.tpu.rewrite with '
-                'PipeliningLayer devices=gpipe_tf.train.tpu.CoreDevices(K) (README, "Cloud TPU").')
+                'PipeliningLayer devices=gpipe_tf.train.tpu.CoreDevices(K) '
+                '(docs/accelerators.md, "The v1 graph path").')
         tf.config.experimental.enable_op_determinism()
         return TpuProgram(config, target, p, plan, logdir)
     tf.config.experimental.enable_op_determinism()

@@ -193,7 +193,7 @@ class TransformerTiny(MultilingualTransformer):
     corpus (English into 7 languages, character vocabulary): model dim 128, 4 heads of 32, 2
     encoder and 2 decoder layers, vocabulary 256, 64 tokens per side, batch 32, pipelined over
     K=4 cells and M=4 micro-batches; no dropout (3,805 pairs: the job is to fit them within
-    minutes). The README's second job."""
+    minutes). The translation job of docs/trainer.md."""
     VOCAB_SIZE = 256
     MODEL_DIM = 128
     DIM_PER_HEAD = 32
