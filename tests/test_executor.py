@@ -3,6 +3,7 @@ sequence on the whole batch (a numpy oracle), each cell runs every micro-batch e
 step in its schedule's order (DESIGN invariant 4, recorded as the ops run and read from the
 graph's dependencies), statistics are summed over micro-batches, and op names follow `OpScope`."""
 
+import inspect
 import re
 
 import numpy as np
@@ -16,6 +17,7 @@ from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import executor
 from gpipe_tf.pipeline import cell as cell_lib
+from gpipe_tf.pipeline import looped
 from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule
 
@@ -240,6 +242,38 @@ class ExecutorValuesTest(tf.test.TestCase, parameterized.TestCase):
 
         self.assertMatchesOracle(Values(cells), x, dy, *Step(x, dy))
         self.assertEqual(assigned, {0, 1})
+
+
+def _ProtocolMembers():
+    """The methods and properties `executor.Executor` states, the constructor included."""
+    return {name: value for name, value in vars(executor.Executor).items()
+            if (callable(value) or isinstance(value, property)) and
+            (name == '__init__' or not name.startswith('_'))}
+
+
+def _Parameters(function):
+    """(name, kind, default) of each parameter: what a caller relies on (annotations aside)."""
+    return [(q.name, q.kind, q.default) for q in inspect.signature(function).parameters.values()]
+
+
+class ExecutorProtocolTest(tf.test.TestCase, parameterized.TestCase):
+    """Both executors offer what `executor.Executor` states, with the same parameters."""
+
+    def testTheProtocolStatesTheConstructorTheScheduleAndTheThreeWaysToRun(self):
+        self.assertEqual(set(_ProtocolMembers()),
+                         {'__init__', 'schedule', 'Forward', 'Backward', 'ForwardBackward'})
+
+    @parameterized.parameters(executor.UnrolledSchedule, looped.LoopedSchedule)
+    def testHasEveryMemberWithTheProtocolsParameters(self, cls):
+        for name, stated in _ProtocolMembers().items():
+            offered = inspect.getattr_static(cls, name, None)
+            self.assertIsNotNone(offered, f'{cls.__name__} has no {name}')
+            self.assertIsNot(offered, stated, f'{cls.__name__} inherits {name}')
+            if isinstance(stated, property):
+                self.assertIsInstance(offered, property, f'{cls.__name__}.{name}')
+            else:
+                self.assertEqual(_Parameters(offered), _Parameters(stated),
+                                 f'{cls.__name__}.{name}')
 
 
 class AssignNestTest(tf.test.TestCase):

@@ -12,7 +12,9 @@ runs its actions in its list's order: every action waits (a control dependency) 
 device's previous action produced. Weight gradients are summed over micro-batches on the
 stage's device as they come.
 
-Two ways to run a step:
+What an executor offers, whichever runs the step (this one, or `looped.LoopedSchedule`, which
+runs the schedule's clock as a loop), is stated once, as the protocol `Executor`. Two ways to
+run a step:
   * `Forward` then `Backward(d_outputs)`: the loss is computed after the pipeline on the whole
     batch, so every forward precedes every backward; for `forward_first` schedules (gpipe) and
     inference.
@@ -24,6 +26,7 @@ Two ways to run a step:
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Callable, Protocol, Sequence
 
 import tensorflow as tf
 
@@ -128,13 +131,16 @@ def _SumStats(per_micro_batch: list) -> list:
             for layer_stats in zip(*per_micro_batch)]
 
 
-class UnrolledSchedule:
-    """One step of a pipeline of S stages (cells) over M micro-batches, run by a schedule.
+class Executor(Protocol):
+    """Runs one step of a pipeline of S stages (cells) over M micro-batches, in the order of a
+    schedule: what `UnrolledSchedule` and `looped.LoopedSchedule` both are, and what
+    `PipeliningLayer` chooses between (`Plan.Loops`). An executor runs one step: `Forward`
+    (then, in training, `Backward`), or `ForwardBackward`.
 
     Args:
       functions: each stage's `recompute.CellFunctions` (which carry its device).
       recomputes: per stage, whether its backward re-materializes its forward.
-      sched: the `schedule.Schedule` (its num_stages must be S), or M for gpipe's.
+      sched: the `schedule.Schedule` (its num_stages must be S).
       batch_dim: the dimension micro-batches are split along.
       step: the training step (scalar int64 tensor), for the layers' randomness.
       assign: None, or a function (tensor, k) -> tensor assigning a tensor to logical device k
@@ -145,6 +151,72 @@ class UnrolledSchedule:
         schedule runs (a replica's shard starts further on); micro-batch m starts at
         first_example plus the examples before it (`microbatch.Starts`: equal micro-batches
         where M divides the batch). The layers draw their randomness per example from it.
+    """
+
+    def __init__(self, functions: Sequence[recompute.CellFunctions], recomputes: Sequence[bool],
+                 sched: schedule_lib.Schedule, batch_dim: int, step: tf.Tensor,
+                 assign: Callable[[tf.Tensor, int], tf.Tensor] | None = None,
+                 first_example: Any = 0) -> None:
+        ...
+
+    @property
+    def schedule(self) -> schedule_lib.Schedule:
+        """The schedule the step runs."""
+        ...
+
+    def Forward(self, thetas: list, inputs, training: bool = True) -> tuple[Any, list]:
+        """Runs the schedule's forwards (all of them first: the loss comes after).
+
+        Args:
+          thetas: per cell, its theta.
+          inputs: the mini-batch (tensor or nest of tensors).
+          training: whether to run training passes (and record for `Backward`).
+
+        Returns:
+          (outputs on the last device, per cell the list of its layers' summed statistics).
+
+        Raises:
+          ValueError: for training under a schedule that is not forward-first.
+        """
+
+    def Backward(self, d_outputs) -> tuple[list, Any]:
+        """Runs the schedule's backwards for gradients `d_outputs` of `Forward`'s outputs.
+
+        Args:
+          d_outputs: like the outputs; None for leaves that are not floating point.
+
+        Returns:
+          (per cell the flat list of its theta's gradients, None for non-trainable leaves;
+          d_inputs like the inputs).
+        """
+
+    def ForwardBackward(self, thetas: list, inputs, loss_fn, loss_inputs=None,
+                        loss_scale=None) -> tuple[Any, list, tuple, list, Any]:
+        """Runs every action of the schedule, the loss per micro-batch on the last stage.
+
+        Args:
+          thetas: per cell, its theta.
+          inputs: the mini-batch (tensor or nest of tensors).
+          loss_fn: (outputs, loss_inputs) of one micro-batch -> (value, weight): a mean over
+            `weight` items (a task's `loss` metric); the step's loss is the weighted mean over
+            micro-batches, sum(value * weight) / sum(weight).
+          loss_inputs: a nest split into micro-batches along batch_dim like the inputs and
+            given to loss_fn with each micro-batch's outputs (labels, weights); or None.
+          loss_scale: None, or a scalar the gradients are taken of the loss times
+            (`MicroBatchLoss`).
+
+        Returns:
+          (outputs on the last device, per cell its layers' summed statistics,
+          (sum over micro-batches of value * weight, sum of weight),
+          per cell the flat gradients of sum(value * weight) (times loss_scale) w.r.t. its
+          theta, the gradient of the same w.r.t. the inputs).
+        """
+
+
+class UnrolledSchedule:
+    """An `Executor` that adds every action of the schedule to the graph, in its build order.
+
+    Args: as `Executor`; `sched` may also be M, for gpipe's schedule.
 
     Raises:
       ValueError: for a schedule of another number of stages.
@@ -184,19 +256,7 @@ class UnrolledSchedule:
 
     # ---- running a step ---------------------------------------------------------------------
     def Forward(self, thetas: list, inputs, training: bool = True):
-        """Runs the schedule's forwards (all of them first: the loss comes after).
-
-        Args:
-          thetas: per cell, its theta.
-          inputs: the mini-batch (tensor or nest of tensors).
-          training: whether to run training passes (and record for `Backward`).
-
-        Returns:
-          (outputs on the last device, per cell the list of its layers' summed statistics).
-
-        Raises:
-          ValueError: for training under a schedule that is not forward-first.
-        """
+        """As `Executor.Forward`: (outputs, per cell its summed statistics)."""
         if training:
             CheckForwardFirst(self._schedule)
         self._Start(thetas, inputs, training)
@@ -204,15 +264,7 @@ class UnrolledSchedule:
         return self._Outputs(), self._Updates()
 
     def Backward(self, d_outputs):
-        """Runs the schedule's backwards for gradients `d_outputs` of `Forward`'s outputs.
-
-        Args:
-          d_outputs: like the outputs; None for leaves that are not floating point.
-
-        Returns:
-          (per cell the flat list of its theta's gradients, None for non-trainable leaves;
-          d_inputs like the inputs).
-        """
+        """As `Executor.Backward`: (per cell its flat weight gradients, d_inputs)."""
         with tf.device(self._devices[-1]):
             d_acts = microbatch.Split(d_outputs, self._num_micro_batches, self._batch_dim)
         for m, d in enumerate(d_acts):
@@ -223,25 +275,8 @@ class UnrolledSchedule:
 
     def ForwardBackward(self, thetas: list, inputs, loss_fn, loss_inputs=None,
                         loss_scale=None):
-        """Runs every action of the schedule, the loss per micro-batch on the last stage.
-
-        Args:
-          thetas: per cell, its theta.
-          inputs: the mini-batch (tensor or nest of tensors).
-          loss_fn: (outputs, loss_inputs) of one micro-batch -> (value, weight): a mean over
-            `weight` items (a task's `loss` metric); the step's loss is the weighted mean over
-            micro-batches, sum(value * weight) / sum(weight).
-          loss_inputs: a nest split into micro-batches along batch_dim like the inputs and
-            given to loss_fn with each micro-batch's outputs (labels, weights); or None.
-          loss_scale: None, or a scalar the gradients are taken of the loss times
-          (`MicroBatchLoss`).
-
-        Returns:
-          (outputs on the last device, per cell its layers' summed statistics,
-          (sum over micro-batches of value * weight, sum of weight),
-          per cell the flat gradients of sum(value * weight) (times loss_scale) w.r.t. its
-          theta, the gradient of the same w.r.t. the inputs).
-        """
+        """As `Executor.ForwardBackward`: (outputs, per cell its summed statistics, (loss
+        total, weight), per cell its flat weight gradients, d_inputs)."""
         self._Start(thetas, inputs, training=True)
         m_count = self._num_micro_batches
         with tf.device(self._devices[-1]):

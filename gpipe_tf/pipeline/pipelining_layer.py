@@ -3,10 +3,11 @@
 The layers are partitioned into K cells (v K with v virtual stages per device), each built and run
 under a device of its own. A mini-batch is split into M micro-batches, and the schedule
 (`schedule.Make(p.schedule, K, M, v)`: per device, its ordered forwards and backwards) is compiled
-into the graph by `executor.UnrolledSchedule`: every cell's forward and backward (and its
-recompute) runs under that cell's device, and each cell's weight gradients are summed over the M
-micro-batches on that device. The result, outputs and gradients, equals the same layers run
-un-partitioned, whatever the schedule.
+into the graph by an `executor.Executor` (`executor.UnrolledSchedule`, or `looped.LoopedSchedule`
+from many cell calls): every cell's forward and backward (and its recompute) runs under that
+cell's device, and each cell's weight gradients are summed over the M micro-batches on that
+device. The result, outputs and gradients, equals the same layers run un-partitioned, whatever
+the schedule.
 
 With gpipe (fill-drain) the loss may be computed after the pipeline (`FProp`); the other schedules
 start backwards before the last forward, so the loss is computed per micro-batch on the last stage
@@ -307,7 +308,7 @@ class PipeliningLayer(BaseLayer):
 
     def _Prepare(self, theta, inputs, training: bool):
         """Runs the before_tpl layers; returns (the pipeline's input, per replica its
-        `executor.UnrolledSchedule` for this batch, per cell its theta)."""
+        `executor.Executor` for this batch, per cell its theta)."""
         p = self.p
         with tf.device(self._devices[0]), fprop_context.Scope(batch_dim=p.batch_dim):
             if p.fprop_dtype is not None:
@@ -331,20 +332,20 @@ class PipeliningLayer(BaseLayer):
         even = batch_size is None or all(
             size % num_micro_batches == 0
             for size in microbatch.Sizes(batch_size, p.num_replicas))
-        run = (looped.LoopedSchedule
-               if self.plan.Loops(num_micro_batches) and (even or not training)
-               else executor.UnrolledSchedule)
-        runs = [run(functions, self.plan.recompute, sched, p.batch_dim,
-                    tf.cast(ctx.step, tf.int64), assign,
-                    first_example=tf.cast(ctx.first_example, tf.int64) + shard_starts[r])
-                for r, functions in enumerate(self._replica_functions)]
+        run: type[executor.Executor] = (
+            looped.LoopedSchedule if self.plan.Loops(num_micro_batches) and (even or not training)
+            else executor.UnrolledSchedule)
+        runs: list[executor.Executor] = [
+            run(functions, self.plan.recompute, sched, p.batch_dim, tf.cast(ctx.step, tf.int64),
+                assign, first_example=tf.cast(ctx.first_example, tf.int64) + shard_starts[r])
+            for r, functions in enumerate(self._replica_functions)]
         thetas = []
         for k in range(self.plan.num_cells):
             with tf.name_scope(f'cell_{k}_theta'):
                 thetas.append(executor.AssignNest(assign, k, self._cells[k].Theta(theta)))
         return inputs, runs, thetas
 
-    def _Infer(self, runs: list, thetas: list, inputs):
+    def _Infer(self, runs: list[executor.Executor], thetas: list, inputs):
         """The outputs of every replica's forward-only schedule: micro-batched, no
         re-materialization, nothing recorded for a backward."""
         return self._Replicated(
@@ -402,7 +403,7 @@ class PipeliningLayer(BaseLayer):
         with tf.device(self._devices[-1]):
             return microbatch.Concat(outputs, batch_dim)
 
-    def _Train(self, runs: list, thetas: list, inputs):
+    def _Train(self, runs: list[executor.Executor], thetas: list, inputs):
         """The unrolled step of every replica as one custom-gradient op, so that its backward is
         ours: built per cell under the cell's device, in the schedule's order. With R replicas,
         each cell's weight gradient is the sum of the replicas', taken on the device of the
@@ -458,7 +459,8 @@ class PipeliningLayer(BaseLayer):
         outputs, updates = results[0]
         return tf.nest.pack_sequence_as(outputs, list(flat_outputs)), updates
 
-    def _TrainWithLoss(self, runs: list, thetas: list, inputs, loss_fn, loss_inputs):
+    def _TrainWithLoss(self, runs: list[executor.Executor], thetas: list, inputs, loss_fn,
+                       loss_inputs):
         """Every replica's whole step (forwards, per micro-batch losses, backwards, in its
         schedule's order) run as the forward of one custom-gradient op whose output is the
         loss: the gradients, computed with the loss, are scaled by the incoming gradient and

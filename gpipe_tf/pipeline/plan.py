@@ -101,7 +101,8 @@ class Plan:
 
     def Loops(self, num_micro_batches: int) -> bool:
         """Whether a step over M = `num_micro_batches` runs the schedule as a loop
-        (`looped.LoopedSchedule`) rather than unrolled into the graph: the Params' `unroll`
+        (`looped.LoopedSchedule`) rather than unrolled into the graph
+        (`executor.UnrolledSchedule`; both are `executor.Executor`s): the Params' `unroll`
         (False: loop, which `MakePlan` refused with a logical_device_fn; 'auto': loop from
         LOOP_FROM_CELL_CALLS cell calls, v K M, unless a logical_device_fn is given)."""
         p = self.params
