@@ -7,7 +7,13 @@ trainer and the launcher decide how TensorFlow starts (its logging, a private ne
 
 import importlib
 
+from gpipe_tf import _moved
+
 __version__ = '0.1.0'
+
+# Module paths from before 0.1's layout (`gpipe_tf.layers.pipeline`, ...) import the modules
+# that moved until 0.2, with a DeprecationWarning.
+_moved.Install()
 
 _EXPORTS = {
     'BaseLayer': 'gpipe_tf.layers.base_layer',

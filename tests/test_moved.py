@@ -1,7 +1,9 @@
 """Module paths from before the layout of 0.1 (pipeline/, models/) still import, as the moved
-module itself, with a DeprecationWarning; Params text that names them still loads."""
+module itself, with a DeprecationWarning, whether imported by path or from their package; Params
+text that names them still loads. They are one table (`gpipe_tf._moved.MOVED`), no file each."""
 
 import importlib
+import os
 import sys
 import warnings
 
@@ -9,6 +11,8 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import pytest
 
+import gpipe_tf
+from gpipe_tf import _moved
 from gpipe_tf import model_registry
 
 pytestmark = pytest.mark.unit
@@ -38,6 +42,31 @@ class MovedModulesTest(parameterized.TestCase):
         self.assertIs(module, importlib.import_module(new))
         self.assertEqual([str(w.message) for w in caught if w.category is DeprecationWarning],
                          [f'{old} moved to {new}; the old path goes away in gpipe_tf 0.2.'])
+
+    @parameterized.parameters(*MOVED.items())
+    def testFromItsPackageTheOldNameIsTheNewModuleWithAWarning(self, old, new):
+        package, _, name = old.rpartition('.')
+        sys.modules.pop(old, None)
+        parent = importlib.import_module(package)
+        if name in vars(parent):
+            delattr(parent, name)  # Bound by an earlier import of the old path.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            scope = {}
+            exec(f'from {package} import {name}', scope)  # pylint: disable=exec-used
+        self.assertIs(scope[name], importlib.import_module(new))
+        self.assertEqual([str(w.message) for w in caught if w.category is DeprecationWarning],
+                         [f'{old} moved to {new}; the old path goes away in gpipe_tf 0.2.'])
+
+    def testTheTableHoldsEveryOldPathAndNoFileIsLeftAtOne(self):
+        self.assertEqual(_moved.MOVED, MOVED)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(gpipe_tf.__file__)))
+        for old in MOVED:
+            self.assertFalse(os.path.exists(os.path.join(root, *old.split('.')) + '.py'), old)
+
+    def testAnImportOfAPathNeverMovedStillFails(self):
+        with self.assertRaises(ModuleNotFoundError):
+            importlib.import_module('gpipe_tf.layers.no_such_module')
 
     def testParamsTextNamingAnOldPathLoads(self):
         p = model_registry.GetParams('examples.PipelinedMLP', 'Train')
