@@ -2,6 +2,8 @@
 made once from Params; every check Params allow happens when it is made, before any variable or
 graph; the layer, the memory planner and the trainer read the same plan."""
 
+from unittest import mock
+
 import pytest
 import tensorflow as tf
 from absl.testing import parameterized
@@ -179,6 +181,50 @@ class ConsumersReadThePlanTest(tf.test.TestCase):
     def testMemoryPlanTakesMFromMicroBatchSize(self):
         # micro_batch_size=4 on a batch of 16: M = 4 (a `num_micro_batches or 1` would say 1).
         self.assertEqual(memory.PlanMemory(_Params(micro_batch_size=4)).num_micro_batches, 4)
+
+
+class HandOnTest(tf.test.TestCase):
+    """A plan made once and handed on (`HandOn`) is the one the layer built inside takes."""
+
+    def _Made(self):
+        return mock.patch.object(plan_lib, 'MakePlan', wraps=plan_lib.MakePlan)
+
+    def testALayerBuiltInsideTakesThePlanInsteadOfMakingIt(self):
+        p = _Params(num_cells=3, num_micro_batches=2, devices=DEVICES[:3])
+        plan = plan_lib.MakePlan(p, place=False)
+        with self._Made() as made, plan_lib.HandOn(plan):
+            layer = p.Instantiate()
+        made.assert_not_called()
+        self.assertIs(layer.plan.cells, plan.cells)
+        self.assertEqual(layer.plan, plan_lib.MakePlan(layer.p, check_devices=True))
+
+    def testItsNameSeedAndDevicesAreTheLayersOwn(self):
+        plan = plan_lib.MakePlan(_Params(num_cells=3, devices=DEVICES[:3]), place=False)
+        p = _Params(num_cells=3, devices=DEVICES[3:6]).Set(name='other', random_seed=5)
+        with self._Made() as made, plan_lib.HandOn(plan):
+            layer = p.Instantiate()
+        made.assert_not_called()
+        self.assertEqual(layer.devices, DEVICES[3:6])
+        self.assertEqual(layer.plan, plan_lib.MakePlan(layer.p, check_devices=True))
+
+    def testParamsChangedSinceItWasHandedOnMakeTheirOwn(self):
+        p = _Params(num_cells=3, num_micro_batches=2, devices=DEVICES[:3])
+        plan = plan_lib.MakePlan(p, place=False)
+        with self._Made() as made, plan_lib.HandOn(plan):
+            p.num_micro_batches = 4  # The plan's own Params: a TPU program changes them so.
+            layer = p.Instantiate()
+        made.assert_called_once()
+        self.assertEqual(layer.plan.num_micro_batches, 4)
+        self.assertEqual(plan.num_micro_batches, 2)
+
+    def testOutsideOrWithNoneNothingIsHandedOn(self):
+        p = _Params(num_cells=2, devices=DEVICES[:2])
+        with plan_lib.HandOn(plan_lib.MakePlan(p, place=False)):
+            pass
+        with self._Made() as made, plan_lib.HandOn(None):
+            p.Instantiate()
+            p.Instantiate()
+        self.assertEqual(made.call_count, 2)
 
 
 if __name__ == '__main__':

@@ -24,6 +24,7 @@ import time
 from unittest import mock
 
 from absl import flags as absl_flags
+from absl.testing import parameterized
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -592,6 +593,24 @@ class SmallConfigsTrainTest(TrainerTestCase):
 
     def testLanguageModelTiny(self):
         self._TrainsTwoSteps('lm.TransformerLTiny')
+
+
+class OnePlanTest(TrainerTestCase, parameterized.TestCase):
+    """A training run makes its pipeline's plan once (`setup.CheckPlan`), before anything is
+    built, and the pipeline it builds takes it (`plan.HandOn`)."""
+
+    @parameterized.parameters(
+        ('tf_function', '', 1), ('v1', '', 1),
+        # The check before the devices exist runs on a uniform stand-in; the measured
+        # partition's plan is the one the pipeline takes.
+        ('tf_function', '; model.partition_method : "time"', 2))
+    def testATrainingRunMakesItsPlanOnce(self, graph_mode, overrides, expected):
+        with mock.patch.object(plan_lib, 'MakePlan', wraps=plan_lib.MakePlan) as made:
+            InProcess(f'--model={MLP}', f'--logdir={self.LogDir()}', '--max_steps=1',
+                      f'--graph_mode={graph_mode}',
+                      f'--model_params_override={FAST}; train.plot_pipeline : False'
+                      f'{overrides}')
+        self.assertEqual(made.call_count, expected, made.call_args_list)
 
 
 class ClusterExposureTest(tf.test.TestCase):

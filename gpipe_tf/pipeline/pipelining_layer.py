@@ -145,7 +145,8 @@ class PipeliningLayer(BaseLayer):
     def __init__(self, params):
         super().__init__(params)
         p = self.p
-        self.plan = plan_lib.MakePlan(p, check_devices=True)
+        # Made here, unless a trainer made it already (`plan.HandOn`).
+        self.plan = plan_lib.PlanFor(p, check_devices=True)
         # The variables live on the first replica's devices.
         self._devices = self.plan.mesh[0]
         with tf.device(self._devices[0]):

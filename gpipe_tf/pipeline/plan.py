@@ -7,13 +7,16 @@ R x K device mesh (`devices`). Everything Params allow to be checked is checked 
 the layers, the shapes between cells, the batch against R and M, and (optionally) that the
 devices exist. `PipeliningLayer`, the trainer, `tools/model_table.py` and `perf/` read the plan
 instead of re-deriving any of it; its memory plan is `perf.memory.FromPlan(plan)` (perf builds on
-the pipeline, not the other way round).
+the pipeline, not the other way round). A trainer makes its plan once, before anything is built,
+and hands it on to the layer it then builds (`HandOn`, `PlanFor`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 import tensorflow as tf
 
@@ -189,6 +192,51 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
                 schedule=(None if num_micro_batches is None else MakeSchedule(
                     p, len(cells) // p.virtual_stages, num_micro_batches)))
     return plan.Placed(check_devices, available) if place else plan
+
+
+# Plans handed on (`HandOn`), innermost last: (the plan, its Params as they were handed on).
+_HANDED_ON: contextvars.ContextVar[tuple] = contextvars.ContextVar('handed_on_plans',
+                                                                  default=())
+# Fields of a PipeliningLayer's Params that a plan's cells, costs, M and schedule do not read:
+# its name (set by the parent that creates it) and seed, and where it is placed (`Plan.Placed`
+# places a plan handed on again, on the devices of the Params that take it).
+_NOT_PLANNED = ('name', 'random_seed', 'devices', 'round_robin')
+
+
+@contextlib.contextmanager
+def HandOn(plan: Plan | None) -> Iterator[None]:
+    """Within, a PipeliningLayer built from the Params `plan` is of (as they are now, up to
+    name, seed and devices) takes `plan` (`PlanFor`) instead of making it again: a trainer
+    makes its plan once, before anything is built, and builds its program in here. A plan of
+    Params changed since (the TPU program's) is not taken. None hands nothing on."""
+    if plan is None:
+        yield
+        return
+    token = _HANDED_ON.set(_HANDED_ON.get() + ((plan, plan.params.Copy()),))
+    try:
+        yield
+    finally:
+        _HANDED_ON.reset(token)
+
+
+def PlanFor(p, check_devices: bool = False) -> Plan:
+    """The placed plan of PipeliningLayer Params `p`: one handed on for the same Params
+    (`HandOn`), placed on `p`'s devices here, else a new one (`MakePlan`).
+
+    Raises:
+      errors.ConfigError: as `MakePlan`.
+    """
+    for plan, params in reversed(_HANDED_ON.get()):
+        if _SamePlanned(params, p):
+            return dataclasses.replace(plan, params=p).Placed(check_devices)
+    return MakePlan(p, check_devices=check_devices)
+
+
+def _SamePlanned(a, b) -> bool:
+    """Whether PipeliningLayer Params `a` and `b` plan alike: equal but for `_NOT_PLANNED`."""
+    if not all(name in a and name in b for name in _NOT_PLANNED):
+        return False
+    return a.Copy().Set(**{name: b.Get(name) for name in _NOT_PLANNED}) == b
 
 
 def MakeSchedule(p, num_devices: int, num_micro_batches: int,

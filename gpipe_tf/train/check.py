@@ -139,9 +139,10 @@ def Compare(task_params) -> Parity:
                   worst[2], len(grads), m)
 
 
-def Run(task_params, name: str) -> Parity:
+def Run(task_params, name: str, plan=None) -> Parity:
     """Prints the comparison of task Params' pipeline (devices set up) with its layers
-    un-partitioned.
+    un-partitioned. The pipeline takes `plan`, the run's (`setup.CheckPlan`), where given,
+    instead of making it again.
 
     Raises:
       errors.ConfigError: for a model that is not a pipeline.
@@ -151,12 +152,13 @@ def Run(task_params, name: str) -> Parity:
     if not plan_lib.IsPipeline(p):
         raise errors.ConfigError(f'{name}: --mode=check compares a PipeliningLayer model with '
                                  f'its layers un-partitioned; got {p.cls.__name__}.')
-    pipeline_plan = plan_lib.MakePlan(p)
+    pipeline_plan = plan if plan is not None else plan_lib.MakePlan(p)
     print(f'check: {name}, K={pipeline_plan.num_devices} M={pipeline_plan.num_micro_batches} '
           f'{p.schedule}{" v=" + str(p.virtual_stages) if p.virtual_stages > 1 else ""} '
           f'recompute={p.recompute}, against its layers un-partitioned, on one batch of '
           f'{pipeline_plan.batch_size}', flush=True)
-    parity = Compare(task_params)
+    with plan_lib.HandOn(pipeline_plan):
+        parity = Compare(task_params)
     m = parity.reference_micro_batches
     print('the un-partitioned layers run ' + (
         'the whole batch at once' if m == 1 else f'the same {m} micro-batches in sequence '

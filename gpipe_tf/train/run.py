@@ -54,8 +54,7 @@ def Run(config) -> None:
         CheckExport(config, target, p)
     setup.SetUpDevices(config, target, p, plan, plan_only=config.mode == 'inspect_model')
     if plan is not None and p.model.partition_method == 'time':
-        setup.PartitionOnTime(p, logdir_lib.Resolve(config.logdir, config.model))
-        plan = setup.CheckPlan(p)
+        plan = setup.PartitionOnTime(p, logdir_lib.Resolve(config.logdir, config.model))
     if plan is not None and (config.mode == 'inspect_model' or target.tpu is None):
         # On the devices just set up (no second partition). A TPU's strategy places the cells
         # itself, and listing devices before it connects would start TensorFlow's runtime.
@@ -70,7 +69,7 @@ def Run(config) -> None:
                  config.device_memory_gib, config.tune_costs, config.tune_steps)
         return
     if config.mode == 'check':
-        check.Run(p, config.model)
+        check.Run(p, config.model, plan)
         return
     logdir = logdir_lib.Resolve(config.logdir, config.model)
     setup.WarnIfClusterIsExposed(target.cluster)

@@ -124,7 +124,9 @@ def _Cluster(text: str | None):
 def CheckPlan(p):
     """The plan of task Params `p`'s pipeline, not yet placed (None for a model that is not
     one): making it checks, before anything is built or written, K against the layers (and the
-    cells' shapes), and the batch against R replicas and M micro-batches.
+    cells' shapes), and the batch against R replicas and M micro-batches. It is the run's plan,
+    handed on to the pipeline that `Program` builds, unless the partition is measured
+    (`PartitionOnTime` then makes the run's plan; this one checks on a uniform partition).
 
     Raises:
       errors.ConfigError: naming the flag to change and the values that would work.
@@ -182,23 +184,26 @@ def SetUpDevices(config, target: Target, p, plan, plan_only: bool = False) -> No
         p.model.devices = devices
 
 
-def PartitionOnTime(p, logdir: str) -> None:
+def PartitionOnTime(p, logdir: str):
     """partition_method="time": measures the layers on the devices just set up (cached in
     `<logdir>/layer_costs.json`, so a restart finds the same cells without measuring again)
-    and sets the boundaries they give, which params.txt then records."""
+    and sets the boundaries they give, which params.txt then records. Returns the run's plan,
+    not yet placed: its cells are those boundaries' (None for a model that is not a pipeline
+    partitioned on time)."""
     model = p.model
     if not plan_lib.IsPipeline(model) or model.partition_method != 'time':
-        return
+        return None
     if model.costs_file is None:
         model.costs_file = os.path.join(logdir, 'layer_costs.json')
     print(f'measuring the layers of {model.name} for partition_method="time" (cached in '
           f'{model.costs_file})', flush=True)
-    cells = plan_lib.MakePlan(model, place=False).cells
+    plan = plan_lib.MakePlan(model, place=False)
     bounds = [0]
-    for layers in cells:
+    for layers in plan.cells:
         bounds.append(bounds[-1] + len(layers))
-    model.partition_method = bounds
+    model.partition_method = bounds  # Also the plan's Params (the same object).
     print(f'partition on measured time: boundaries {bounds}', flush=True)
+    return plan
 
 
 def WarnIfClusterIsExposed(cluster) -> None:
@@ -218,7 +223,13 @@ def WarnIfClusterIsExposed(cluster) -> None:
 
 def Program(config, target: Target, p, plan, logdir: str):
     """The training program for `target`: a StrategyProgram on a TPU, a GraphProgram (v1
-    Session) on a cluster or for --graph_mode=v1, else an EagerProgram (tf.function)."""
+    Session) on a cluster or for --graph_mode=v1, else an EagerProgram (tf.function). Its
+    pipeline takes `plan` (the run's, `CheckPlan`) instead of making it again."""
+    with plan_lib.HandOn(plan):
+        return _Program(config, target, p, plan, logdir)
+
+
+def _Program(config, target: Target, p, plan, logdir: str):
     cluster = target.cluster
     if target.tpu is not None:
         if cluster is not None:
