@@ -113,19 +113,31 @@ class SplitCell:
         self.saved_specs = [tf.TensorSpec(t.shape, t.dtype) for t in saved]
         # The kept residuals that are the cell's input are handed on, not fetched.
         self._kept_from_input = [_Index(t, x_ph) for t in kept]
-        self._forward = wrapped.prune(
-            feeds=given + x_ph,
-            fetches=[tf.nest.flatten(traced['outputs']), tf.nest.flatten(traced['stats']),
-                     [t for t, i in zip(kept, self._kept_from_input) if i is None]])
-        self._backward = wrapped.prune(feeds=given + kept + d_ys, fetches=[d_theta, d_x])
         self._input_positions = [_Index(t, kept) for t in for_input]
         # Per residual of W: ('d_y', i), ('kept', i) or ('computed', None), a value of I's.
         self._saved_sources = [_Source(t, d_ys, kept) for t in saved]
-        self._input = wrapped.prune(
-            feeds=given + for_input + d_ys,
-            fetches=[d_x, [t for t, (source, _) in zip(saved, self._saved_sources)
-                           if source == 'computed']])
-        self._weight = wrapped.prune(feeds=given + saved, fetches=d_theta)
+        # Each part is pruned when first called: a fused backward never needs I and W, a split
+        # one never needs B (pruning copies the traced graph).
+        self._pruned = {}
+        self._prune = {
+            'forward': lambda: wrapped.prune(
+                feeds=given + x_ph,
+                fetches=[tf.nest.flatten(traced['outputs']), tf.nest.flatten(traced['stats']),
+                         [t for t, i in zip(kept, self._kept_from_input) if i is None]]),
+            'backward': lambda: wrapped.prune(feeds=given + kept + d_ys,
+                                              fetches=[d_theta, d_x]),
+            'input': lambda: wrapped.prune(
+                feeds=given + for_input + d_ys,
+                fetches=[d_x, [t for t, (source, _) in zip(saved, self._saved_sources)
+                               if source == 'computed']]),
+            'weight': lambda: wrapped.prune(feeds=given + saved, fetches=d_theta),
+        }
+
+    def _Part(self, name: str):
+        """The pruned function of part `name` ('forward', 'backward', 'input', 'weight')."""
+        if name not in self._pruned:
+            self._pruned[name] = self._prune[name]()
+        return self._pruned[name]
 
     # ---- calling the parts --------------------------------------------------------------------
     def _Given(self, theta, step, first_example) -> list:
@@ -138,7 +150,7 @@ class SplitCell:
     def Forward(self, theta, inputs, step, first_example):
         """(outputs, statistics, the kept residuals as a flat list) for one micro-batch."""
         x = [t for t in tf.nest.flatten(inputs) if t is not None]
-        outputs, stats, kept = self._forward(*self._Given(theta, step, first_example), *x)
+        outputs, stats, kept = self._Part('forward')(*self._Given(theta, step, first_example), *x)
         kept = iter(kept)
         kept = [next(kept) if i is None else x[i] for i in self._kept_from_input]
         return (tf.nest.pack_sequence_as(self._output_structure, outputs),
@@ -147,13 +159,13 @@ class SplitCell:
     def Backward(self, theta, kept, step, first_example, d_outputs):
         """B: (d_theta, the gradients of the input's float leaves) from the kept residuals
         and the float outputs' gradients (`d_outputs`)."""
-        d_theta, d_x = self._backward(*self._Given(theta, step, first_example), *kept,
+        d_theta, d_x = self._Part('backward')(*self._Given(theta, step, first_example), *kept,
                                       *d_outputs)
         return self._Theta(d_theta), list(d_x)
 
     def Input(self, theta, kept, step, first_example, d_outputs):
         """I: (the gradients of the input's float leaves, what W reads as a flat list)."""
-        d_x, computed = self._input(*self._Given(theta, step, first_example),
+        d_x, computed = self._Part('input')(*self._Given(theta, step, first_example),
                                     *[kept[i] for i in self._input_positions], *d_outputs)
         computed = iter(computed)
         saved = []
@@ -168,7 +180,7 @@ class SplitCell:
 
     def Weight(self, theta, saved, step, first_example) -> list:
         """W: d_theta from what I saved."""
-        return self._Theta(self._weight(*self._Given(theta, step, first_example), *saved))
+        return self._Theta(self._Part('weight')(*self._Given(theta, step, first_example), *saved))
 
     def _Theta(self, grads):
         grads = iter(grads)
