@@ -40,6 +40,50 @@ def TransformerBlocks(num_blocks=3, dropout=0.0):
                                                 dropout=dropout) for _ in range(num_blocks)]
 
 
+@keras.saving.register_keras_serializable(package='test_keras_layers')
+class Fork(keras.layers.Layer):
+    """Two Dense heads on one input: a layer of two outputs, a tuple."""
+
+    def __init__(self, units=(4, 4), **kwargs):
+        super().__init__(**kwargs)
+        self.units = tuple(units)
+        self.heads = [keras.layers.Dense(n) for n in self.units]
+
+    def build(self, input_shape):
+        for head in self.heads:
+            head.build(input_shape)
+
+    def call(self, x):
+        return tuple(head(x) for head in self.heads)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(tuple(input_shape[:-1]) + (n,) for n in self.units)
+
+    def get_config(self):
+        return {**super().get_config(), 'units': self.units}
+
+
+@keras.saving.register_keras_serializable(package='test_keras_layers')
+class Gate(keras.layers.Layer):
+    """h gated by aux: a call of two required positional arguments."""
+
+    def call(self, h, aux):
+        return h * keras.ops.tanh(aux)
+
+    def compute_output_shape(self, h_shape, aux_shape):
+        return h_shape
+
+
+class Named(keras.layers.Layer):
+    """A layer whose output is a dict."""
+
+    def call(self, x):
+        return {'h': x}
+
+    def compute_output_shape(self, input_shape):
+        return {'h': input_shape}
+
+
 def Sequentially(layers, x, num_micro_batches=M, training=True):
     """The oracle: the layer objects called in order on each micro-batch (Keras's own calls,
     no pipeline code), the micro-batches' outputs concatenated. Training calls assign the
@@ -223,12 +267,13 @@ class StateTest(tf.test.TestCase):
             for a, b in zip(old, now):
                 self.assertAllEqual(a, b)
 
-    def DropoutRun(self, recompute, x, step=0):
+    def DropoutRun(self, recompute, x, step=0, balance=(2, 1)):
         keras.utils.set_random_seed(0)
         layers = [keras.layers.Dense(16, kernel_initializer='ones'),
                   keras.layers.Dropout(0.5), keras.layers.Dense(16, kernel_initializer='ones')]
         pipe = Pipeline.FromKeras(layers, num_cells=2, num_micro_batches=M, input_shape=(4,),
-                                  devices=DEVICES[:2], recompute=recompute, balance=[2, 1])
+                                  devices=DEVICES[:2], recompute=recompute,
+                                  balance=list(balance))
         pipe.step.assign(step)
         with tf.GradientTape() as tape:
             outputs = pipe(x, training=True)
@@ -242,6 +287,18 @@ class StateTest(tf.test.TestCase):
         self.assertAllClose(kept, replayed)
         for a, b in zip(kept_grads, replayed_grads):
             self.assertAllClose(a, b)
+
+    def testADropoutLayerInALaterCellReplaysItsMask(self):
+        # Keras's Dropout makes its seed state when it is made, before the pipeline places it
+        # on cell 1: the state stays where it is; it is only read.
+        x = tf.ones((8, 4))
+        kept, kept_grads, _ = self.DropoutRun('never', x, balance=(1, 2))
+        replayed, replayed_grads, layers = self.DropoutRun('always', x, balance=(1, 2))
+        self.assertAllClose(kept, replayed)
+        for a, b in zip(kept_grads, replayed_grads):
+            self.assertAllClose(a, b)
+        self.assertEqual(tf.DeviceSpec.from_string(layers[2].kernel.value.device).device_index,
+                         tf.DeviceSpec.from_string(DEVICES[1]).device_index)
 
     def testMasksDifferBetweenMicroBatchesAndSteps(self):
         x = tf.ones((8, 4))
@@ -349,6 +406,51 @@ class SequentialTest(tf.test.TestCase):
                         self.assertAllClose(reference.predict(x[:n], verbose=0),
                                             model.predict(x[:n], verbose=0), atol=TOLERANCE)
 
+    def testWeightRegularizersFitAsKerasSequential(self):
+        # 11 examples in batches of 8: the regularizers' penalty counts once per step, also
+        # on the partial batch.
+        x, y, _ = Data(11)
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Dense(8, activation='tanh',
+                                     kernel_regularizer=keras.regularizers.L2(0.1)),
+                  keras.layers.Dense(8, activation='tanh'),
+                  keras.layers.Dense(2, bias_regularizer=keras.regularizers.L1(0.05))]
+        reference = keras.Sequential([keras.Input((6,))] + Copies(layers))
+        model = Sequential(layers, num_cells=2, num_micro_batches=4, input_shape=(6,),
+                           devices=DEVICES[:2], schedule='1f1b')
+        model.build((None, 6))
+        CopyWeights(layers, reference.layers)
+        histories = []
+        for m in (model, reference):
+            m.compile(keras.optimizers.SGD(0.5), 'mse')
+            histories.append(m.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                                   shuffle=False).history['loss'])
+        self.assertAllClose(histories[1], histories[0], atol=TOLERANCE)
+        AssertSameWeights(self, layers, reference.layers)
+
+    def testALossAddedInACallIsAConfigErrorInTraining(self):
+        x, y, _ = Data()
+        layers = [keras.layers.Dense(8, activity_regularizer=keras.regularizers.L2(0.1)),
+                  keras.layers.Dense(2)]
+        model = Sequential(layers, num_cells=2, num_micro_batches=4, input_shape=(6,),
+                           devices=DEVICES[:2], schedule='1f1b')
+        model.compile(keras.optimizers.SGD(0.5), 'mse')
+        with self.assertRaisesRegex(errors.ConfigError,
+                                    r'adds a loss in its call \(add_loss, activity_regularizer'):
+            model.fit(x, y, batch_size=8, verbose=0)
+        # Inference has no loss to miss it in.
+        self.assertAllClose(Sequentially(layers, x, 1, training=False),
+                            model.predict(x, verbose=0), atol=TOLERANCE)
+
+    def testATrainingCallOutsideTheTrainStepNamesTheGpipeSchedule(self):
+        x, _, _ = Data()
+        model, _ = SequentialAndReference('1f1b')
+        with self.assertRaisesRegex(
+                errors.ConfigError,
+                r"schedule '1f1b' trains only through the model's train step .*custom "
+                r'training loop.* schedule="gpipe"'):
+            model(x, training=True)
+
     def testPipelineInAModelRefusesAScheduleThatNeedsTheLossInside(self):
         with self.assertRaisesRegex(errors.ConfigError, 'gpipe_tf.keras.Sequential'):
             Pipeline.FromKeras(DenseLayers(), num_cells=2, num_micro_batches=4,
@@ -448,6 +550,123 @@ class KeywordInputsTest(tf.test.TestCase):
             pipe((tf.zeros([2, 5, 8]), {'padding_msk': tf.ones([2, 5], tf.int32)}))
 
 
+def Copies(layers):
+    """Unbuilt copies of `layers`, from their configs: the oracle's own layers."""
+    return [type(layer).from_config(layer.get_config()) for layer in layers]
+
+
+def CopyWeights(layers, copies):
+    for layer, copy in zip(layers, copies):
+        copy.set_weights(layer.get_weights())
+
+
+def AssertSameWeights(test, layers, copies):
+    for layer, copy in zip(layers, copies):
+        for a, b in zip(layer.get_weights(), copy.get_weights()):
+            test.assertAllClose(b, a, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+@pytest.mark.unit
+class NestsTest(tf.test.TestCase):
+    """A layer's several outputs, a tuple, are the next layer's inputs across a cell boundary,
+    as keras.Sequential passes them (one argument) or, to a call that requires several, one
+    each; a last layer's tuple is the model's outputs."""
+
+    def testATupleCrossesACellBoundaryToTheNextLayer(self):
+        x = tf.random.stateless_normal((8, 6), [2, 3])
+        cases = {
+            # keras.Sequential's way: the tuple is Add's and Concatenate's one argument.
+            'add': ([Fork(), keras.layers.Add(), keras.layers.Dense(2)],
+                    lambda l, h: l[2](l[1](l[0](h)))),
+            'concatenate': ([Fork(), keras.layers.Concatenate(), keras.layers.Dense(2)],
+                            lambda l, h: l[2](l[1](l[0](h)))),
+            # Calls that require two arguments get one each.
+            'gate': ([Fork(), Gate(), keras.layers.Dense(2)],
+                     lambda l, h: l[2](l[1](*l[0](h)))),
+            'attention': ([keras.layers.Reshape((3, 2)), Fork(), keras.layers.MultiHeadAttention(
+                2, 2), keras.layers.Flatten(), keras.layers.Dense(2)],
+                          lambda l, h: l[4](l[3](l[2](*l[1](l[0](h)))))),
+        }
+        for name, (layers, oracle) in cases.items():
+            with self.subTest(name):
+                keras.utils.set_random_seed(0)
+                fork = next(i for i, layer in enumerate(layers) if isinstance(layer, Fork))
+                pipe = Pipeline.FromKeras(layers, num_cells=2, num_micro_batches=M,
+                                          input_shape=(6,), devices=DEVICES[:2],
+                                          balance=[fork + 1, len(layers) - fork - 1])
+                with tf.GradientTape() as tape:
+                    outputs = pipe(x, training=True)
+                    loss = Loss(outputs)
+                grads = tape.gradient(loss, pipe.trainable_weights)
+                with tf.GradientTape() as tape:
+                    expected = tf.concat([oracle(layers, part) for part in tf.split(x, M)], 0)
+                    loss = Loss(expected)
+                expected_grads = tape.gradient(loss, pipe.trainable_weights)
+                self.assertAllClose(expected, outputs, atol=TOLERANCE, rtol=TOLERANCE)
+                for grad, expected_grad in zip(grads, expected_grads):
+                    self.assertAllClose(expected_grad, grad, atol=TOLERANCE, rtol=TOLERANCE)
+
+    def testSeveralOutputsFitAsKerasSequential(self):
+        rng = np.random.RandomState(3)
+        x, _, sample_weight = Data(11)
+        y = (rng.randn(11, 2).astype(np.float32), rng.randn(11, 3).astype(np.float32))
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Dense(8, activation='tanh'),
+                  keras.layers.Dense(8, activation='tanh'), Fork((2, 3))]
+        reference = keras.Sequential([keras.Input((6,))] + Copies(layers))
+        # zero_bubble: the loss inside the pipeline, the backward split in two.
+        model = Sequential(layers, num_cells=2, num_micro_batches=M, input_shape=(6,),
+                           devices=DEVICES[:2], schedule='zero_bubble')
+        model.build((None, 6))
+        CopyWeights(layers, reference.layers)
+        histories = []
+        for m in (model, reference):
+            m.compile(keras.optimizers.SGD(0.5), ['mse', 'mae'], metrics=[['mae'], ['mse']])
+            # Batches of 4, 4 and 3: the last splits into micro-batches of 2 and 1.
+            histories.append(m.fit(x, y, sample_weight=sample_weight, batch_size=4, verbose=0,
+                                   shuffle=False).history)
+        self.assertEqual(sorted(histories[1]), sorted(histories[0]))
+        for key in histories[1]:  # The loss, each output's loss ('mse_loss'), the metrics.
+            self.assertAllClose(histories[1][key], histories[0][key], atol=TOLERANCE, msg=key)
+        AssertSameWeights(self, layers, reference.layers)
+        predictions = model.predict(x[:3], verbose=0)
+        self.assertLen(predictions, 2)
+        for got, want in zip(predictions, reference.predict(x[:3], verbose=0)):
+            self.assertAllClose(want, got, atol=TOLERANCE)
+
+    def testSeveralInputsAreTheFirstLayersAsInAFunctionalModel(self):
+        rng = np.random.RandomState(4)
+        a, b = rng.randn(11, 6).astype(np.float32), rng.randn(11, 3).astype(np.float32)
+        y = rng.randn(11, 2).astype(np.float32)
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Concatenate(), keras.layers.Dense(8, activation='tanh'),
+                  keras.layers.Dense(2)]
+        model = Sequential(layers, num_cells=2, num_micro_batches=M, input_shape=[(6,), (3,)],
+                           devices=DEVICES[:2], schedule='1f1b')
+        model.build([(None, 6), (None, 3)])
+        copies = Copies(layers)
+        inputs = (keras.Input((6,)), keras.Input((3,)))
+        hidden = copies[0](list(inputs))
+        reference = keras.Model(inputs, copies[2](copies[1](hidden)))
+        CopyWeights(layers, copies)
+        histories = []
+        for m in (model, reference):
+            m.compile(keras.optimizers.SGD(0.5), 'mse')
+            histories.append(m.fit((a, b), y, batch_size=8, epochs=2, verbose=0,
+                                   shuffle=False).history['loss'])
+        self.assertAllClose(histories[1], histories[0], atol=TOLERANCE)
+        AssertSameWeights(self, layers, copies)
+        self.assertAllClose(reference.predict((a, b), verbose=0),
+                            model.predict((a, b), verbose=0), atol=TOLERANCE)
+
+    def testALayerThatReturnsADictIsAConfigError(self):
+        with self.assertRaisesRegex(
+                errors.ConfigError, r"layers\[0\] \(named.*\): its outputs are \{'h': "
+                r"'KerasTensor'\}; .*a dict is the keyword inputs"):
+            Pipeline.FromKeras([Named(), keras.layers.Dense(2)], num_cells=2,
+                               num_micro_batches=M, input_shape=(6,), devices=DEVICES[:2])
+
+
 @pytest.mark.unit
 class MixedPrecisionTest(tf.test.TestCase):
     """Keras's mixed policies: every Keras layer computes in the policy's dtype inside the
@@ -521,6 +740,40 @@ class SavingTest(tf.test.TestCase):
                 for variable in layer.keras_layer.weights:
                     self.assertEqual(tf.DeviceSpec.from_string(variable.value.device).device_index,
                                      tf.DeviceSpec.from_string(DEVICES[k]).device_index)
+
+
+    def testALambdaLayerRunsAndLoadsOnlyOutsideSafeMode(self):
+        # A Lambda of a Python lambda cannot be made from its config in safe mode, so the
+        # pipeline counts its parameters on a deep copy; loading it is Keras's decision.
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Dense(8, activation='tanh'),
+                  keras.layers.Lambda(lambda t: 2.0 * t), keras.layers.Dense(2)]
+        model = Sequential(layers, num_cells=2, num_micro_batches=M, input_shape=(6,),
+                           devices=DEVICES[:2])
+        x, _, _ = Data()
+        predictions = model.predict(x, verbose=0)
+        self.assertAllClose(Sequentially(layers, x, 1, training=False), predictions,
+                            atol=TOLERANCE)
+        path = os.path.join(self.dir, 'lambda.keras')
+        model.save(path)
+        with self.assertRaisesRegex(ValueError, 'safe_mode=False'):
+            keras.models.load_model(path)
+        loaded = keras.models.load_model(path, safe_mode=False)
+        self.assertAllClose(predictions, loaded.predict(x, verbose=0), atol=1e-6)
+
+    def testSeveralOutputsRoundTrip(self):
+        keras.utils.set_random_seed(0)
+        model = Sequential([keras.layers.Dense(8, activation='tanh'), Fork((2, 3))],
+                           num_cells=2, num_micro_batches=M, input_shape=(6,),
+                           devices=DEVICES[:2], schedule='1f1b')
+        model.compile(keras.optimizers.SGD(0.1), ['mse', 'mse'])
+        x, _, _ = Data()
+        model.fit(x, (x[:, :2], x[:, 3:]), batch_size=8, verbose=0)
+        path = os.path.join(self.dir, 'outputs.keras')
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        for got, want in zip(loaded.predict(x, verbose=0), model.predict(x, verbose=0)):
+            self.assertAllClose(want, got, atol=1e-6)
 
 
 @pytest.mark.unit

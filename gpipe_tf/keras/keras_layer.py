@@ -31,11 +31,24 @@ its cell's `tf.device`, which places its variables there.
 Other state a call changes (an integer counter, a metric's) cannot be combined over
 micro-batches and is a ConfigError.
 
+**Several inputs and outputs.** A layer's outputs are the next layer's inputs: a tensor, or a
+tuple (or list) of tensors, which crosses a cell boundary as any nest does. As keras.Sequential
+does, a layer gets a tuple as one argument (Add, Concatenate and Attention take a list of
+inputs), unless its `call` requires several positional arguments (MultiHeadAttention's query
+and value, a `call(self, h, aux)`): then one each, which keras.Sequential refuses. The last
+layer's outputs are the pipeline's, so a model may have several outputs. A layer that returns a
+dict is a ConfigError: between layers a dict is the keyword inputs.
+
 **Keyword inputs.** A dict as the last input (attention or padding masks, say: `(x,
 {'padding_mask': mask})`) holds keyword arguments: each layer is called with those its `call`
 takes, and the dict is passed on, after the layer's outputs, to the next layer, so every block
 of a stack sees the same masks. Keras's implicit masks (`mask_zero=True`, a tensor's
 `_keras_mask`) do not cross cells: pass a mask as a keyword input instead.
+
+**Losses.** A call that adds a loss (`add_loss`, `activity_regularizer=`) is a ConfigError in
+training: the loss belongs to a micro-batch on an earlier stage, and the pipeline carries only
+the layers' outputs on. Weight regularizers are the model's to add (`Sequential` does, once per
+step).
 
 **Costs.** Keras reports no FLOPs: `FPropMeta` estimates a layer's as 2 multiply-adds per
 trainable parameter and input position (exact for Dense, a lower bound for convolutions), and
@@ -44,6 +57,7 @@ counts parameters exactly; balance Keras cells by parameters or explicit boundar
 
 from __future__ import annotations
 
+import copy
 import inspect
 import itertools
 import math
@@ -108,16 +122,76 @@ def InputSpecs(shapes) -> list:
 
 def Shapes(outputs) -> tuple:
     """The TensorShapes of a Keras layer's symbolic outputs, in its structure (one
-    TensorShape, or a tuple of them)."""
-    if isinstance(outputs, (list, tuple)):
+    TensorShape, or a tuple of them).
+
+    Raises:
+      errors.ConfigError: for outputs that are not a tensor or a flat tuple or list of
+        tensors: between layers a dict is the keyword inputs (see the module docstring).
+    """
+    if isinstance(outputs, (list, tuple)) and outputs and all(
+            hasattr(o, 'shape') and not isinstance(o, (list, tuple, dict)) for o in outputs):
         return tuple(tf.TensorShape(o.shape) for o in outputs)
-    return tf.TensorShape(outputs.shape)
+    if hasattr(outputs, 'shape') and not isinstance(outputs, (list, tuple, dict)):
+        return tf.TensorShape(outputs.shape)
+    raise errors.ConfigError(
+        f'its outputs are {Structure(outputs)}; a pipeline passes a tensor or a tuple of '
+        'tensors from layer to layer (a dict is the keyword inputs): return a tuple')
+
+
+def Arguments(layer: keras.layers.Layer, inputs: tuple) -> tuple:
+    """The positional arguments `layer` is called with on `inputs`, the previous layer's
+    outputs (or the pipeline's inputs). One input is one argument. Several are one argument, a
+    tuple, as keras.Sequential passes them (Add, Concatenate and Attention take a list of
+    inputs), unless the layer's `call` requires several positional arguments
+    (MultiHeadAttention's query and value): then each input is one of them, which
+    keras.Sequential refuses."""
+    if len(inputs) > 1 and _RequiredPositional(layer) < 2:
+        return (tuple(inputs),)
+    return tuple(inputs)
+
+
+def _RequiredPositional(layer: keras.layers.Layer) -> int:
+    """The number of positional arguments without a default the layer's `call` takes."""
+    return sum(1 for q in inspect.signature(layer.call).parameters.values()
+               if q.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                             inspect.Parameter.POSITIONAL_OR_KEYWORD)
+               and q.default is inspect.Parameter.empty)
+
+
+def Structure(value) -> str:
+    """`value`'s nest with each leaf as its type's name, for messages."""
+    return repr(tf.nest.map_structure(lambda x: type(x).__name__, value))
+
+
+def Clone(layer: keras.layers.Layer) -> keras.layers.Layer:
+    """An unbuilt copy of `layer`, to measure (output shapes, parameters, time) without
+    building the layer itself: from its config, as Keras copies layers, or a deep copy where
+    the config does not load back (a `Lambda` of a Python lambda, which Keras's safe mode
+    refuses; arguments a config cannot hold). The layer is this process's own object, so no
+    code from a file runs.
+
+    Raises:
+      errors.ConfigError: if neither works.
+    """
+    try:
+        return type(layer).from_config(layer.get_config())
+    except Exception as config_error:  # pylint: disable=broad-except
+        try:
+            return copy.deepcopy(layer)
+        except Exception:  # pylint: disable=broad-except
+            raise errors.ConfigError(
+                f'KerasLayer: the Keras layer {layer.name} ({type(layer).__name__}) cannot be '
+                f'copied, from its config ({type(config_error).__name__}: {config_error}) or '
+                'by copy.deepcopy; a pipeline builds a copy to count its parameters before '
+                'building the layer on its cell\'s device. Give the layer a get_config that '
+                'from_config reads back, or build it first under its cell\'s tf.device.'
+            ) from None
 
 
 def CallSymbolically(layer: keras.layers.Layer, shapes):
     """`layer` called on KerasTensors of `shapes` (building it if it is not built): its
     symbolic outputs."""
-    return layer(*InputSpecs(shapes))
+    return layer(*Arguments(layer, tuple(InputSpecs(shapes))))
 
 
 class KerasLayer(base_layer.BaseLayer):
@@ -156,6 +230,14 @@ class KerasLayer(base_layer.BaseLayer):
         self._keywords = Keywords(layer)
 
     @property
+    def placed_variables(self) -> list:
+        """The tf.Variables that should live on the cell's device: all but seed states, which a
+        layer may create with itself rather than when it is built (Keras's Dropout makes its
+        SeedGenerator in __init__, wherever that runs) and which a call only reads."""
+        return [v.value for v in self._trainable] + [
+            v.value for v, seed in zip(self._state, self._seed_states) if not seed]
+
+    @property
     def keras_layer(self) -> keras.layers.Layer:
         """The Keras layer."""
         return Resolve(self.p.layer)
@@ -173,9 +255,15 @@ class KerasLayer(base_layer.BaseLayer):
         mapping = list(zip(self._trainable, trainable)) + list(zip(self._state, given))
         # Nothing to initialize: every variable is mapped (and initializing the variables
         # other code left uninitialized is not this call's business).
-        with keras.StatelessScope(state_mapping=mapping, initialize_variables=False) as scope:
-            outputs = layer(*inputs, **kwargs)
+        with keras.StatelessScope(state_mapping=mapping, initialize_variables=False,
+                                  collect_losses=True) as scope:
+            outputs = layer(*Arguments(layer, inputs), **kwargs)
             new_state = [scope.get_current_value(v) for v in self._state]
+        if scope.losses and ctx.training:
+            raise errors.ConfigError(
+                f'{self.path}: the Keras layer {layer.name} adds a loss in its call (add_loss, '
+                'activity_regularizer=), which a pipeline does not carry to the loss (it passes '
+                'only the layers\' outputs on). Weight regularizers (kernel_regularizer=) work.')
         if ctx.training:
             self._ReportState(state, given, new_state, inputs)
         if isinstance(outputs, list):
@@ -227,13 +315,13 @@ class KerasLayer(base_layer.BaseLayer):
         input_shapes, keywords = SplitKeywords(input_shapes)
         shapes = [s.as_list() for s in input_shapes]
         if layer.built:
-            outputs = layer.compute_output_spec(*InputSpecs(shapes))
+            outputs = layer.compute_output_spec(*Arguments(layer, tuple(InputSpecs(shapes))))
             num_params = layer.count_params()
             trainable = sum(math.prod(v.shape) for v in layer.trainable_variables)
         else:
             # A copy built in a graph of its own, where its weights take no memory (none is
             # initialized), tells the shapes and parameters.
-            clone = type(layer).from_config(layer.get_config())
+            clone = Clone(layer)
             with tf.Graph().as_default():
                 outputs = CallSymbolically(clone, shapes)
             num_params = sum(math.prod(v.shape) for v in clone.weights)

@@ -79,6 +79,7 @@ from gpipe_tf.keras import pipeline_params
 from gpipe_tf.keras import weights
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.pipeline import schedule as schedule_lib
 
 
 @keras.saving.register_keras_serializable(package='gpipe_tf')
@@ -201,39 +202,60 @@ class Pipeline(keras.layers.Layer):
         self.compute_output_shape(input_shape)
 
     def compute_output_shape(self, input_shape) -> tuple:
-        """The output shape for `input_shape`, from the layers' FPropMeta (no TF op runs).
-        Keyword inputs (a dict last) do not change it.
+        """The output shape for `input_shape`, from the layers' FPropMeta (no TF op runs): a
+        shape, or a tuple of them for layers whose last gives several outputs. Several inputs
+        (a tuple of shapes) are the first layer's; keyword inputs (a dict last) do not change
+        the output.
 
         Raises:
           errors.ConfigError: if the input does not fit the first layer, or the output is not
-            one tensor.
+            a tensor or a tuple of them.
         """
         p = self._pipeline.p
-        if _HasKeywords(input_shape):
-            input_shape = input_shape[0] if len(input_shape) == 2 else input_shape[:-1]
-        shape = tf.TensorShape(input_shape).as_list()
-        if not -len(shape) <= p.batch_dim < len(shape):
-            raise errors.ConfigError(f'{self.name}: the input of shape {tuple(shape)} has no '
-                                     f'batch dimension {p.batch_dim} (Params batch_dim).')
-        batch = shape[p.batch_dim]
-        # FPropMeta needs whole shapes; the batch size does not change the others.
-        shape[p.batch_dim] = batch or 1
+        shapes = _InputShapes(input_shape)
+        batch = None
+        for i, shape in enumerate(shapes):
+            if not -len(shape) <= p.batch_dim < len(shape):
+                raise errors.ConfigError(
+                    f'{self.name}: the input of shape {tuple(shape)} has no batch dimension '
+                    f'{p.batch_dim} (Params batch_dim).')
+            batch = batch or shape[p.batch_dim]
+            # FPropMeta needs whole shapes; the batch size does not change the others.
+            shape[p.batch_dim] = shape[p.batch_dim] or 1
+            shapes[i] = tf.TensorShape(shape)
         try:
-            meta = pipelining_layer.PipeliningLayer.FPropMeta(p, tf.TensorShape(shape))
+            meta = pipelining_layer.PipeliningLayer.FPropMeta(p, *shapes)
         except (ValueError, TypeError) as error:
-            raise errors.ConfigError(f'{self.name}: an input of shape {tuple(input_shape)} '
-                                     f'does not fit the pipeline: {error}') from None
-        if not isinstance(meta.out_shapes, tf.TensorShape):
-            raise errors.ConfigError(f'{self.name}: the pipeline\'s output must be one tensor '
-                                     f'in a Keras model; its layers give {meta.out_shapes}.')
-        out = meta.out_shapes.as_list()
-        out[p.batch_dim] = batch
-        return tuple(out)
+            raise errors.ConfigError(f'{self.name}: an input of shape {input_shape} does not '
+                                     f'fit the pipeline: {error}') from None
+
+        def WithBatch(shape):
+            out = shape.as_list()
+            out[p.batch_dim] = batch
+            return tuple(out)
+
+        if isinstance(meta.out_shapes, tf.TensorShape):
+            return WithBatch(meta.out_shapes)
+        if isinstance(meta.out_shapes, tuple) and all(
+                isinstance(shape, tf.TensorShape) for shape in meta.out_shapes):
+            return tuple(WithBatch(shape) for shape in meta.out_shapes)
+        raise errors.ConfigError(f'{self.name}: the pipeline\'s output in a Keras model must be '
+                                 f'a tensor or a tuple of tensors; its layers give '
+                                 f'{meta.out_shapes}.')
 
     @tf.autograph.experimental.do_not_convert
     def call(self, inputs, training=None):
         training = _TrainingFlag(training, self.name)
         self._CheckTraceable(inputs)
+        schedule = self._pipeline.p.schedule
+        if training and schedule_lib.SCHEDULE_KINDS[schedule].loss_inside_pipeline:
+            raise errors.ConfigError(
+                f'{self.name}: schedule {schedule!r} trains only through the model\'s train '
+                'step (model.fit, train_on_batch), which computes the loss per micro-batch '
+                'inside the pipeline: it runs backwards before the last forward, so a loss '
+                'computed after model(x, training=True) (a custom training loop) comes too '
+                'late. Use schedule="gpipe" for such a loop; call the model with '
+                'training=False for inference.')
         return _WithoutKeywords(inputs, self._InContext(
             training, lambda: self._pipeline.FProp(self._pipeline.theta, inputs)))
 
@@ -312,7 +334,8 @@ class Pipeline(keras.layers.Layer):
             raise errors.ConfigError(
                 f'{self.name}: a Keras Pipeline takes a tensor, or (of Keras layers) a tuple of '
                 'tensors whose last item may be a dict of keyword inputs (masks: (x, '
-                '{"padding_mask": m})); got {_Structure(inputs if keywords is None else (*inputs, keywords))}.')
+                '{"padding_mask": m})); got '
+                f'{keras_layer.Structure(inputs if keywords is None else (*inputs, keywords))}.')
         if keywords is not None:
             taken = set().union(*(layer_keywords for layer_keywords in (
                 keras_layer.Keywords(layer) for layer in self._keras_layers)))
@@ -332,6 +355,24 @@ class Pipeline(keras.layers.Layer):
                 'put every cell on one device (Params devices).')
 
 
+def _InputShapes(input_shape) -> list[list]:
+    """The shapes (lists) of the positional inputs in Keras's `input_shape`: one shape, or a
+    tuple of them, then maybe the keyword inputs' dict of shapes."""
+    if _HasKeywords(input_shape):
+        input_shape = input_shape[:-1]
+        if len(input_shape) == 1:
+            input_shape = input_shape[0]
+
+    def IsShape(value):
+        return isinstance(value, tf.TensorShape) or (
+            isinstance(value, (list, tuple)) and
+            all(d is None or isinstance(d, int) for d in value))
+
+    if IsShape(input_shape):
+        return [tf.TensorShape(input_shape).as_list()]
+    return [tf.TensorShape(shape).as_list() for shape in input_shape]
+
+
 def _HasKeywords(inputs) -> bool:
     """Whether `inputs` (or their shapes) end in a dict of keyword inputs."""
     return isinstance(inputs, (tuple, list)) and bool(inputs) and isinstance(inputs[-1], dict)
@@ -344,11 +385,6 @@ def _WithoutKeywords(inputs, outputs):
             not isinstance(outputs[-1], dict)):
         return outputs
     return outputs[0] if len(outputs) == 2 else outputs[:-1]
-
-
-def _Structure(value) -> str:
-    """`value`'s nest with each leaf as its type's name, for messages."""
-    return repr(tf.nest.map_structure(lambda x: type(x).__name__, value))
 
 
 def _TrainingFlag(training, name: str) -> bool:
@@ -402,7 +438,7 @@ def _CheckKerasPlacement(pipeline) -> None:
         for layer in cell.sequence:
             if not isinstance(layer, keras_layer.KerasLayer) or want == {''}:
                 continue
-            on = _DistinctDevices([[v.device for v in tf.nest.flatten(layer.vars)]])
+            on = _DistinctDevices([[v.device for v in layer.placed_variables]])
             if on - want:
                 raise errors.ConfigError(
                     f'{pipeline_params.LAYER}: the Keras layer {layer.keras_layer.name} of cell '

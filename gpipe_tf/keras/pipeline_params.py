@@ -187,6 +187,9 @@ def FromKeras(layers, num_cells: int, num_micro_batches: int, input_shape=None, 
         lp.input_shapes = [[None] + s.as_list()[1:] for s in args]
         try:
             meta = sequential.Meta(lp.Copy().Set(name=f'layer_{i:03d}'), *args)
+        except errors.ConfigError as error:  # The layer cannot be copied, or its outputs.
+            raise errors.ConfigError(
+                f'{LAYER}.FromKeras: layers[{i}] ({layers[i].name}): {error}') from None
         except (ValueError, TypeError, NotImplementedError) as error:
             raise errors.ConfigError(
                 f'{LAYER}.FromKeras: layers[{i}] ({layers[i].name}) does not take inputs of '
@@ -208,11 +211,11 @@ TIMED_MICRO_BATCH = 16
 
 def _MeasuredSeconds(p, layers: list, layer_params: list, shapes: list) -> list[float]:
     """Each layer's measured share of a training step (`measured_costs`), timed on copies of
-    the layers (from their configs: the layers themselves stay unbuilt, for their cells'
+    the layers (`keras_layer.Clone`: the layers themselves stay unbuilt, for their cells'
     devices) on the first cell's device, on `p.micro_batch_size` examples or
     TIMED_MICRO_BATCH."""
     from gpipe_tf.perf import measured_costs  # pylint: disable=g-import-not-at-top
-    copies = [type(layer).from_config(layer.get_config()) for layer in layers]
+    copies = [keras_layer.Clone(layer) for layer in layers]
     timed = [lp.Copy().Set(layer=keras_layer.Handle(copy))
              for lp, copy in zip(layer_params, copies)]
     size = p.micro_batch_size or TIMED_MICRO_BATCH

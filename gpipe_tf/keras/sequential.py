@@ -18,11 +18,18 @@ the last stage (`PipeliningLayer.FPropLoss`): micro-batch m's value is the compi
 examples (Keras's mean over them, sample weights and `class_weight` included), and the step's
 loss is the mean of those values weighted by the micro-batches' examples, which equals the
 compiled loss of the whole batch and so has its gradients. The metrics are then computed on the
-whole batch's outputs, as `keras.Sequential` computes them.
+whole batch's outputs, as `keras.Sequential` computes them, and so are the per-output loss
+metrics of a model of several outputs (a last layer that returns a tuple; compile it with a loss
+per output, as keras.Sequential).
 
-Not supported, and why: losses added by layers (`add_loss`, weight regularizers), which the
-compiled loss of one micro-batch does not see; several model outputs (the pipeline's last layer
-gives one tensor).
+Training runs only through the train step (`fit`, `train_on_batch`): with any schedule but gpipe,
+`model(x, training=True)` in a custom training loop is a ConfigError, since the loss it would
+compute afterwards comes too late for backwards that start before the last forward.
+
+Weight regularizers (`kernel_regularizer=`) add their penalty to the loss once per step, as in
+keras.Sequential. Not supported, and why: losses a layer adds in its call (`add_loss`,
+`activity_regularizer=`), a ConfigError: they belong to a micro-batch on an earlier stage, and the
+pipeline carries only the layers' outputs to the loss.
 """
 
 from __future__ import annotations
@@ -84,15 +91,34 @@ class Sequential(keras.Model):
         if sample_weight is not None:
             loss_inputs['sample_weight'] = sample_weight
 
+        # Weight regularizers' penalties (compute_loss adds them) are read without a gradient
+        # in each micro-batch's loss, whose weighted mean then holds them once; their gradient
+        # is added outside the pipeline, below.
+        regularized = [v for v in self.trainable_weights if v.regularizer is not None]
+        # Read here: the pipeline's backward takes no variable read inside it.
+        regularized_values = [(v, tf.stop_gradient(v.value)) for v in regularized]
+
         def MicroBatchLoss(outputs, part):
-            value = self.compute_loss(x=None, y=part['y'], y_pred=outputs,
-                                      sample_weight=part.get('sample_weight'), training=True)
+            # The stateless scope also drops the loss's metric updates (a model of several
+            # outputs tracks each output's loss): they are made once, on the whole batch, below.
+            with keras.StatelessScope(state_mapping=regularized_values):
+                value = self.compute_loss(x=None, y=part['y'], y_pred=outputs,
+                                          sample_weight=part.get('sample_weight'),
+                                          training=True)
             examples = tf.shape(tf.nest.flatten(outputs)[0])[0]
             return tf.cast(value, tf.float32), tf.cast(examples, tf.float32)
 
         with tf.GradientTape() as tape:
             outputs, loss, _ = self._pipeline_layer.TrainWithLoss(x, MicroBatchLoss, loss_inputs)
+            if regularized:
+                penalty = tf.add_n([tf.cast(v.regularizer(v), loss.dtype) for v in regularized])
+                loss += penalty - tf.stop_gradient(penalty)
             scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
+        if tf.nest.is_nested(outputs):
+            # Each output's loss metric ('mse_loss'), from the whole batch as keras.Sequential
+            # computes it (no gradient flows through the pipeline's outputs).
+            self.compute_loss(x=None, y=y, y_pred=outputs, sample_weight=sample_weight,
+                              training=True)
         # Keras's own train step updates its loss tracker (what `fit` reports as loss) so.
         tracker = getattr(self, '_loss_tracker', None)
         if tracker is not None:
