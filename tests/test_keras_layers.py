@@ -4,7 +4,9 @@ one after another on each micro-batch, with their weights built on their cells' 
 
 import os
 import shutil
+import sys
 import tempfile
+import zipfile
 
 import keras
 import numpy as np
@@ -188,6 +190,24 @@ class LayersTest(tf.test.TestCase):
                 for variable in layer.keras_layer.weights:
                     self.assertEqual(tf.DeviceSpec.from_string(variable.value.device).device_index,
                                      tf.DeviceSpec.from_string(DEVICES[k]).device_index)
+
+    def testAKerasSequentialsLayers(self):
+        keras.utils.set_random_seed(0)
+        x = tf.random.stateless_normal((4, 6), [4, 4])
+        # Without keras.Input its layers are unbuilt: each is built on its cell's device.
+        model = keras.Sequential(DenseStack())
+        pipe = Pipeline.FromKeras(model, num_cells=2, num_micro_batches=M, input_shape=(6,),
+                                  devices=DEVICES[:2])
+        self.assertEqual(pipe.keras_layers, model.layers)
+        self.assertEqual(tf.DeviceSpec.from_string(
+            model.layers[-1].kernel.value.device).device_index, 1)
+        self.assertAllClose(Sequentially(model.layers, x, 1, training=False), pipe(x),
+                            atol=TOLERANCE)
+        # With keras.Input it is built (on the default device) and gives the input shape.
+        model = keras.Sequential([keras.Input((6,))] + DenseStack())
+        pipe = Pipeline.FromKeras(model, num_cells=2, num_micro_batches=M,
+                                  devices=[DEVICES[0]] * 2)
+        self.assertAllClose(model(x), pipe(x), atol=TOLERANCE)
 
     def testBalanceByParameters(self):
         # 6*8+8, 4*8, 8*8+8, 8*3+3: the optimal split of (56, 32, 72, 27) is [0, 2, 4].
@@ -778,6 +798,33 @@ class SavingTest(tf.test.TestCase):
             keras.models.load_model(path)
         loaded = keras.models.load_model(path, safe_mode=False)
         self.assertAllClose(predictions, loaded.predict(x, verbose=0), atol=1e-6)
+
+    def testAKerasLayerNamingAModuleOutsideKerasRunsNoCode(self):
+        # Keras's safe deserialization imports no module a layer's config names beyond its
+        # own and its registered classes'.
+        marker = os.path.join(self.dir, 'imported')
+        with open(os.path.join(self.dir, 'planted_keras_mod.py'), 'w') as f:
+            f.write(f'open({marker!r}, "w").close()\n')
+        sys.path.insert(0, self.dir)
+        self.addCleanup(sys.path.remove, self.dir)
+        model = Sequential([keras.layers.Dense(8), keras.layers.Dense(2)], num_cells=2,
+                           num_micro_batches=M, input_shape=(6,), devices=DEVICES[:2])
+        model(tf.zeros([2, 6]))
+        path, tampered = (os.path.join(self.dir, name) for name in ('m.keras', 't.keras'))
+        model.save(path)
+        named = '"module": "keras.layers", "class_name": "Dense"'
+        with zipfile.ZipFile(path) as source, zipfile.ZipFile(tampered, 'w') as target:
+            for item in source.infolist():
+                data = source.read(item.filename)
+                if item.filename == 'config.json':
+                    self.assertIn(named, data.decode())
+                    data = data.decode().replace(
+                        named, '"module": "planted_keras_mod", "class_name": "Dense"').encode()
+                target.writestr(item, data)
+        with self.assertRaises(TypeError):
+            keras.models.load_model(tampered)
+        self.assertFalse(os.path.exists(marker))
+        self.assertNotIn('planted_keras_mod', sys.modules)
 
     def testSeveralOutputsRoundTrip(self):
         keras.utils.set_random_seed(0)
