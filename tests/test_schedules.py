@@ -236,6 +236,17 @@ class SplitBackwardTest(tf.test.TestCase, parameterized.TestCase):
         for name, value in statistics['reference'].items():
             self.assertAllClose(statistics['tested'][name], value, rtol=RTOL, msg=name)
 
+    @parameterized.parameters(('zero_bubble', 1, 'never'), ('zero_bubble', 1, 'always'),
+                              ('zero_bubble_v', 2, 'never'))
+    def testUnevenMicroBatchesEqualTheLayersInSequence(self, kind, v, recompute):
+        # 6 examples in M=4 micro-batches of 2, 2, 1 and 1: the split parts are traced for
+        # each of the two sizes (they were traced for micro-batch 0's and failed to bind).
+        x, loss_inputs = Data()
+        x, loss_inputs = x[:6], tf.nest.map_structure(lambda t: t[:6], loss_inputs)
+        layer = Pipeline(kind, 2, v, 4, 1, recompute=recompute).Instantiate()
+        self.assertSameStep(tf.function(lambda x: PipelineStep(layer, x, loss_inputs))(x),
+                            ReferenceStep(layer, x, loss_inputs))
+
     @parameterized.parameters(('never', 0), ('always', 1))
     def testForwardsPerMicroBatch(self, recompute, reruns):
         """Per micro-batch and cell: its forward at F, a re-run before I only when

@@ -313,7 +313,6 @@ class UnrolledSchedule:
         # A split backward's forward, I and W: the parts of the cell's traced gradient, joined
         # by residuals (`residuals.SplitCell`), as the loop runs them. Made at a cell's first
         # training forward, for its input's spec.
-        self._splits = [None] * self._num_cells
         self._last = [[] for _ in range(self._schedule.num_devices)]
         self._loss_fn = None  # Set by ForwardBackward: the loss per micro-batch.
         self._loss_scale = None  # Set by ForwardBackward.
@@ -357,7 +356,7 @@ class UnrolledSchedule:
                 self._thetas[k], self._inputs[k][m], self._step, first, training=self._training)
         elif self._schedule.splits_backward:  # I reads the residuals this forward keeps.
             self._inputs[k][m] = self._Assign(k, self._acts[k][m])
-            outputs, self._stats[k][m], self._kept[k][m] = self._Split(k).Forward(
+            outputs, self._stats[k][m], self._kept[k][m] = self._Split(k, m).Forward(
                 self._thetas[k], self._inputs[k][m], self._step, first)
         else:
             # Fresh identities as differentiation sources: tf.gradients would otherwise also
@@ -426,11 +425,11 @@ class UnrolledSchedule:
         # nothing may need it, and waiting would force it to be computed).
         return (d_x if k else None), d_theta
 
-    def _Split(self, k):
-        if self._splits[k] is None:
-            self._splits[k] = self._functions[k].Split(
-                self._thetas[k], leaves.Specs(self._inputs[k][0]), tf.TensorSpec([], tf.int64))
-        return self._splits[k]
+    def _Split(self, k, m):
+        """Cell k's split for micro-batch m's input: uneven micro-batches (a batch M does not
+        divide) come in two sizes, each traced once (`CellFunctions.Split` keeps them)."""
+        return self._functions[k].Split(self._thetas[k], leaves.Specs(self._inputs[k][m]),
+                                         tf.TensorSpec([], tf.int64))
 
     def _I(self, k, m):
         d_y = self._IncomingGradient(k, m)
@@ -441,17 +440,17 @@ class UnrolledSchedule:
             with tf.device(self._devices[k]), tf.name_scope(recompute.RECOMPUTE_SCOPE):
                 with tf.control_dependencies(d_y):
                     inputs = leaves.Identity(self._inputs[k][m])
-                _, _, kept = self._Split(k).Forward(self._thetas[k], inputs, self._step, first)
-        d_x, self._saved[k][m] = self._Split(k).Input(self._thetas[k], kept, self._step, first,
-                                                      d_y)
+                _, _, kept = self._Split(k, m).Forward(self._thetas[k], inputs, self._step, first)
+        d_x, self._saved[k][m] = self._Split(k, m).Input(self._thetas[k], kept, self._step,
+                                                         first, d_y)
         self._kept[k][m] = None
         d_x = self._Assign(k, d_x)
         self._PassOn(k, m, d_x)
         return [d_x if k else None, self._saved[k][m]], None
 
     def _W(self, k, m):
-        d_theta = self._Split(k).Weight(self._thetas[k], self._saved[k][m], self._step,
-                                        self._first_examples[m])
+        d_theta = self._Split(k, m).Weight(self._thetas[k], self._saved[k][m], self._step,
+                                           self._first_examples[m])
         self._saved[k][m] = None
         return None, self._Assign(k, d_theta)
 
