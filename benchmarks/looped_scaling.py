@@ -9,9 +9,14 @@ arithmetic, should take the same time. Per (K, schedule):
   first_step_s   building the step and running it once
   step_ms        median of 5 train steps (loss per micro-batch via FPropLoss, SGD update)
   over_gpipe     step_ms over looped gpipe's at the same K
+  ticks          the schedule's ticks (iterations of the loop)
+  body_nodes     (--count_nodes) nodes of the loop body in the step's partition graphs, after
+                 grappler: each runs once per tick, in the branches not taken too (a lowered
+                 switch_case passes dead values through them)
+  node_visits    body_nodes x ticks: the executor's work per step, independent of the load
 
     python benchmarks/looped_scaling.py [--ks=8,16,32] [--recompute=always] [--schedules=...]
-        [--out=benchmarks/results/looped_scaling.json]
+        [--count_nodes] [--out=benchmarks/results/looped_scaling.json]
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ import json
 import statistics
 import time
 
+import re  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
 
 WIDTH, MICRO_BATCH = 64, 8
 
@@ -62,7 +70,28 @@ def MakeStep(layer):
     return Step
 
 
-def Measure(kind, k, devices, recompute) -> dict:
+def BodyNodes(kind, k, devices, recompute) -> int:
+    """Nodes of the while loops' bodies in the partition graphs of a step built afresh (a
+    function's partition graphs are reported when it first runs)."""
+    step = MakeStep(Build(kind, k, devices, recompute))
+    x = tf.random.stateless_normal([MICRO_BATCH * 4 * k, WIDTH], [1, 2])
+    context.enable_run_metadata()
+    try:
+        context.export_run_metadata()  # Drops what earlier steps of this process left there.
+        step(x).numpy()
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    graphs = list(metadata.partition_graphs) + [
+        g for function in metadata.function_graphs for g in function.partition_graphs]
+    in_loop = re.compile(r'(^|/)while(_\d+)?/')
+    # Enter and Exit run once per loop, not per tick.
+    return sum(1 for g in graphs for node in g.node
+               if in_loop.search(node.name) and node.op not in ('Enter', 'Exit'))
+
+
+def Measure(kind, k, devices, recompute, count_nodes=False) -> dict:
+    from gpipe_tf.pipeline import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
     layer = Build(kind, k, devices, recompute)
     assert layer.plan.Loops(layer.plan.num_micro_batches), 'the benchmark measures the loop'
     step = MakeStep(layer)
@@ -70,14 +99,20 @@ def Measure(kind, k, devices, recompute) -> dict:
     start = time.perf_counter()
     step(x).numpy()
     first = time.perf_counter() - start
+    ticks = len(schedule_lib.Ticks(layer.plan.schedule))
     step(x).numpy()
     times = []
     for _ in range(5):
         begin = time.perf_counter()
         step(x).numpy()
         times.append(time.perf_counter() - begin)
+    counts = {}
+    if count_nodes:
+        nodes = BodyNodes(kind, k, devices, recompute)
+        counts = dict(body_nodes=nodes, node_visits=nodes * ticks)
     return dict(schedule=kind, k=k, m=4 * k, layers=2 * k, recompute=recompute,
-                first_step_s=first, step_ms=1e3 * statistics.median(times))
+                first_step_s=first, step_ms=1e3 * statistics.median(times), ticks=ticks,
+                **counts)
 
 
 def Main() -> None:
@@ -88,6 +123,8 @@ def Main() -> None:
     parser.add_argument('--schedules', default=None,
                         help='Comma-separated kinds (default: every kind; gpipe always runs '
                              'first, as the reference).')
+    parser.add_argument('--count_nodes', action='store_true',
+                        help="Also count the loop body's nodes (one more step, traced).")
     parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
                                                       'looped_scaling.json'))
     args = parser.parse_args()
@@ -100,17 +137,18 @@ def Main() -> None:
     print(f'TensorFlow {tf.__version__}, {os.cpu_count()} CPU cores; 2K dense layers of {WIDTH}, '
           f'M=4K micro-batches of {MICRO_BATCH}, looped, recompute {args.recompute}')
     print(f'{"schedule":17s} {"K":>3s} {"M":>4s} {"first step s":>12s} {"step ms":>8s} '
-          f'{"/gpipe":>7s}', flush=True)
+          f'{"/gpipe":>7s} {"ticks":>6s} {"node visits":>12s}', flush=True)
     rows = []
     for k in ks:
         reference = None
         for kind in kinds:
-            row = Measure(kind, k, devices, args.recompute)
+            row = Measure(kind, k, devices, args.recompute, args.count_nodes)
             reference = reference or row['step_ms']
             row['over_gpipe'] = row['step_ms'] / reference
             rows.append(row)
             print(f'{kind:17s} {k:3d} {4 * k:4d} {row["first_step_s"]:12.1f} '
-                  f'{row["step_ms"]:8.1f} {row["over_gpipe"]:7.2f}', flush=True)
+                  f'{row["step_ms"]:8.1f} {row["over_gpipe"]:7.2f} {row["ticks"]:6d} '
+                  f'{row.get("node_visits", ""):>12}', flush=True)
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, 'w', encoding='utf-8') as f:  # After every row: nothing lost.
                 json.dump({'tensorflow': tf.__version__, 'cpu_cores': os.cpu_count(),
