@@ -1,6 +1,7 @@
 """Pipeline pictures: PNG files of the right size, one box per op, one bar per cell."""
 
 import collections
+import math
 import os
 import shutil
 import struct
@@ -249,6 +250,26 @@ class MemoryFigureTest(absltest.TestCase):
     def testNonPositiveDeviceBytesRaises(self):
         with self.assertRaisesRegex(ValueError, 'device_bytes must be > 0, got 0'):
             plot.MemoryFigure(_Plan(2), device_bytes=0)
+
+
+class TickLabelsTest(parameterized.TestCase):
+    """Cell labels under the bars never print over each other, up to the paper's K=128."""
+
+    @parameterized.parameters(8, 32, 48, 128)
+    def testRenderedLabelsDoNotOverlap(self, num_cells):
+        for figure in (plot.MemoryFigure(_Plan(num_cells)),
+                       plot.CellCostFigure([1.0] * num_cells)):
+            canvas = plot._Canvas(figure)  # pylint: disable=protected-access
+            canvas.draw()
+            renderer = canvas.get_renderer()
+            labels = [t for t in figure.axes[0].get_xticklabels() if t.get_text()]
+            boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.x0)
+            for left, right in zip(boxes, boxes[1:]):
+                self.assertLessEqual(left.x1, right.x0)
+            # Every bar is labelled while they fit; beyond, evenly spaced ones from the first.
+            self.assertLen(labels, num_cells if num_cells <= 32 else math.ceil(
+                num_cells / math.ceil(num_cells / 32)))
+            self.assertEqual(figure.axes[0].get_xticks()[0], 0)
 
 
 class PngTest(absltest.TestCase):

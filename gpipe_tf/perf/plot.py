@@ -34,6 +34,9 @@ COMPONENT_COLOURS = {
 
 _WIDTH_IN = 10.0
 _DPI = 100
+# Rotated tick labels that fit side by side under a figure's bars (at matplotlib's default
+# font size, 10 inches wide).
+_MAX_ROTATED_LABELS = 32
 _ROW_IN = 0.5  # Height of one device's row in a timeline.
 _MARGIN_IN = 1.5  # Title, x axis and its label.
 # Measured timelines may overlap on one row (two threads of one device); see-through boxes keep
@@ -200,7 +203,7 @@ def CellCostFigure(costs: Sequence[float], unit: str = 'FLOPs', title: str = '',
     ax.bar(range(len(costs)), costs, width=0.6, color=KIND_COLOURS['forward'])
     ax.axhline(mean, color='black', linestyle='--', linewidth=1,
                label=f'mean (balance target) = {mean:.3g}')
-    ax.set_xticks(range(len(costs)), labels, rotation=90 if len(costs) > 16 else 0)
+    _LabelCells(ax, labels, rotate=len(costs) > 16)
     ax.set_ylabel(unit)
     ax.legend(loc='upper left', bbox_to_anchor=(1.01, 1), frameon=False)
     summary = f'max/mean = {ratio:.2f}'
@@ -251,16 +254,23 @@ def MemoryFigure(plan: memory.MemoryPlan, device_bytes: float | None = None,
     if device_bytes is not None:
         handles.append(ax.axhline(device_bytes / scale, color='red', linestyle='--',
                                   linewidth=1, label='device memory'))
-    ax.set_xticks(x, [f'dev {k} · cell {cell.cell}' + (' (remat)' if cell.recompute else '')
-                      for k, cell in enumerate(cells)],
-                  # Side by side, these labels overlap from about 6 cells on (seen at 8).
-                  rotation=90 if len(cells) > 4 else 0)
+    # Side by side, these labels overlap from about 6 cells on (seen at 8).
+    _LabelCells(ax, [f'dev {k} · cell {cell.cell}' + (' (remat)' if cell.recompute else '')
+                     for k, cell in enumerate(cells)], rotate=len(cells) > 4)
     ax.set_ylabel(f'memory ({unit})')
     ax.legend(handles=handles, loc='upper left', bbox_to_anchor=(1.01, 1), frameon=False)
     summary = (f'K={plan.num_cells} M={plan.num_micro_batches} batch={plan.batch_size}: peak '
                f'{max(cell.total for cell in cells) / scale:.2f} {unit} per device')
     ax.set_title(f'{title}: {summary}' if title else summary)
     return figure
+
+
+def _LabelCells(ax, labels: list, rotate: bool) -> None:
+    """One x tick per bar, labelled with `labels`, rotated upright when `rotate`; where more
+    bars than rotated labels fit side by side (the paper's K=128), every n-th bar's."""
+    stride = max(1, math.ceil(len(labels) / _MAX_ROTATED_LABELS)) if rotate else 1
+    ticks = list(range(0, len(labels), stride))
+    ax.set_xticks(ticks, [labels[k] for k in ticks], rotation=90 if rotate else 0)
 
 
 def _Canvas(figure: Figure) -> FigureCanvasAgg:
