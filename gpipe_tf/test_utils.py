@@ -27,6 +27,7 @@ from gpipe_tf.layers import normalization
 from gpipe_tf.params.image import amoebanet as amoebanet_params
 from gpipe_tf.pipeline import devices
 from gpipe_tf.pipeline import leaves
+from gpipe_tf.pipeline import unpartitioned
 
 # Tests split the CPU into this many logical devices, enough for K = 8 cells.
 NUM_VIRTUAL_CPUS = 8
@@ -250,32 +251,9 @@ def SquareLoss(outputs) -> tf.Tensor:
     return tf.add_n([tf.reduce_sum(tf.square(x)) for x in FloatLeaves(outputs)])
 
 
-def Unpartitioned(pipeline_layer, inputs, num_micro_batches=1, step: int = 0):
-    """A PipeliningLayer's layers applied one after another, without the pipeline.
-
-    No devices, no recompute, no pipeline code: each micro-batch (M=1: the whole batch) runs
-    through `pipeline_layer.Layers()` under `fprop_context.Scope(step, first_example=the
-    examples before it)`. `num_micro_batches` is M equal parts, or a list of the parts' sizes
-    (uneven micro-batches, written out by the test). Training updates (batch norm's moving
-    statistics) are collected and dropped, so this changes no state. Only batch norm's
-    statistics depend on the micro-batches: the layers' randomness is drawn per example.
-    """
-    batch_dim = pipeline_layer.p.batch_dim
-    flat = [tf.split(x, num_micro_batches, batch_dim) for x in tf.nest.flatten(inputs)]
-    outputs = []
-    first_example = 0
-    for m in range(len(flat[0])):
-        args = (tf.nest.pack_sequence_as(inputs, [parts[m] for parts in flat]),)
-        size = flat[0][m].shape[batch_dim]
-        if size == 0:
-            continue  # An empty part: the pipeline's empty micro-batch computes nothing.
-        with fprop_context.Scope(step=step, first_example=first_example, batch_dim=batch_dim,
-                                 update_collector=fprop_context.UpdateCollector()):
-            for layer in pipeline_layer.Layers():
-                args = base_layer.AsArgs(layer.FProp(layer.theta, *args))
-        outputs.append(args[0])
-        first_example += size
-    return tf.nest.map_structure(lambda *xs: tf.concat(xs, batch_dim), *outputs)
+# The reference the pipeline's outputs and gradients equal; a product module, since
+# `--mode=check` runs it too.
+Unpartitioned = unpartitioned.Unpartitioned
 
 
 def OutputsAndGrads(fn, layer, inputs, loss_fn=SquareLoss):

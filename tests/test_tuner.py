@@ -1,19 +1,18 @@
-"""The tuner (`gpipe_tf.perf.tuner`) and the trainer's `--mode=tune` and `--mode=check`.
+"""The tuner (`gpipe_tf.perf.tuner`) and the trainer's `--mode=tune`.
 
 The tuner's search, checked against oracles of its own: on K=2 every boundary placement is
 scored and none beats the tuner's for its configuration; its pick fits the memory by a memory
 plan made afresh from the pick's Params (not the tuner's); where the time-optimal boundaries do
 not fit a 1F1B stage 0, moved ones do; a search where nothing fits names the smallest peak. The
 trainer's tune mode writes an override file that, applied, gives the chosen plan, and its errors
-are one line; the check mode passes a pipeline and fails one whose reference computes something
-else. Costs are FLOPs (deterministic) except in the one run that measures.
+are one line (the check mode's tests are in test_check.py). Costs are FLOPs (deterministic)
+except in the one run that measures.
 """
 
 import os
 import re
 import shutil
 import tempfile
-from unittest import mock
 
 import pytest
 import tensorflow as tf
@@ -26,7 +25,6 @@ from gpipe_tf.perf import memory as memory_lib
 from gpipe_tf.perf import tuner
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
-from gpipe_tf.train import check
 from gpipe_tf.train import setup
 
 pytestmark = pytest.mark.unit
@@ -183,27 +181,3 @@ class TuneModeTest(tf.test.TestCase):
         self.assertRegex(ErrorLine(result), r'^error: .*no configuration fits devices of '
                          r'1e-06 GiB; the smallest peak, [\d.e-]+ GiB per device, is ')
         self.assertFalse(os.path.exists(logdir))
-
-
-class CheckModeTest(tf.test.TestCase):
-
-    def testAPipelineComputesWhatItsLayersDoUnpartitioned(self):
-        output = InProcess(f'--model={MLP}', '--mode=check').stdout
-        self.assertIn('the un-partitioned layers run the whole batch at once', output)
-        self.assertRegex(output, r'worst per-variable gradient difference \(8 variables\)')
-        self.assertIn('parity: the pipeline computes what its layers do un-partitioned', output)
-
-    def testAReferenceThatDiffersFails(self):
-        original = check.ReferenceParams
-
-        def Changed(task_params, device, num_micro_batches=1):
-            reference = original(task_params, device, num_micro_batches)
-            reference.model.layer_tpl[1].activation = 'tanh'  # Not the pipeline's layers.
-            return reference
-
-        with mock.patch.object(check, 'ReferenceParams', Changed):
-            result = InProcess(f'--model={MLP}', '--mode=check', check=False)
-        self.assertEqual(result.returncode, 1, result.stderr)
-        self.assertRegex(ErrorLine(result), r"^error: examples\.PipelinedMLP: the pipeline's "
-                         r"gradients differ from its layers' un-partitioned by [\d.e-]+ of the "
-                         r'largest \(tolerance 0\.0001\), worst at ')

@@ -2,25 +2,25 @@
 un-partitioned, so a user can trust a configuration (a tuned one, say) on their own model before
 a long run.
 
-The reference is the same task with its pipeline as one cell on the first device, one
-micro-batch, the gpipe schedule and no re-materialization, holding the pipeline's very weights
-(restored from them by name, as a re-partitioned checkpoint is). Both compute the training loss
-and every trainable variable's gradient on the same batch; the check prints the losses, the
+The reference shares nothing with the pipeline but its layers: their FProp chained directly
+(`unpartitioned.Unpartitioned`: no cells, devices, schedule, executor, micro-batch split or
+re-materialization), the task's loss computed on their outputs as the task computes it
+(`ComputeMetrics`), and gradients by a tf.GradientTape over the pipeline's own variables, so a
+bug in the pipeline machinery cannot agree with itself. Both compute the training loss and
+every trainable variable's gradient on the same batch; the check prints the losses, the
 gradient norms and the worst per-variable gradient difference (relative to that variable's
 largest gradient), and fails when it exceeds the tolerance.
 
 Layers that normalise over the batch (batch norm in training) compute their statistics per
-micro-batch in the pipeline, so for a model holding one the reference runs the pipeline's M
-micro-batches in sequence on its one cell: it then checks the partition, the schedule, the
-re-materialization and the placement, and the header says so.
+micro-batch in the pipeline, so for a model holding one the reference runs the pipeline's
+micro-batches (each replica's shard in M parts) in sequence through the layers, and the output
+says so. Dropout and drop-path draw their masks per example from (step, example index), so they
+agree at any M.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import tempfile
 
 import numpy as np
 import tensorflow as tf
@@ -29,11 +29,14 @@ from gpipe_tf import errors
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import normalization
 from gpipe_tf.pipeline import plan as plan_lib
+from gpipe_tf.pipeline import unpartitioned
 
 # The largest relative difference that passes: float32 sums in another order; with a half
 # precision fprop_dtype, its rounding.
 TOLERANCE = 1e-4
 HALF_TOLERANCE = 2e-2
+# The training step both run: the layers' random masks are drawn for it.
+_STEP = 0
 
 
 class ParityError(errors.EnvironmentFault):
@@ -51,7 +54,7 @@ class Parity:
     worst_difference: float  # max |g - g_ref| of that variable, over its max |g_ref|.
     worst_absolute: float
     num_variables: int
-    reference_micro_batches: int  # 1, or M for a model with batch norm.
+    reference_micro_batches: int  # 1, or the pipeline's R x M for a model with batch norm.
 
     def Format(self) -> str:
         rows = [('', 'pipelined', 'un-partitioned', 'difference'),
@@ -72,71 +75,85 @@ def NormalisesOverTheBatch(task) -> bool:
     return any(isinstance(m, normalization.BatchNormLayer) for m in task.submodules)
 
 
-def ReferenceParams(task_params, device: str, num_micro_batches: int = 1):
-    """The task with its pipeline as one cell of `num_micro_batches` on `device`, gpipe, no
-    re-materialization."""
-    reference = task_params.Copy()
-    model = reference.model
-    model.Set(num_cells=1, num_micro_batches=num_micro_batches,
-              micro_batch_size=None, schedule='gpipe',
-              virtual_stages=1, recompute='never', partition_method='uniform',
-              num_replicas=1, devices=[device])
-    if 'cell_tpl' in model and model.cell_tpl is not None:
-        layers = [lp for cell in model.cell_tpl
-                  for lp in (cell if isinstance(cell, (list, tuple)) else [cell])]
-        model.Set(cell_tpl=None, layer_tpl=layers)
-    return reference
+def _EvenSizes(num_examples: int, num_parts: int) -> list[int]:
+    # The pipeline's rule for splitting a batch (into replicas' shards, a shard into
+    # micro-batches), written out here rather than taken from `microbatch`: the reference shares
+    # no pipeline code.
+    size, larger = divmod(num_examples, num_parts)
+    return [size + 1] * larger + [size] * (num_parts - larger)
 
 
-def _Gradients(task, batch):
+def ReferenceMicroBatches(task, batch_size: int) -> list[int]:
+    """The sizes of the parts the reference runs the batch in, one after another: the whole
+    batch, or, for a task that normalises over the batch, the pipeline's micro-batches (each
+    replica's shard in M parts), whose statistics batch norm computes."""
+    p = task.model.p
+    if not NormalisesOverTheBatch(task):
+        return [batch_size]
+    m = plan_lib.MicroBatchesOfStep(p, batch_size)
+    return [size for shard in _EvenSizes(batch_size, p.num_replicas)
+            for size in _EvenSizes(shard, m)]
+
+
+def ReferenceLoss(task, batch, micro_batch_sizes: list[int]) -> tf.Tensor:
+    """The task's training loss with its model's layers chained directly
+    (`unpartitioned.Unpartitioned`) on the parts `micro_batch_sizes` of the batch, reduced as
+    the task reduces its model's outputs (`ComputeMetrics`, on the whole batch: its weighted
+    mean is what the pipeline's per-micro-batch losses combine to)."""
+    outputs = unpartitioned.Unpartitioned(task.model, task.ModelInputs(batch),
+                                          micro_batch_sizes, step=_STEP)
+    return task.ComputeMetrics(batch, outputs).loss[0]
+
+
+def _PipelineLoss(task, batch) -> tf.Tensor:
+    return task.FPropTower(batch)['loss'][0]
+
+
+def _Gradients(task, batch, loss_fn) -> tuple[float, list[np.ndarray]]:
+    """(loss, per trainable variable of the task its gradient) of `loss_fn(task, batch)`, in
+    training on step _STEP."""
+    variables = task.trainable_variables
+
     @tf.function(autograph=False)
     def Run(batch):
         with tf.GradientTape() as tape:
-            with fprop_context.Scope(training=True, step=tf.constant(0, tf.int64),
+            with fprop_context.Scope(training=True, step=tf.constant(_STEP, tf.int64),
                                      first_example=0):
-                loss = task.FPropTower(batch)['loss'][0]
-        variables = task.trainable_variables
+                loss = loss_fn(task, batch)
         return loss, tape.gradient(loss, variables,
                                    unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
     loss, grads = Run(batch)
-    return float(loss), {v.name: g.numpy() for v, g in zip(task.trainable_variables, grads)}
+    return float(loss), [tf.convert_to_tensor(g).numpy() for g in grads]
 
 
 def Compare(task_params) -> Parity:
-    """Builds the task and its reference (of the pipeline's M micro-batches for a task that
-    normalises over the batch, else of one), gives the reference the task's weights, and
-    computes both on the input's first training batch."""
-    task = task_params.Instantiate()  # Its variables exist once it is built.
-    plan = task.model.plan
-    m = plan.num_micro_batches if NormalisesOverTheBatch(task) else 1
-    reference = ReferenceParams(task_params, plan.devices[0], m).Instantiate()
-    scratch = tempfile.mkdtemp(prefix='gpipe_check_')
-    try:
-        path = tf.train.Checkpoint(task=task).write(os.path.join(scratch, 'weights'))
-        tf.train.Checkpoint(task=reference).read(path).assert_existing_objects_matched()
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    """Builds the task and computes, on the input's first training batch, its loss and
+    gradients through the pipeline and through the pipeline's layers chained directly (the
+    same variables; for a task that normalises over the batch, on the same micro-batches)."""
+    task = task_params.Instantiate()
     batch = next(iter(task_params.input.Instantiate().TrainDataset(start_step=0)))
-    loss, grads = _Gradients(task, batch)
-    reference_loss, reference_grads = _Gradients(reference, batch)
-    if sorted(grads) != sorted(reference_grads):
-        missing = sorted(set(grads) ^ set(reference_grads))[:3]
-        raise ParityError(f'the pipeline and the un-partitioned layers hold different variables '
-                          f'({", ".join(missing)}).')
+    batch_dim = task.model.p.batch_dim
+    batch_size = int(tf.nest.flatten(task.ModelInputs(batch))[0].shape[batch_dim])
+    sizes = ReferenceMicroBatches(task, batch_size)
+    # The reference first: the pipeline's step then applies batch norm's moving statistics
+    # (which training reads neither way, but the reference then runs on untouched variables).
+    reference_loss, reference_grads = _Gradients(
+        task, batch, lambda task, batch: ReferenceLoss(task, batch, sizes))
+    loss, grads = _Gradients(task, batch, _PipelineLoss)
     worst = ('', -1.0, 0.0)
-    for name, g in grads.items():
-        reference_g = reference_grads[name]
+    for variable, g, reference_g in zip(task.trainable_variables, grads, reference_grads):
         absolute = float(np.max(np.abs(g - reference_g))) if g.size else 0.0
         scale = float(np.max(np.abs(reference_g))) if g.size else 0.0
         relative = absolute / scale if scale else absolute
         if relative > worst[1]:
-            worst = (name, relative, absolute)
+            worst = (variable.name, relative, absolute)
 
     def Norm(gs):
-        return float(np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in gs.values())))
+        return float(np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in gs)))
 
     return Parity(loss, reference_loss, Norm(grads), Norm(reference_grads), worst[0], worst[1],
-                  worst[2], len(grads), m)
+                  worst[2], len(grads), len(sizes))
 
 
 def Run(task_params, name: str, plan=None) -> Parity:
@@ -155,7 +172,8 @@ def Run(task_params, name: str, plan=None) -> Parity:
     pipeline_plan = plan if plan is not None else plan_lib.MakePlan(p)
     print(f'check: {name}, K={pipeline_plan.num_devices} M={pipeline_plan.num_micro_batches} '
           f'{p.schedule}{" v=" + str(p.virtual_stages) if p.virtual_stages > 1 else ""} '
-          f'recompute={p.recompute}, against its layers un-partitioned, on one batch of '
+          f'recompute={p.recompute}, against its layers un-partitioned (their FProp chained, '
+          f'no pipeline code), on one batch of '
           f'{pipeline_plan.batch_size}', flush=True)
     with plan_lib.HandOn(pipeline_plan):
         parity = Compare(task_params)
