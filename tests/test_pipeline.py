@@ -452,9 +452,9 @@ class AnyBatchSizeTest(tf.test.TestCase, parameterized.TestCase):
         layer = self._Pipeline(4, 'always', unroll=unroll).Instantiate()
         step = tf.function(lambda x: self._Step(layer, layer, x),
                            input_signature=[tf.TensorSpec([None, DIM])])
-        # The loop trains on equal micro-batches only: 16 and 24 there, 15 and 18 unrolled too.
-        for batch, sizes in ([(16, 4), (24, 4)] + ([(15, [4, 4, 4, 3]), (18, [5, 5, 4, 4])]
-                                                   if unroll else [])):
+        # Unrolled and looped alike: equal micro-batches, and uneven ones (the loop slices
+        # them out of the batch when the step runs), from one trace.
+        for batch, sizes in ((16, 4), (24, 4), (15, [4, 4, 4, 3]), (18, [5, 5, 4, 4])):
             x = RandomInputs((batch, DIM)) + 0.5
             got = step(x)
             want = self._Step(
@@ -462,13 +462,32 @@ class AnyBatchSizeTest(tf.test.TestCase, parameterized.TestCase):
             self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE, (batch, unroll))
         self.assertEqual(step.experimental_get_tracing_count(), 1)
 
-    def testTheLoopRefusesAnUnevenBatchKnownOnlyWhenItRuns(self):
-        layer = self._Pipeline(4, 'always', unroll=False).Instantiate()
+    @parameterized.parameters(True, False)
+    def testEmptyMicroBatchesOfABatchKnownOnlyWhenTheStepRuns(self, unroll):
+        # 3 examples in M = 4: micro-batches of 1, 1, 1 and 0; the empty one adds nothing.
+        layer = self._Pipeline(4, 'except_last', batch_norm=False, unroll=unroll).Instantiate()
         step = tf.function(lambda x: self._Step(layer, layer, x),
                            input_signature=[tf.TensorSpec([None, DIM])])
-        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
-                                    r'num_micro_batches \(4\) must divide the batch'):
-            step(RandomInputs((15, DIM)))
+        x = RandomInputs((3, DIM)) + 0.5
+        got = step(x)
+        want = self._Step(lambda x: test_utils.Unpartitioned(layer, x, [1, 1, 1, 0]), layer, x)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+        self.assertTrue(all(np.isfinite(g).all() for g in tf.nest.flatten(got)))
+
+    def testTheLoopSplitsABatchKnownOnlyWhenItRunsAlongBatchDim(self):
+        # [time, batch, dim] with batch_dim 1: 6 examples in micro-batches of 2, 2, 1 and 1,
+        # joined along the batch.
+        layer = self._Pipeline(4, 'never', batch_norm=False, unroll=False,
+                               batch_dim=1).Instantiate()
+        step = tf.function(lambda x: self._Step(layer, layer, x),
+                           input_signature=[tf.TensorSpec([2, None, DIM])])
+        x = RandomInputs((2, 6, DIM)) + 0.5
+        with fprop_context.Scope(step=2):
+            got = step(x)
+            want = self._Step(lambda x: test_utils.Unpartitioned(layer, x, [2, 2, 1, 1], step=2),
+                              layer, x)
+        self.assertEqual(got[0].shape, (2, 6, DIM))
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
 
     @parameterized.parameters(True, False)
     def testInferenceOnAnyBatchEqualsTheWholeBatch(self, unroll):

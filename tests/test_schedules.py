@@ -5,6 +5,7 @@ the same under every schedule; and each device runs its actions in its list's or
 
 import re
 
+import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
@@ -399,6 +400,77 @@ class LoopedKeepingTest(tf.test.TestCase, parameterized.TestCase):
             ).get_concrete_function(x).graph)
         self.assertEqual(ops['never'], 0)
         self.assertGreater(ops['always'], 0)
+
+
+# The loop on a batch known only when the step runs (Keras retraces `fit`'s last, partial batch
+# so), which M = 4 need not divide: (name, schedule, K, v, recompute).
+LOOPED_RUN_TIME_BATCH = [
+    ('gpipe', 'gpipe', 2, 1, 'always'), ('1f1b', '1f1b', 3, 1, 'never'),
+    ('zero_bubble_never', 'zero_bubble', 3, 1, 'never'),
+    ('zero_bubble_always', 'zero_bubble', 3, 1, 'always'),
+    ('zero_bubble_v', 'zero_bubble_v', 2, 2, 'never')]
+
+
+def MovingStatistics(layer, x, sizes, step=5):
+    """Each batch norm's moving statistics after one training step on `x` in micro-batches of
+    `sizes`, computed here: the micro-batches run through the layers in sequence, and each
+    batch norm moves one step of its decay towards the mean and (biased) variance of every
+    example it normalized (its moving statistics by name)."""
+    seen, first = {}, 0
+    for part in tf.split(x, sizes):
+        h = part
+        with fprop_context.Scope(step=step, first_example=first,
+                                 update_collector=fprop_context.UpdateCollector()):
+            for l in layer.Layers():
+                if isinstance(l, normalization.BatchNormLayer):
+                    seen.setdefault(l.path, (l, []))[1].append(h.numpy())
+                h = l.FProp(l.theta, h)
+        first += part.shape[0]
+    moving = {}
+    for l, parts in seen.values():
+        examples, decay = np.concatenate(parts), l.p.decay
+        for var, value in ((l.vars.moving_mean, examples.mean(0)),
+                           (l.vars.moving_variance, examples.var(0))):
+            moving[var.name] = decay * var.numpy() + (1 - decay) * value
+    return moving
+
+
+class LoopedRunTimeBatchTest(tf.test.TestCase, parameterized.TestCase):
+    """The loop on a batch known only when the step runs splits it as the unrolled executor
+    does: the first N mod M micro-batches one larger, the last ones empty when N < M (an empty
+    one adds nothing). Loss, gradients and batch norm's moving statistics equal the layers in
+    sequence on those micro-batches."""
+
+    assertSameStep = ScheduleContractTest.assertSameStep
+
+    @parameterized.named_parameters(*LOOPED_RUN_TIME_BATCH)
+    def testUnevenMicroBatchesWithBatchNormEqualTheLayersInSequence(self, kind, k, v,
+                                                                     recompute):
+        layer = Pipeline(kind, k, v, 4, 1, batch_norm=True, recompute=recompute,
+                         unroll=False).Instantiate()
+        step = tf.function(
+            lambda x, target, weights: PipelineStep(
+                layer, x, NestedMap(target=target, weights=weights)),
+            input_signature=[tf.TensorSpec([None, DIM]), tf.TensorSpec([None, DIM]),
+                             tf.TensorSpec([None])])
+        x, loss_inputs = Data()
+        for n, sizes in ((6, [2, 2, 1, 1]), (3, [1, 1, 1, 0])):
+            with self.subTest(examples=n):
+                x_n, loss_inputs_n = x[:n], tf.nest.map_structure(lambda t: t[:n], loss_inputs)
+                moving = MovingStatistics(layer, x_n, sizes)
+                got = step(x_n, loss_inputs_n.target, loss_inputs_n.weights)
+                # (MaxRelativeError does not see NaN.)
+                self.assertTrue(all(np.isfinite(t).all() for t in tf.nest.flatten(got)),
+                                'a loss or gradient is not finite')
+                # Batch norm over one or two examples: float32 order shows at up to 6e-5.
+                self.assertSameStep(got, ReferenceStep(layer, x_n, loss_inputs_n, sizes),
+                                    rtol=1e-4, d_x_rtol=1e-4)
+                self.assertLen(moving, 2 * NUM_BLOCKS)
+                for var in layer.variables:
+                    if 'moving' in var.name:
+                        self.assertAllClose(var.numpy(), moving[var.name], rtol=RTOL,
+                                            msg=var.name)
+        self.assertEqual(step.experimental_get_tracing_count(), 1)
 
 
 class EmbeddingCellTest(tf.test.TestCase, parameterized.TestCase):

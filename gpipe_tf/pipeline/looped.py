@@ -9,12 +9,16 @@ and stages it has, or idles. Micro-batches live in TensorArrays, one per leaf of
 boundary: outputs of every stage (what the next one and re-materializing backwards read) and the
 gradients of every boundary; each is a ring of as many micro-batches as the schedule has
 alive in it at once (`_RingSizes`), so what is no longer needed is freed. The pipeline's inputs
-and, when given, its outputs' gradients are read in place (along batch_dim 0, a micro-batch is
-a slice that shares the mini-batch's buffer), and each loop carries only the state its actions
-read or write. Weight gradients
-(a sum per weight) and training statistics are summed in loop variables on each stage's
-device. The values equal the unrolled executor's: the same traced cell
-functions run on the same micro-batches, and each device runs its actions in its list's order.
+and, when given, its outputs' gradients and the loss's inputs are read in place (along
+batch_dim 0, a micro-batch is a slice that shares the mini-batch's buffer), and each loop
+carries only the state its actions read or write. A batch known only when the step runs splits
+as the unrolled executor splits it (`microbatch.Sizes`: the first N mod M micro-batches one
+larger, the last ones empty when N < M): micro-batch m is a slice whose start and size are
+computed in the graph, the TensorArrays' elements have an unknown batch dimension, and an
+empty micro-batch adds nothing to the sums (`_Added`). Weight gradients (a sum per weight) and
+training statistics are summed in loop variables on each stage's device. The values equal the
+unrolled executor's: the same traced cell functions run on the same micro-batches, and each
+device runs its actions in its list's order.
 
 Every recompute mode runs. A re-materializing stage keeps only its input and its backward B
 recomputes the forward (`recompute`); a stage that keeps its activations runs, in training,
@@ -80,8 +84,9 @@ class LoopedSchedule:
         if training:
             executor.CheckForwardFirst(self._schedule)
         else:
-            # The loop's micro-batches share one shape; in inference, padding the batch to a
-            # multiple of M changes no real example's output.
+            # The loop splits a static batch into equal micro-batches only
+            # (`_CheckStaticBatch`); in inference, padding the batch to a multiple of M changes
+            # no real example's output.
             inputs, batch_size = microbatch.Padded(inputs, self._num_micro_batches,
                                                    self._batch_dim)
         # Training: `Backward` runs the backwards in a second loop.
@@ -97,9 +102,7 @@ class LoopedSchedule:
     def Backward(self, d_outputs):
         """As `UnrolledSchedule.Backward`: (per cell its flat weight gradients, d_inputs)."""
         with tf.device(self._devices[-1]):
-            self._d_acts[-1] = [
-                _Stacked(x, self._num_micro_batches, self._batch_dim)
-                for x in leaves.FloatLeaves(d_outputs)]
+            self._d_acts[-1] = [self._InPlace(x) for x in leaves.FloatLeaves(d_outputs)]
         self._Loop((B,))
         return self._Gradients()
 
@@ -107,15 +110,13 @@ class LoopedSchedule:
                         loss_scale=None):
         """As `UnrolledSchedule.ForwardBackward`."""
         self._Start(thetas, inputs, True, [(F, B, I, W)], loss_in_loop=True)
-        m_count = self._num_micro_batches
         self._loss_fn = loss_fn
         self._loss_scale = loss_scale
         with tf.device(self._devices[-1]):
-            # Stacked [M, micro-batch...], for a micro-batch's by its index in the loop.
-            self._loss_inputs = (None if loss_inputs is None else tf.nest.map_structure(
-                lambda *xs: tf.stack(xs),
-                *microbatch.Split(_EvenlySplit(loss_inputs, m_count, self._batch_dim),
-                                  m_count, self._batch_dim)))
+            # Read in place, as the inputs: a micro-batch's by its index in the loop.
+            self._loss_inputs = tf.nest.map_structure(
+                lambda x: None if x is None else self._InPlace(tf.convert_to_tensor(x)),
+                loss_inputs)
             self._loss = [tf.zeros([]), tf.zeros([])]
             # The outputs' gradients come from the loss, written as each forward ends.
             self._d_acts[-1] = self._EmptyArrays(leaves.FloatLeaves(self._output_specs),
@@ -145,14 +146,20 @@ class LoopedSchedule:
         self._loss_scale = None
         self._loss = None  # ForwardBackward's [sum of value * weight, sum of weight].
         with tf.device(self._devices[0]):
-            inputs = _EvenlySplit(inputs, m_count, batch_dim)
-            # Stacked views of the mini-batch (along batch_dim 0, no copy), read in place.
-            first = [None if x is None else _Stacked(x, m_count, batch_dim)
-                     for x in tf.nest.flatten(inputs)]
+            batch_size = microbatch.RunBatchSize(inputs, batch_dim)
+            if isinstance(batch_size, int):
+                _CheckStaticBatch(batch_size, m_count)
+                self._sizes = self._starts = None
+            else:
+                # Per micro-batch, its examples and the index of its first (int64 [M]).
+                self._sizes = microbatch.Sizes(batch_size, m_count)
+                self._starts = tf.cumsum(self._sizes, exclusive=True)
+            # The mini-batch, read in place (along batch_dim 0, no copy).
+            first = [None if x is None else self._InPlace(x) for x in tf.nest.flatten(inputs)]
             self._input_structure = tf.nest.pack_sequence_as(
-                inputs, [None if x is None else _ReadSlot(x, 0) for x in first])
-            self._micro_batch_size = tf.cast(
-                executor.MicroBatchSize(self._input_structure, batch_dim), tf.int64)
+                inputs, [None if x is None else self._MicroBatch(x, 0) for x in first])
+            self._micro_batch_size = (None if self._sizes is not None else tf.cast(
+                executor.MicroBatchSize(self._input_structure, batch_dim), tf.int64))
         # acts[b]: the TensorArrays of boundary b (b = 0 the input, b = S the output), one per
         # leaf; d_acts[b]: those of its float leaves' gradients.
         self._structures = [self._input_structure]
@@ -200,6 +207,42 @@ class LoopedSchedule:
         """How many micro-batches `key`'s TensorArrays hold (1 for one the step never uses:
         the boundaries' gradients in inference)."""
         return self._ring.get(key, 1)
+
+    def _InPlace(self, x):
+        """Mini-batch tensor `x` as the loop reads it in place (`_MicroBatch`): stacked,
+        [M, micro-batch...] (`_Stacked`), for a batch M divides statically; else `x` itself."""
+        return x if self._sizes is not None else _Stacked(x, self._num_micro_batches,
+                                                           self._batch_dim)
+
+    def _MicroBatch(self, x, m):
+        """Micro-batch m (an int, or a loop's int32 scalar) of `x`, a mini-batch tensor read
+        in place (`_InPlace`): the stacked view's element m, or, for a batch known only when
+        the step runs, its examples [start_m, start_m + size_m) along batch_dim."""
+        if self._sizes is None:
+            return x[m]
+        start = self._starts[m]
+        index = [slice(None)] * x.shape.rank
+        index[self._batch_dim] = slice(start, start + self._sizes[m])
+        return x[tuple(index)]
+
+    def _FirstExample(self, m):
+        """The index in the mini-batch of micro-batch m's first example (int64), from which
+        the layers draw their randomness per example."""
+        first = tf.cast(self._first_example, tf.int64)
+        if self._starts is None:
+            return first + tf.cast(m, tf.int64) * self._micro_batch_size
+        return first + self._starts[m]
+
+    def _Added(self, m, sums, add):
+        """`add()`: `sums` (a nest) with micro-batch m's contribution added; for an empty
+        micro-batch (a batch smaller than M, known only when the step runs) `sums` as they are.
+        Its cells run on no example, as the unrolled executor's do, but a reduction over none
+        can be NaN where the layer multiplies it by another (batch norm's scale gradient: the
+        sum of nothing times 1 / sqrt(variance of nothing)), and no weighting by its 0
+        examples takes a NaN back out. (Its loss has weight 0: `MicroBatchLoss`.)"""
+        if self._sizes is None:
+            return add()
+        return tf.cond(self._sizes[m] > 0, add, lambda: sums)
 
     def _Slot(self, key, m):
         """Micro-batch m's index in `key`'s TensorArrays: m modulo its ring's size."""
@@ -352,11 +395,11 @@ class LoopedSchedule:
         """Micro-batch m from `key`'s TensorArrays (as they were when the tick began), packed
         as `structure` (None: the flat list)."""
         stores = self._Value(key)
-        # The inputs, and the outputs' gradients when given, are stacked views of the whole
-        # mini-batch (`_Stacked`): micro-batch m is their element m.
-        slot = (self._Slot(key, m) if any(isinstance(x, tf.TensorArray) for x in stores)
-                else m)
-        flat = [_ReadSlot(store, slot) for store in stores]
+        if any(isinstance(x, tf.TensorArray) for x in stores):
+            slot = self._Slot(key, m)
+            flat = [store.read(slot) for store in stores]
+        else:  # The inputs, or the outputs' gradients when given: read in place.
+            flat = [self._MicroBatch(store, m) for store in stores]
         return flat if structure is None else tf.nest.pack_sequence_as(structure, flat)
 
     def _Write(self, values, key, m, flat):
@@ -366,8 +409,7 @@ class LoopedSchedule:
 
     def _Action(self, kind, s, m, keys):
         values = dict(zip(keys, self._Get(keys)))
-        first = (tf.cast(self._first_example, tf.int64) +
-                 tf.cast(m, tf.int64) * self._micro_batch_size)
+        first = self._FirstExample(m)
         fn = self._functions[s]
         token = ('token', self._schedule.DeviceOf(s))
         # After the device's last action. (An identity in this branch's graph: a control
@@ -399,8 +441,9 @@ class LoopedSchedule:
                 outputs, stats = fn.Forward(theta, x, step, first, training=self._training)
             self._Write(values, ('act', s + 1), m, tf.nest.flatten(outputs))
             if self._stats[s] is not None:
-                values[('stats', s)] = tf.nest.map_structure(
-                    tf.add, values[('stats', s)], stats)
+                sums = values[('stats', s)]
+                values[('stats', s)] = self._Added(
+                    m, sums, lambda: tf.nest.map_structure(tf.add, sums, stats))
             if s == self._num_stages - 1 and self._loss_fn is not None:
                 total, weight, d_y = self._Loss(outputs, m)
                 self._Write(values, ('d_act', s + 1), m, d_y)
@@ -408,7 +451,9 @@ class LoopedSchedule:
                                        values[('loss', 0)][1] + weight]
             return
         if kind == W:
-            values[('grad', s)] = _Add(values[('grad', s)], split.Weight(theta, x, step, first))
+            sums = values[('grad', s)]
+            values[('grad', s)] = self._Added(
+                m, sums, lambda: _Add(sums, split.Weight(theta, x, step, first)))
             return
         d_y = self._Read(('d_act', s + 1), None, m)
         if kind == B and self._keeps[s]:
@@ -422,12 +467,13 @@ class LoopedSchedule:
             d_x, saved = split.Input(theta, x, step, first, d_y)
             self._Write(values, ('saved', s), m, saved)
         if kind == B:
-            values[('grad', s)] = _Add(values[('grad', s)], d_theta)
+            sums = values[('grad', s)]
+            values[('grad', s)] = self._Added(m, sums, lambda: _Add(sums, d_theta))
         self._Write(values, ('d_act', s), m, [g for g in d_x if g is not None])
 
     def _Loss(self, outputs, m):
-        loss_inputs = (None if self._loss_inputs is None else
-                       tf.nest.map_structure(lambda x: tf.gather(x, m), self._loss_inputs))
+        loss_inputs = tf.nest.map_structure(
+            lambda x: None if x is None else self._MicroBatch(x, m), self._loss_inputs)
         total, weight, d_y = executor.MicroBatchLoss(self._loss_fn, outputs, loss_inputs,
                                                      self._loss_scale)
         return tf.cast(total, tf.float32), tf.cast(weight, tf.float32), d_y
@@ -435,10 +481,14 @@ class LoopedSchedule:
     # ---- results ----------------------------------------------------------------------------
     def _Joined(self, array):
         """The micro-batches of a TensorArray joined into the mini-batch along batch_dim
-        (along 0, one copy)."""
+        (along 0, one copy; `concat` takes micro-batches of different sizes)."""
         if self._batch_dim == 0:
             return array.concat()
-        return tf.concat(tf.unstack(array.stack()), axis=self._batch_dim)
+        if self._sizes is not None:  # Of different sizes: stack needs them equal.
+            parts = [array.read(m) for m in range(self._num_micro_batches)]
+        else:
+            parts = tf.unstack(array.stack())
+        return tf.concat(parts, axis=self._batch_dim)
 
     def _Outputs(self):
         with tf.device(self._devices[-1]):
@@ -544,33 +594,19 @@ def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool,
     return sizes
 
 
-def _EvenlySplit(inputs, num_micro_batches: int, batch_dim: int):
-    """`inputs`, checked to split into M micro-batches of one shape (the loop's): statically,
-    or when the step runs for a batch known only then.
-
-    Raises:
-      ValueError: for a static batch that M does not divide (`PipeliningLayer` unrolls such a
-        training step instead).
-      tf.errors.InvalidArgumentError: when the step runs, for such a batch.
-    """
-    batch_size = microbatch.RunBatchSize(inputs, batch_dim)
-    if isinstance(batch_size, int):
-        if batch_size % num_micro_batches:
-            raise ValueError(f'The looped schedule runs micro-batches of one shape: a batch of '
-                             f'{batch_size} examples does not split into {num_micro_batches}.')
-        return inputs
-    check = tf.debugging.assert_equal(
-        batch_size % num_micro_batches, tf.constant(0, tf.int64), message=(
-            f'The looped schedule trains on micro-batches of one shape, so num_micro_batches '
-            f'({num_micro_batches}) must divide the batch: batch with drop_remainder=True, '
-            'or set unroll=True (uneven micro-batches) for batches it does not divide.'))
-    with tf.control_dependencies([check]):
-        return tf.nest.map_structure(lambda x: None if x is None else tf.identity(x), inputs)
+def _CheckStaticBatch(batch_size: int, num_micro_batches: int) -> None:
+    """Raises ValueError for a static batch that M does not divide: the loop reads such a batch
+    as M equal parts (`_Stacked`). (`PipeliningLayer` unrolls such a training step instead;
+    a batch known only when the step runs splits into uneven micro-batches, `_MicroBatch`.)"""
+    if batch_size % num_micro_batches:
+        raise ValueError(f'The looped schedule splits a static batch into micro-batches of one '
+                         f'shape: a batch of {batch_size} examples does not split into '
+                         f'{num_micro_batches}.')
 
 
 def _Stacked(x, num_micro_batches, batch_dim):
     """`x`'s micro-batches stacked, [M, micro-batch...]. Along batch_dim 0 a reshape: a view
-    that shares the mini-batch's buffer, whose slices (`_ReadSlot`) share it too."""
+    that shares the mini-batch's buffer, whose elements share it too."""
     if batch_dim % x.shape.rank:
         return tf.stack(tf.split(x, num_micro_batches, axis=batch_dim))
     shape = tf.shape(x)
@@ -580,11 +616,6 @@ def _Stacked(x, num_micro_batches, batch_dim):
     stacked.set_shape([num_micro_batches, None if size is None else size // num_micro_batches] +
                       x.shape[1:])
     return stacked
-
-
-def _ReadSlot(store, slot):
-    """Element `slot` of a TensorArray, or of a stacked tensor (`_Stacked`)."""
-    return store.read(slot) if isinstance(store, tf.TensorArray) else store[slot]
 
 
 def _Add(sums: list, grads: list) -> list:

@@ -328,8 +328,9 @@ class PipeliningLayer(BaseLayer):
         # before this whole batch, under a strategy's replicas).
         shard_starts = microbatch.Starts(microbatch.RunBatchSize(inputs, p.batch_dim),
                                          p.num_replicas)
-        # The loop's micro-batches share one shape; a training step whose batch M does not
-        # divide runs unrolled, on uneven micro-batches (inference pads the loop's batch).
+        # The loop splits a static batch into equal micro-batches, a batch known only when the
+        # step runs as the unrolled executor does; a training step whose static batch M does
+        # not divide runs unrolled (inference pads the loop's batch).
         even = batch_size is None or all(
             size % num_micro_batches == 0
             for size in microbatch.Sizes(batch_size, p.num_replicas))
