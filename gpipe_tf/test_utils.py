@@ -52,15 +52,21 @@ def RunV1(build):
 
 
 def MaxRelativeError(actual, expected) -> float:
-    """max |actual - expected| / max |expected| over all tensors of two like-structured nests."""
+    """max |actual - expected| / max |expected| over all tensors of two like-structured nests;
+    infinite where either holds a NaN or an infinity the other does not (numpy's max would
+    skip a NaN difference and call the two equal)."""
     worst = 0.0
     dense = lambda x: tf.convert_to_tensor(x) if isinstance(x, tf.IndexedSlices) else x
     for a, e in zip(tf.nest.flatten(actual), tf.nest.flatten(expected)):
         a, e = np.asarray(dense(a), np.float64), np.asarray(dense(e), np.float64)
         if a.shape != e.shape:
             raise ValueError(f'Shapes differ: {a.shape} vs {e.shape}.')
-        scale = max(np.abs(e).max(initial=0.0), 1e-30)
-        worst = max(worst, float(np.abs(a - e).max(initial=0.0) / scale))
+        finite = np.isfinite(e)
+        if not np.array_equal(np.isfinite(a), finite) or not np.array_equal(
+                a[~finite], e[~finite], equal_nan=True):
+            return float('inf')
+        scale = max(np.abs(e[finite]).max(initial=0.0), 1e-30)
+        worst = max(worst, float(np.abs(a[finite] - e[finite]).max(initial=0.0) / scale))
     return worst
 
 

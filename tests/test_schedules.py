@@ -409,6 +409,11 @@ LOOPED_RUN_TIME_BATCH = [
     ('zero_bubble_never', 'zero_bubble', 3, 1, 'never'),
     ('zero_bubble_always', 'zero_bubble', 3, 1, 'always'),
     ('zero_bubble_v', 'zero_bubble_v', 2, 2, 'never')]
+# The same, unrolled (whose empty micro-batches' batch-norm gradients were NaN in the sums).
+RUN_TIME_BATCH = ([case + (False,) for case in LOOPED_RUN_TIME_BATCH] +
+                  [(f'{name}_unrolled', *case, True) for name, *case in (
+                      ('gpipe', 'gpipe', 2, 1, 'always'), ('1f1b', '1f1b', 3, 1, 'never'),
+                      ('zero_bubble', 'zero_bubble', 3, 1, 'always'))])
 
 
 def MovingStatistics(layer, x, sizes, step=5):
@@ -435,19 +440,19 @@ def MovingStatistics(layer, x, sizes, step=5):
     return moving
 
 
-class LoopedRunTimeBatchTest(tf.test.TestCase, parameterized.TestCase):
-    """The loop on a batch known only when the step runs splits it as the unrolled executor
-    does: the first N mod M micro-batches one larger, the last ones empty when N < M (an empty
-    one adds nothing). Loss, gradients and batch norm's moving statistics equal the layers in
-    sequence on those micro-batches."""
+class RunTimeBatchTest(tf.test.TestCase, parameterized.TestCase):
+    """Both executors on a batch known only when the step runs split it alike: the first
+    N mod M micro-batches one larger, the last ones empty when N < M (an empty one adds
+    nothing). Loss, gradients and batch norm's moving statistics equal the layers in sequence
+    on those micro-batches."""
 
     assertSameStep = ScheduleContractTest.assertSameStep
 
-    @parameterized.named_parameters(*LOOPED_RUN_TIME_BATCH)
+    @parameterized.named_parameters(*RUN_TIME_BATCH)
     def testUnevenMicroBatchesWithBatchNormEqualTheLayersInSequence(self, kind, k, v,
-                                                                     recompute):
+                                                                     recompute, unroll):
         layer = Pipeline(kind, k, v, 4, 1, batch_norm=True, recompute=recompute,
-                         unroll=False).Instantiate()
+                         unroll=unroll).Instantiate()
         step = tf.function(
             lambda x, target, weights: PipelineStep(
                 layer, x, NestedMap(target=target, weights=weights)),
@@ -459,7 +464,6 @@ class LoopedRunTimeBatchTest(tf.test.TestCase, parameterized.TestCase):
                 x_n, loss_inputs_n = x[:n], tf.nest.map_structure(lambda t: t[:n], loss_inputs)
                 moving = MovingStatistics(layer, x_n, sizes)
                 got = step(x_n, loss_inputs_n.target, loss_inputs_n.weights)
-                # (MaxRelativeError does not see NaN.)
                 self.assertTrue(all(np.isfinite(t).all() for t in tf.nest.flatten(got)),
                                 'a loss or gradient is not finite')
                 # Batch norm over one or two examples: float32 order shows at up to 6e-5.

@@ -52,10 +52,10 @@ known only when the step runs (Keras traces a second batch size with an unknown 
 `predict` on one example, `evaluate` on a number M does not divide, and `fit` whose last batch
 is partial all run. A training step's gradient is the un-pipelined model's whatever the sizes
 (Keras's loss comes after the pipeline, over the whole batch). The looped schedule
-(`unroll=False`, or 'auto' from 64 cell calls) runs micro-batches of one shape: in inference
-it pads the batch with copies of its last example and drops their outputs; a training step
-whose static batch M does not divide is unrolled instead, and one whose batch is known only
-when it runs must be divisible (an error when it runs says so).
+(`unroll=False`, or 'auto' from 64 cell calls) pads an inference batch with copies of its last
+example and drops their outputs; it trains on the uneven micro-batches of a batch known only
+when the step runs, and a training step whose static batch M does not divide is unrolled
+instead.
 
 **Limits.** XLA (`jit_compile`) compiles a step for one device, and cannot read
 variables that live on others: a pipeline on several devices says `supports_jit = False`, so

@@ -240,6 +240,7 @@ class UnrolledSchedule:
         self._assign = assign
         self._first_example = first_example
         self._first_examples = None  # Per micro-batch, set by _Start.
+        self._sizes = None  # Per micro-batch its examples (`microbatch.Sizes`), set by _Start.
 
     @property
     def schedule(self) -> schedule_lib.Schedule:
@@ -297,9 +298,11 @@ class UnrolledSchedule:
         self._training = training
         with tf.device(self._devices[0]):
             first = microbatch.Split(inputs, m_count, batch_dim)
-            starts = microbatch.Starts(microbatch.RunBatchSize(inputs, batch_dim), m_count)
+            batch_size = microbatch.RunBatchSize(inputs, batch_dim)
+            starts = microbatch.Starts(batch_size, m_count)
             self._first_examples = [tf.cast(self._first_example, tf.int64) + start
                                     for start in starts]
+            self._sizes = microbatch.Sizes(batch_size, m_count)
         self._acts = [first] + self._Grid()  # Stage s's input of micro-batch m: acts[s][m].
         self._stats = self._Grid()
         self._thetas = list(thetas)
@@ -404,9 +407,20 @@ class UnrolledSchedule:
         # function (`BaseLayer.ToFPropDtype`), so each micro-batch's gradient comes back
         # through that cast in the dtype of theta.
         with tf.device(self._devices[k]), tf.name_scope(OpScope(k, m, 'grad_sum')):
-            d_theta = [None if g is None else tf.convert_to_tensor(g) for g in d_theta]
+            d_theta = [None if g is None else self._IfNotEmpty(m, tf.convert_to_tensor(g))
+                       for g in d_theta]
             self._d_thetas[k] = d_theta if self._d_thetas[k] is None else [
                 None if a is None else a + b for a, b in zip(self._d_thetas[k], d_theta)]
+
+    def _IfNotEmpty(self, m, value):
+        """`value`, or zeros for an empty micro-batch (a batch smaller than M). Its cells run on
+        no example, but a reduction over none can be NaN where a layer multiplies it by another
+        (batch norm's scale gradient: the sum of nothing times 1 / sqrt(variance of nothing)),
+        and no weighting by its 0 examples takes a NaN back out of a sum."""
+        size = self._sizes[m]
+        if isinstance(size, int):
+            return value if size else tf.zeros_like(value)
+        return tf.where(size > 0, value, tf.zeros_like(value))
 
     def _B(self, k, m):
         d_y = self._IncomingGradient(k, m)
@@ -463,8 +477,9 @@ class UnrolledSchedule:
         updates = []
         for k in range(self._num_cells):
             with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_stats'):
-                updates.append(self._Assign(k, _SumStats(self._stats[k]))
-                               if self._training else [])
+                stats = [tf.nest.map_structure(lambda x, m=m: self._IfNotEmpty(m, x), layers)
+                         for m, layers in enumerate(self._stats[k])]
+                updates.append(self._Assign(k, _SumStats(stats)) if self._training else [])
         return updates
 
     def _Gradients(self):
