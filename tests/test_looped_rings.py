@@ -2,7 +2,9 @@
 ticks with rings of those sizes, each read finds the micro-batch it asks for, and the rings
 are as small as the schedule allows (1F1B keeps about K - b micro-batches at boundary b)."""
 
+import numpy as np
 import pytest
+import tensorflow as tf
 from absl.testing import absltest
 from absl.testing import parameterized
 
@@ -171,3 +173,31 @@ class RingTest(parameterized.TestCase):
 
 if __name__ == '__main__':
     absltest.main()
+
+
+class PackingTest(absltest.TestCase):
+    """A micro-batch's residuals packed into one array per dtype (`looped._Packing`) come back
+    as they were, and whole aligned rows split out of it share its buffer."""
+
+    def testRoundTripOfMixedDtypesAndSizes(self):
+        values = [np.arange(3 * 16, dtype=np.float32).reshape(3, 16),  # Whole rows.
+                  np.float32(7.5),  # A scalar, one padded row.
+                  np.arange(5, dtype=np.int32),
+                  np.ones([2, 3, 5], np.float32),
+                  np.array([True, False]),
+                  np.zeros([0, 4], np.float32)]
+        specs = [tf.TensorSpec(np.shape(v), tf.as_dtype(np.asarray(v).dtype)) for v in values]
+        packing = looped._Packing(specs)  # pylint: disable=protected-access
+        self.assertEqual([s.dtype for s in packing.specs], [tf.float32, tf.int32, tf.bool])
+        # float32: 3 rows + 1 (scalar) + 2 (30 values in rows of 16) + 0; 16 per row.
+        self.assertEqual(packing.specs[0].shape, [6, 16])
+        packed = packing.Pack([tf.constant(v) for v in values])
+        self.assertEqual([p.shape for p in packed], [s.shape for s in packing.specs])
+        for got, want in zip(packing.Unpack(packed), values):
+            self.assertEqual(got.dtype, tf.as_dtype(np.asarray(want).dtype))
+            np.testing.assert_array_equal(got.numpy(), want)
+
+    def testRunTimeShapesAreNotPacked(self):
+        packing = looped._Packing(  # pylint: disable=protected-access
+            [tf.TensorSpec([None, 4], tf.float32)])
+        self.assertIsNone(packing.specs)

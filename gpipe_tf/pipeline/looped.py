@@ -187,14 +187,26 @@ class LoopedSchedule:
                      step_spec)
             if self._keeps[s] or (training and self._schedule.splits_backward) else None
             for s, fn in enumerate(self._functions)]
-        self._kept = [None if not keep else self._EmptyArrays(
+        # The residuals of a micro-batch, packed into one TensorArray per dtype (`_Packing`).
+        self._packings = {}
+        self._kept = [None if not keep else self._PackedArrays(
             self._splits[s].kept_specs, ('kept', s), s) for s, keep in enumerate(self._keeps)]
         self._saved = [None] * self._num_stages  # Per stage, its I's saved values for its W.
 
     def _StartSaved(self):
         """TensorArrays for what each stage's I saves for its W (a split backward)."""
         for s, split in enumerate(self._splits):
-            self._saved[s] = self._EmptyArrays(split.saved_specs, ('saved', s), s)
+            self._saved[s] = self._PackedArrays(split.saved_specs, ('saved', s), s)
+
+    def _PackedArrays(self, specs, key, stage):
+        """`_EmptyArrays` for `key`'s residuals, in one per dtype where their shapes are
+        static: a cell's residuals are dozens of tensors (21 per Transformer layer), each a loop
+        variable passed through every tick (and every branch) as its own TensorArray."""
+        packing = _Packing(specs)
+        if packing.specs is None:
+            return self._EmptyArrays(specs, key, stage)
+        self._packings[key] = packing
+        return self._EmptyArrays(packing.specs, key, stage)
 
     def _EmptyArrays(self, specs, key, stage):
         """Empty TensorArrays for `key`'s leaves of `specs`, of its ring's size, on the device
@@ -398,6 +410,8 @@ class LoopedSchedule:
         if any(isinstance(x, tf.TensorArray) for x in stores):
             slot = self._Slot(key, m)
             flat = [store.read(slot) for store in stores]
+            if key in self._packings:
+                flat = self._packings[key].Unpack(flat)
         else:  # The inputs, or the outputs' gradients when given: read in place.
             flat = [self._MicroBatch(store, m) for store in stores]
         return flat if structure is None else tf.nest.pack_sequence_as(structure, flat)
@@ -405,6 +419,8 @@ class LoopedSchedule:
     def _Write(self, values, key, m, flat):
         """`values[key]`'s TensorArrays with micro-batch m's `flat` leaves written."""
         slot = self._Slot(key, m)
+        if key in self._packings:
+            flat = self._packings[key].Pack(flat)
         values[key] = [ta.write(slot, x) for ta, x in zip(values[key], flat)]
 
     def _Action(self, kind, s, m, keys):
@@ -511,6 +527,58 @@ class LoopedSchedule:
             with tf.device(self._devices[s]):
                 grads.append(self._Unpack(s, self._grads[s]))
         return grads, d_inputs
+
+
+class _Packing:
+    """Tensors of static shapes (a micro-batch's residuals) as one tensor per dtype and back:
+    `specs` (None where a shape is not static: then nothing is packed), `Pack`, `Unpack`.
+    Packing copies them once, at the write; the loop then carries one TensorArray per dtype
+    instead of one per tensor. Each tensor takes whole rows of 64 bytes, so that unpacking
+    splits the rows without a copy (TensorFlow shares the buffer of a split along the first
+    dimension when the rows are aligned) and only a tensor not filling its last row is copied
+    out of it."""
+
+    _ROW_BYTES = 64
+
+    def __init__(self, specs):
+        self._specs = list(specs)
+        self._dtypes = list(dict.fromkeys(x.dtype for x in self._specs))
+        if not self._specs or not all(x.shape.is_fully_defined() for x in self._specs):
+            self.specs = None
+            return
+        self._sizes = [x.shape.num_elements() for x in self._specs]
+        self._columns = {dtype: max(1, self._ROW_BYTES // dtype.size) for dtype in self._dtypes}
+        self._rows = [-(-n // self._columns[x.dtype]) for x, n in zip(self._specs, self._sizes)]
+        self.specs = [tf.TensorSpec([sum(r for x, r in zip(self._specs, self._rows)
+                                         if x.dtype == dtype), self._columns[dtype]], dtype)
+                      for dtype in self._dtypes]
+
+    def Pack(self, flat: list) -> list:
+        packed = []
+        for dtype in self._dtypes:
+            columns = self._columns[dtype]
+            rows = []
+            for x, spec, n, r in zip(flat, self._specs, self._sizes, self._rows):
+                if spec.dtype == dtype:
+                    x = tf.reshape(x, [-1])
+                    if r * columns > n:
+                        x = tf.concat([x, tf.zeros([r * columns - n], dtype)], axis=0)
+                    rows.append(tf.reshape(x, [r, columns]))
+            packed.append(tf.concat(rows, axis=0) if len(rows) > 1 else rows[0])
+        return packed
+
+    def Unpack(self, packed: list) -> list:
+        parts = {}
+        for dtype, array in zip(self._dtypes, packed):
+            rows = [r for x, r in zip(self._specs, self._rows) if x.dtype == dtype]
+            parts[dtype] = iter(tf.split(array, rows) if len(rows) > 1 else [array])
+        flat = []
+        for x, n in zip(self._specs, self._sizes):
+            part = next(parts[x.dtype])
+            if part.shape.num_elements() > n:
+                part = tf.reshape(part, [-1])[:n]
+            flat.append(tf.reshape(part, x.shape))
+        return flat
 
 
 def _ArrayAccess(kind: str, s: int, num_stages: int, loss_in_loop: bool,
