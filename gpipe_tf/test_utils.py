@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import tensorflow as tf
@@ -71,6 +72,32 @@ def MaxRelativeError(actual, expected) -> float:
 
 
 FloatLeaves = leaves.FloatLeaves
+
+
+def PlantModule(test, directory: str, name: str, body: str = '') -> str:
+    """Writes module `name` into `directory`, importable for the rest of `test`, that creates a
+    marker file when imported (then runs `body`); returns the marker's path, which exists only
+    if something imported the module."""
+    marker = os.path.join(directory, 'imported')
+    with open(os.path.join(directory, f'{name}.py'), 'w', encoding='utf-8') as f:
+        f.write(f'open({marker!r}, "w").close()\n' + (f'\n{body}' if body else ''))
+    sys.path.insert(0, directory)
+    test.addCleanup(sys.path.remove, directory)
+    return marker
+
+
+def TamperKerasFile(test, path: str, tampered: str, old: str, new: str) -> None:
+    """Writes `tampered`, the `.keras` file `path` with `old` (which its config.json must hold)
+    replaced by `new` in its config.json, as an attacker would edit a file."""
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(tampered, 'w') as target:
+        for item in source.infolist():
+            data = source.read(item.filename)
+            if item.filename == 'config.json':
+                text = data.decode()
+                test.assertIn(old, text)
+                data = text.replace(old, new).encode()
+                json.loads(data)
+            target.writestr(item, data)
 
 
 def DamageFile(path: str, how: str) -> None:

@@ -1,13 +1,11 @@
 """gpipe_tf.keras.Pipeline's contract: a PipeliningLayer in a Keras 3 model trains, evaluates,
 saves and loads as the same layers un-partitioned would, with every weight visible to Keras."""
 
-import json
 import os
 import shutil
 import sys
 import tempfile
 import warnings
-import zipfile
 
 import keras
 import numpy as np
@@ -454,24 +452,14 @@ class SaveLoadTest(TempDirTest):
         self.assertAllClose(self.Predict(other), self.predictions, rtol=1e-6)
 
     def testConfigNamingCodeOutsideThePackageIsRefused(self):
-        marker = os.path.join(self.dir, 'imported')
-        with open(os.path.join(self.dir, 'planted_mod.py'), 'w') as f:
-            f.write(f'open({marker!r}, "w").close()\n\nclass Evil:\n    pass\n')
-        sys.path.insert(0, self.dir)
-        self.addCleanup(sys.path.remove, self.dir)
+        marker = test_utils.PlantModule(self, self.dir, 'planted_mod',
+                                        'class Evil:\n    pass\n')
         path = os.path.join(self.dir, 'model.keras')
         self.model.save(path)
         tampered = os.path.join(self.dir, 'tampered.keras')
-        with zipfile.ZipFile(path) as source, zipfile.ZipFile(tampered, 'w') as target:
-            for item in source.infolist():
-                data = source.read(item.filename)
-                if item.filename == 'config.json':
-                    text = data.decode()
-                    self.assertIn('type/gpipe_tf.layers.basic/DenseLayer', text)
-                    data = text.replace('type/gpipe_tf.layers.basic/DenseLayer',
-                                        'type/planted_mod/Evil').encode()
-                    json.loads(data)
-                target.writestr(item, data)
+        test_utils.TamperKerasFile(self, path, tampered,
+                                   'type/gpipe_tf.layers.basic/DenseLayer',
+                                   'type/planted_mod/Evil')
         with self.assertRaisesRegex(errors.ConfigError,
                                     'type/planted_mod/Evil is not allowed in Params text'):
             keras.models.load_model(tampered)

@@ -6,7 +6,6 @@ import os
 import shutil
 import sys
 import tempfile
-import zipfile
 
 import keras
 import numpy as np
@@ -821,25 +820,15 @@ class SavingTest(tf.test.TestCase):
     def testAKerasLayerNamingAModuleOutsideKerasRunsNoCode(self):
         # Keras's safe deserialization imports no module a layer's config names beyond its
         # own and its registered classes'.
-        marker = os.path.join(self.dir, 'imported')
-        with open(os.path.join(self.dir, 'planted_keras_mod.py'), 'w') as f:
-            f.write(f'open({marker!r}, "w").close()\n')
-        sys.path.insert(0, self.dir)
-        self.addCleanup(sys.path.remove, self.dir)
+        marker = test_utils.PlantModule(self, self.dir, 'planted_keras_mod')
         model = Sequential([keras.layers.Dense(8), keras.layers.Dense(2)], num_cells=2,
                            num_micro_batches=M, input_shape=(6,), devices=DEVICES[:2])
         model(tf.zeros([2, 6]))
         path, tampered = (os.path.join(self.dir, name) for name in ('m.keras', 't.keras'))
         model.save(path)
-        named = '"module": "keras.layers", "class_name": "Dense"'
-        with zipfile.ZipFile(path) as source, zipfile.ZipFile(tampered, 'w') as target:
-            for item in source.infolist():
-                data = source.read(item.filename)
-                if item.filename == 'config.json':
-                    self.assertIn(named, data.decode())
-                    data = data.decode().replace(
-                        named, '"module": "planted_keras_mod", "class_name": "Dense"').encode()
-                target.writestr(item, data)
+        test_utils.TamperKerasFile(self, path, tampered,
+                                   '"module": "keras.layers", "class_name": "Dense"',
+                                   '"module": "planted_keras_mod", "class_name": "Dense"')
         with self.assertRaises(TypeError):
             keras.models.load_model(tampered)
         self.assertFalse(os.path.exists(marker))
