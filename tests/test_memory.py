@@ -9,6 +9,7 @@ from unittest import mock
 
 os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')  # Allocation statistics on the CPU.
 
+import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 from absl.testing import parameterized  # pylint: disable=g-import-not-at-top
 
@@ -236,6 +237,30 @@ TABLE1_PARAM_MEMORY = [
     ('lm.TransformerL_415', 235.1 * 2**30),
     ('lm.TransformerL_1663', 937.9 * 2**30),
 ]
+
+
+@pytest.mark.unit
+class KeptCellsTest(parameterized.TestCase):
+    """recompute='except_last_<j>': the last j cells keep their activations."""
+
+    @parameterized.parameters('gpipe', '1f1b')
+    def testEachCellThatReMaterializesLowersOnlyItsDevicesPeak(self, kind):
+        # recompute='except_last_<j>' from j = 4 ('never') down to 0 ('always'): cell 4 - j
+        # starts to re-materialize, its device's peak falls (or stays: 1F1B's last stage
+        # holds one micro-batch, recomputed or kept) and no other device's changes.
+        totals = [memory.PlanMemory(_Dense(num_cells=4, m=8, recompute=plan_lib.KeepLast(j))
+                                    .Set(schedule=kind), 1).device_totals for j in range(5)]
+        for j in range(1, 5):
+            for device in range(4):
+                if device == 4 - j:
+                    self.assertLessEqual(totals[j - 1][device], totals[j][device], (j, device))
+                else:
+                    self.assertEqual(totals[j - 1][device], totals[j][device], (j, device))
+        self.assertLess(max(totals[0]), max(totals[4]))
+        self.assertEqual(totals[0], memory.PlanMemory(
+            _Dense(num_cells=4, m=8, recompute='always').Set(schedule=kind), 1).device_totals)
+        self.assertEqual(totals[4], memory.PlanMemory(
+            _Dense(num_cells=4, m=8, recompute='never').Set(schedule=kind), 1).device_totals)
 
 
 class PaperTable1Test(parameterized.TestCase):

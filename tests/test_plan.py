@@ -60,10 +60,43 @@ class MakePlanTest(parameterized.TestCase):
         self.assertEqual((plan.num_replicas, plan.num_micro_batches), (2, 4))
 
     @parameterized.parameters(('always', [True, True, True]), ('never', [False] * 3),
-                              ('except_last', [True, True, False]))
+                              ('except_last', [True, True, False]),
+                              ('except_last_1', [True, True, False]),
+                              ('except_last_2', [True, False, False]),
+                              ('except_last_0', [True] * 3), ('except_last_3', [False] * 3))
     def testRecomputeFlags(self, mode, expected):
         self.assertEqual(plan_lib.MakePlan(_Params(num_cells=3, recompute=mode),
                                            place=False).recompute, expected)
+
+    def testKeptCellsCountVirtualStages(self):
+        p = _Params(num_cells=2, virtual_stages=2, schedule='interleaved_1f1b',
+                    num_micro_batches=4, recompute='except_last_3')
+        self.assertEqual(plan_lib.MakePlan(p, place=False).recompute,
+                         [True, False, False, False])
+
+    def testKeptCellsReadFromAParamsOverrideText(self):
+        p = _Params(num_cells=3).FromText("recompute : 'except_last_2'\n")
+        self.assertEqual(p.recompute, 'except_last_2')
+        self.assertIn("recompute : 'except_last_2'", p.ToText())
+        self.assertEqual(plan_lib.MakePlan(p, place=False).recompute, [True, False, False])
+
+    @parameterized.named_parameters(
+        ('more_than_the_cells', 'except_last_4',
+         r"^pipe: recompute='except_last_4' keeps the activations of the last 4 cells, but the "
+         r"pipeline has 3 \(num_cells x virtual_stages\); expected 'except_last_<j>' with "
+         r'0 <= j <= 3\.$'),
+        ('not_a_count', 'except_last_two',
+         r"^pipe: recompute must be one of \('always', 'except_last', 'never'\) or "
+         r"'except_last_<j>' \(the last j cells keep their activations, the others "
+         r"re-materialize; 0 <= j <= the number of cells\), got 'except_last_two'\.$"),
+        ('negative', 'except_last_-1', r"got 'except_last_-1'\.$"),
+        ('leading_zero', 'except_last_02', r"got 'except_last_02'\.$"),
+        ('a_bare_count', 2, r'got 2\.$'),
+    )
+    def testKeptCellsMistakesAreOneLine(self, mode, pattern):
+        with self.assertRaisesRegex(errors.ConfigError, pattern) as raised:
+            plan_lib.MakePlan(_Params(num_cells=3, recompute=mode), place=False)
+        self.assertNotIn('\n', str(raised.exception))
 
     @parameterized.named_parameters(
         ('more_cells_than_layers', dict(num_cells=7),

@@ -404,6 +404,71 @@ class LoopedKeepingTest(tf.test.TestCase, parameterized.TestCase):
 
 # The loop on a batch known only when the step runs (Keras retraces `fit`'s last, partial batch
 # so), which M = 4 need not divide: (name, schedule, K, v, recompute).
+# recompute='except_last_<j>' at K=4, j=2: cells 0 and 1 re-materialize, cells 2 and 3 keep
+# their activations; (name, schedule, unroll).
+KEPT_CELLS = [(f'{kind}_{"unrolled" if unroll else "looped"}', kind, unroll)
+              for kind in ('gpipe', '1f1b') for unroll in (True, False)]
+
+
+def _RecomputingCells(graph) -> list[int]:
+    """The cells whose backward calls (under `executor.OpScope`'s 'cell_<k>_mb_<m>_bwd') run
+    a function that re-materializes (ops under the 'recompute' scope), through nested calls."""
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+
+    def Recomputes(function_name):
+        return any('recompute/' in node.name or
+                   any(Recomputes(value.func.name) for value in node.attr.values()
+                       if value.func.name in library)
+                   for node in library[function_name].node_def)
+
+    cells = set()
+    for op in graph.get_operations():
+        match = re.match(r'cell_(\d+)_mb_\d+_bwd/', op.name)
+        if (match and op.type in ('PartitionedCall', 'StatefulPartitionedCall') and
+                Recomputes(op.get_attr('f').name)):
+            cells.add(int(match.group(1)))
+    return sorted(cells)
+
+
+class KeptCellsTest(tf.test.TestCase, parameterized.TestCase):
+    """The last j cells keep their activations and the others re-materialize
+    (recompute='except_last_<j>'), and the pipeline still equals the layers in sequence."""
+
+    assertSameStep = ScheduleContractTest.assertSameStep
+
+    @parameterized.named_parameters(*KEPT_CELLS)
+    def testFunctionWithBatchNormEqualsTheLayersInSequence(self, kind, unroll):
+        x, loss_inputs = Data()
+        layer = Pipeline(kind, 4, 1, 4, 1, batch_norm=True, recompute='except_last_2',
+                         unroll=unroll).Instantiate()
+        self.assertEqual(layer.plan.recompute, [True, True, False, False])
+        got = tf.function(lambda x: PipelineStep(layer, x, loss_inputs))(x)
+        # Batch norm per micro-batch of two examples: float32 order shows at up to 6e-5.
+        self.assertSameStep(got, ReferenceStep(layer, x, loss_inputs, 4), rtol=1e-4,
+                            d_x_rtol=1e-4)
+        reference = Pipeline('gpipe', 4, 1, 4, 1, batch_norm=True).Instantiate()
+        PipelineStep(reference, x, loss_inputs)
+        want = {v.name: v.numpy() for v in reference.variables if 'moving' in v.name}
+        self.assertNotEmpty(want)
+        for var in layer.variables:
+            if 'moving' in var.name:
+                self.assertAllClose(var.numpy(), want[var.name], rtol=RTOL, msg=var.name)
+
+    @parameterized.named_parameters(*KEPT_CELLS)
+    def testV1GraphEqualsTheLayersInSequence(self, kind, unroll):
+        self.assertSameStep(*V1StepAndReference(kind, 4, 1, 4, 1, unroll=unroll,
+                                                recompute='except_last_2'))
+
+    def testOnlyTheFirstCellsRunTheirForwardAgain(self):
+        x, loss_inputs = Data()
+        for mode, cells in (('except_last_2', [0, 1]), ('except_last_3', [0]),
+                            ('always', [0, 1, 2, 3]), ('never', [])):
+            layer = Pipeline('1f1b', 4, 1, 4, 1, recompute=mode, unroll=True).Instantiate()
+            graph = tf.function(lambda x, layer=layer: PipelineStep(layer, x, loss_inputs)
+                                ).get_concrete_function(x).graph
+            self.assertEqual(_RecomputingCells(graph), cells, mode)
+
+
 LOOPED_RUN_TIME_BATCH = [
     ('gpipe', 'gpipe', 2, 1, 'always'), ('1f1b', '1f1b', 3, 1, 'never'),
     ('zero_bubble_never', 'zero_bubble', 3, 1, 'never'),

@@ -7,6 +7,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from gpipe_tf.perf import simulator
+from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import schedule
 
 pytestmark = pytest.mark.unit
@@ -77,6 +78,20 @@ class SimulatorTest(parameterized.TestCase):
         timeline = simulator.Simulate(_Uniform(2), 1, recompute=[True, False])
         self.assertEqual([(i.cell, i.kind, i.start, i.end) for i in timeline.intervals[2:]], [
             (1, 'backward', 2, 4), (0, 'recompute', 4, 5), (0, 'backward', 5, 7)])
+
+    @parameterized.parameters('gpipe', '1f1b', 'zero_bubble')
+    def testKeepingMoreLastCellsNeverLengthensTheStep(self, kind):
+        # recompute='except_last_<j>' for j = 0 ('always') .. 4 ('never'), uneven cells.
+        costs = simulator.CellCosts(forward=[1, 3, 2, 1], backward=[2, 6, 4, 2])
+        steps = [simulator.Simulate(costs, 8, plan_lib.RecomputeFlags(plan_lib.KeepLast(j), 4),
+                                    schedule.Make(kind, 4, 8)).makespan for j in range(5)]
+        self.assertEqual(steps, sorted(steps, reverse=True))
+        self.assertLess(steps[4], steps[0])
+        if kind == 'gpipe':
+            # By hand: the backward's critical path is cells 3 and 2 on the last micro-batch,
+            # then cell 1 (the slowest) on all eight back to back, then cell 0; keeping cells
+            # 2 and 3's activations spares only their re-runs on that first micro-batch.
+            self.assertEqual(steps[0] - steps[2], 2 + 1)
 
     def testTransfersByHand(self):
         # K=2, M=2, f=1, b=2, transfer 0.5: cell 1 waits 0.5 for each activation, cell 0 for

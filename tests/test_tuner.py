@@ -105,6 +105,40 @@ class TuneTest(tf.test.TestCase):
         self.assertLess(moved.boundaries[1], 6)  # Layers moved off stage 0.
         self.assertLessEqual(memory_lib.PlanMemory(moved.params).peak_device_bytes, limit)
 
+    def testBetweenAlwaysAndNeverThePickKeepsTheMostLastCellsThatFit(self):
+        # 1F1B at K=4: stage s holds 4 - s micro-batches, so keeping the last cells'
+        # activations costs least.
+        p = Dense([64] * 13, 4096, num_cells=4, num_micro_batches=8, schedule='1f1b')
+        peak = lambda mode: memory_lib.PlanMemory(p.Copy().Set(recompute=mode)).peak_device_bytes
+        for limit in (1.1 * peak('always'), (peak('always') + peak('never')) / 2):
+            space = [tuner.Config('1f1b', 8, 1, mode) for mode in ('always', 'never')]
+            result = tuner.Tune(p, 4, limit, space=space)
+            pick = result.best
+            self.assertIsNotNone(pick)
+            kept = plan_lib.KeptCells(pick.params.recompute, 4)
+            self.assertTrue(0 < kept < 4, pick.config)
+            self.assertLessEqual(memory_lib.PlanMemory(pick.params).peak_device_bytes, limit)
+            # The oracle: each j scored alone, boundaries fitted the same way.
+            fits = [tuner.Tune(p, 4, limit, space=[tuner.Config('1f1b', 8, 1, mode)],
+                               search_kept_cells=False).candidates[0].fits
+                    for mode in [plan_lib.KeepLast(j) for j in range(5)]]
+            self.assertEqual(kept, max(j for j in range(5) if fits[j]), fits)
+            self.assertGreaterEqual(kept, 2)  # Beyond the modes 'except_last' (j = 1) offers.
+            always = next(c for c in result.candidates if c.config.recompute == 'always')
+            self.assertLess(pick.step_s, always.step_s)  # It re-runs more forwards.
+            # Scored: the two modes and the pick, not every j.
+            self.assertLen(result.candidates, 3)
+            row = result.Format().splitlines()[1]
+            self.assertIn(f'except_last_{kept} ({kept}/4 kept)', row)
+            self.assertIn(f'recompute=except_last_{kept}', str(pick.config))
+
+    def testKeptCellsAreNotSearchedWhereEveryCellOrNoneFits(self):
+        p = Dense([64] * 13, 4096, num_cells=4, num_micro_batches=8, schedule='1f1b')
+        space = [tuner.Config('1f1b', 8, 1, mode) for mode in ('always', 'never')]
+        for limit in (1e12, 1024):  # 'never' fits; 'always' does not.
+            modes = [c.config.recompute for c in tuner.Tune(p, 4, limit, space=space).candidates]
+            self.assertCountEqual(modes, ['always', 'never'])
+
     def testNothingFitsNamesTheSmallestPeak(self):
         p = Dense([64] * 5, 256)
         result = tuner.Tune(p, 2, 1024)

@@ -22,6 +22,7 @@ from gpipe_tf.layers import sequential
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import schedule as schedule_lib
 
 # What the messages call the layer.
@@ -231,7 +232,7 @@ def _MeasuredSeconds(p, layers: list, layer_params: list, shapes: list) -> list[
 
     costs = measured_costs.MeasureLayers(timed, inputs, device, cache_file=p.costs_file,
                                          key_of=KeyOf, progress=logging.info)
-    return [c.StepSeconds(p.recompute != 'never') for c in costs]
+    return [c.StepSeconds(plan_lib.AnyRematerialized(p)) for c in costs]
 
 
 def _KerasLayers(layers, input_shape) -> tuple[list, object]:

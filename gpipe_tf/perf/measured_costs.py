@@ -136,8 +136,9 @@ def StepSeconds(p, before: list, layers: list) -> list[float]:
     """Each of `layers`' measured share of a training step (`LayerCost.StepSeconds`), for
     PipeliningLayer Params `p` (`PipelineLayerCosts` on its micro-batch). `before` and `layers`
     are named layer Params (`plan`)."""
+    from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    recompute = plan_lib.AnyRematerialized(p)
     _, costs = PipelineLayerCosts(p, progress=logging.info, before=before, layers=layers)
-    recompute = p.recompute != 'never'
     return [c.StepSeconds(recompute) for c in costs]
 
 

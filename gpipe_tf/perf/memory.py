@@ -11,10 +11,10 @@ walking each stage's actions in the order its device runs them (`pipeline/schedu
   paper's 12 bytes per parameter is one slot).
 * From its forward until its backward (B, or the input gradient I of a split backward) starts,
   a micro-batch keeps, on a re-materializing stage, only the stage's input; on a stage that
-  keeps its activations ('never', and the last stage under 'except_last'), the input and every
-  layer's output. So a stage holds as many micro-batches as its schedule lets through its
-  forward before their backward: all M under gpipe, at most K - s under 1f1b
-  (`schedule.StoredMicroBatches`).
+  keeps its activations ('never', the last stage under 'except_last', the last j under
+  'except_last_<j>': `plan.RecomputeFlags`), the input and every layer's output. So a stage
+  holds as many micro-batches as its schedule lets through its forward before their backward:
+  all M under gpipe, at most K - s under 1f1b (`schedule.StoredMicroBatches`).
 * While its backward runs, a micro-batch holds its recomputed (or kept) activations, which
   its weight gradients replace layer by layer, and two activation gradients (the incoming one
   and the one computed from it; counted at the stage's largest layer output).
@@ -272,10 +272,7 @@ def _Configure(p, num_cells, num_micro_batches, batch_size, recompute):
     if num_micro_batches is not None:
         p.num_micro_batches, p.micro_batch_size = num_micro_batches, None
     if recompute is not None:
-        p.recompute = recompute
-    if p.recompute not in plan_lib.RECOMPUTE_MODES:
-        raise ValueError(f'recompute must be one of {plan_lib.RECOMPUTE_MODES}, got '
-                         f'{p.recompute!r}.')
+        p.recompute = recompute  # Checked by the plan (`plan.KeptCells`).
     return p
 
 

@@ -65,8 +65,8 @@ class PipelinePlan:
 
     @property
     def recompute(self) -> list[bool]:
-        """Per cell, whether it re-materializes ('always': all, 'never': none, 'except_last':
-        all but the last)."""
+        """Per cell, whether it re-materializes (the plan's `plan.RecomputeFlags`: 'always'
+        all, 'never' none, 'except_last_<j>' all but the last j)."""
         return [cell.recompute for cell in self.memory.cells]
 
 

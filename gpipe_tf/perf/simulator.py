@@ -181,7 +181,8 @@ def Simulate(costs: CellCosts, num_micro_batches: int, recompute: bool | Sequenc
       costs: per-stage costs; S = costs.num_cells stages.
       num_micro_batches: M.
       recompute: whether stages re-materialize their forward in the backward; a bool for all
-        stages or one per stage (the pipeline's 'except_last' is [True] * (S - 1) + [False]).
+        stages or one per stage (the pipeline's: `plan.RecomputeFlags`; 'except_last_<j>'
+        is [True] * (S - j) + [False] * j).
         A split backward (zero_bubble) re-materializing re-runs the forward once, before I;
         its W never re-runs it.
       schedule: the schedule to walk, of S stages and M micro-batches; None: GPipe's

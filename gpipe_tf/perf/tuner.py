@@ -1,6 +1,12 @@
 """Chooses a pipeline's configuration: M, the schedule, virtual stages, re-materialization and the
 cell boundaries that minimise the simulated step while every device's planned peak fits.
 
+Re-materialization is searched per cell where it pays: besides every recompute mode of the
+search, for each schedule, M and v the tuner finds by bisection the most last cells that can
+keep their activations while every device still fits (`recompute='except_last_<j>'`, the last j
+cells keeping theirs): a device's peak grows with j, and keeping a cell's activations spares its
+backward the forward's re-run.
+
 For each configuration of the search (`Space`), the boundaries are first the time-optimal
 partition of the layers' step costs (the min-max partition `partition_method='time'` makes);
 where a device's planned peak exceeds its memory, boundaries next to the fullest device move
@@ -116,6 +122,17 @@ class Config:
         v = f' v={self.virtual_stages}' if self.virtual_stages > 1 else ''
         return f'{self.schedule}{v} M={self.num_micro_batches} recompute={self.recompute}'
 
+    def Group(self) -> tuple[str, int, int]:
+        """Schedule, M and v: what configurations that differ only in recompute share."""
+        return self.schedule, self.num_micro_batches, self.virtual_stages
+
+    def KeepingLast(self, kept_cells: int, num_cells: int) -> Config:
+        """This configuration with the last `kept_cells` of `num_cells` cells keeping their
+        activations ('always' for none, 'never' for all)."""
+        mode = ('always' if kept_cells == 0 else 'never' if kept_cells == num_cells else
+                plan_lib.KeepLast(kept_cells))
+        return dataclasses.replace(self, recompute=mode)
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -147,6 +164,24 @@ class Candidate:
     def peak_bytes(self) -> int:
         return max(self.device_bytes)
 
+    @property
+    def num_cells(self) -> int:
+        """S = v K, the cells."""
+        return len(self.boundaries) - 1
+
+    @property
+    def kept_cells(self) -> int:
+        """How many of the last cells keep their activations."""
+        return plan_lib.KeptCells(self.config.recompute, self.num_cells)
+
+    def RecomputeText(self) -> str:
+        """The recompute mode, with how many of the cells keep their activations where some
+        but not all do: 'except_last_3 (3/8 kept)'."""
+        kept = self.kept_cells
+        if 0 < kept < self.num_cells:
+            return f'{self.config.recompute} ({kept}/{self.num_cells} kept)'
+        return self.config.recompute
+
 
 @dataclasses.dataclass(frozen=True)
 class Result:
@@ -170,7 +205,7 @@ class Result:
         rows = [header]
         for rank, c in enumerate(self.candidates[:limit], 1):
             rows.append((str(rank), c.config.schedule, str(c.config.virtual_stages),
-                         str(c.config.num_micro_batches), c.config.recompute,
+                         str(c.config.num_micro_batches), c.RecomputeText(),
                          ','.join(map(str, c.boundaries)) + (' (moved)' if c.moved else ''),
                          f'{c.step_s * 1e3:.2f}', f'{c.bubble:.0%}',
                          ' '.join(units.MiB(b) for b in c.device_bytes),
@@ -198,7 +233,8 @@ def Space(num_layers: int, num_devices: int, batch_per_replica: int,
           micro_batches: Sequence[int] | None = None) -> list[Config]:
     """The configurations searched: every schedule (at its `searched_virtual_stages` per
     device, two for interleaved_1f1b and zero_bubble_v, where the layers allow), M
-    (`MicroBatchCounts` unless given) and recompute mode."""
+    (`MicroBatchCounts` unless given) and recompute mode. (`Tune` adds, per schedule, M and
+    v, the most last cells kept that fit.)"""
     counts = micro_batches or MicroBatchCounts(batch_per_replica, num_devices)
     space = []
     for kind in schedules:
@@ -211,9 +247,12 @@ def Space(num_layers: int, num_devices: int, batch_per_replica: int,
 
 def Tune(p, num_devices: int, device_memory_bytes: float, costs: Costs | None = None,
          slots_per_param: int = 1, space: Sequence[Config] | None = None,
-         progress: Callable | None = None) -> Result:
+         progress: Callable | None = None, search_kept_cells: bool = True) -> Result:
     """Scores every configuration of `space` for PipeliningLayer Params `p` (with layer_tpl
-    and input_shapes) on `num_devices` devices of `device_memory_bytes` each.
+    and input_shapes) on `num_devices` devices of `device_memory_bytes` each; with
+    `search_kept_cells`, for each schedule, M and v of the space, also the configuration that
+    keeps the activations of the most last cells while it fits (`MostKept`), where the space
+    does not hold it already.
 
     Args:
       p: the pipeline's Params; its other settings (devices, replicas, dtypes) are kept.
@@ -223,6 +262,7 @@ def Tune(p, num_devices: int, device_memory_bytes: float, costs: Costs | None = 
       slots_per_param: the optimizer's slots per parameter (`memory.SlotsPerParam`).
       space: the configurations (None: `Space(...)` for the layers, K and the batch).
       progress: None, or called with a line per configuration scored.
+      search_kept_cells: whether to search, per schedule, M and v, the most last cells kept.
 
     Raises:
       errors.ConfigError: for Params without layer_tpl or input_shapes.
@@ -235,6 +275,12 @@ def Tune(p, num_devices: int, device_memory_bytes: float, costs: Costs | None = 
     if space is None:
         space = Space(len(p.layer_tpl), num_devices, batch)
     scored, skipped = [], {}
+
+    def Report(candidate):
+        if progress:
+            progress(f'{candidate.config}: {candidate.step_s * 1e3:.2f} ms, peak '
+                     f'{units.MiB(candidate.peak_bytes)} MiB')
+
     for config in space:
         before, layers = costs.Of(batch // config.num_micro_batches)
         try:
@@ -244,9 +290,18 @@ def Tune(p, num_devices: int, device_memory_bytes: float, costs: Costs | None = 
             skipped[str(config)] = str(error)
             continue
         scored.append(candidate)
-        if progress:
-            progress(f'{config}: {candidate.step_s * 1e3:.2f} ms, peak '
-                     f'{units.MiB(candidate.peak_bytes)} MiB')
+        Report(candidate)
+    if search_kept_cells:
+        groups = {}  # Schedule, M and v -> their candidates scored.
+        for candidate in scored:
+            groups.setdefault(candidate.config.Group(), []).append(candidate)
+        for candidates in groups.values():
+            before, layers = costs.Of(batch // candidates[0].config.num_micro_batches)
+            kept = MostKept(p, num_devices, candidates, before, layers, device_memory_bytes,
+                            slots_per_param)
+            if kept is not None and all(kept.config != c.config for c in candidates):
+                scored.append(kept)
+                Report(kept)
     scored.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.peak_bytes, c.peak_bytes))
     return Result(scored, device_memory_bytes, costs.description, costs.measured, skipped)
 
@@ -301,10 +356,51 @@ def Score(p, num_devices: int, config: Config, boundaries: Sequence[int],
                      memory.Fits(device_memory_bytes), moved, q, memory)
 
 
+def MostKept(p, num_devices: int, scored: Sequence[Candidate],
+             before: Sequence[LayerSeconds], layers: Sequence[LayerSeconds],
+             device_memory_bytes: float, slots_per_param: int = 1) -> Candidate | None:
+    """Of one schedule, M and v (those of `scored`, candidates that differ only in recompute),
+    the configuration that keeps the activations of the most last cells (j of the S cells,
+    recompute 'except_last_<j>'; 'always' for j = 0) and still fits, its boundaries fitted as
+    every configuration's (`_Fitted`); None where every cell can keep them ('never' fits) or
+    the configuration cannot fit ('always' does not).
+
+    A bisection on j, over the candidates `scored` already and those it scores: a device's peak
+    grows with j (a cell that keeps its activations holds them per micro-batch in flight),
+    so about log2(S) configurations are scored, not S.
+    """
+    base = scored[0].config
+    num_cells = num_devices * base.virtual_stages
+    known = {c.kept_cells: c for c in scored}
+
+    def Fits(kept):
+        if kept not in known:
+            known[kept] = _Fitted(p, num_devices, base.KeepingLast(kept, num_cells), before,
+                                  layers, device_memory_bytes, slots_per_param)
+        return known[kept].fits
+
+    try:
+        if Fits(num_cells) or not Fits(0):
+            return None
+        fits, fails = 0, num_cells
+        while fails - fits > 1:
+            middle = (fits + fails) // 2
+            if Fits(middle):
+                fits = middle
+            else:
+                fails = middle
+    except (errors.ConfigError, ValueError):  # The pipeline refuses it (as in `Tune`).
+        return None
+    return known[fits]
+
+
 def _Fitted(p, num_devices, config, before, layers, device_memory_bytes, slots_per_param):
     """The configuration at its time-optimal boundaries, or, if a device does not fit, at the
     boundaries one-layer moves away from the fullest device reach while its peak falls."""
-    remat = config.recompute != 'never'
+    # Boundaries come before the cells: with any cell re-materializing, every layer's
+    # forward counts twice (as `partition_method='time'` counts them).
+    remat = any(plan_lib.RecomputeFlags(config.recompute,
+                                        num_devices * config.virtual_stages))
     step = [c.Step(remat) for c in layers]
     step[0] += sum(c.Step(remat) for c in before)  # Before layers run on cell 0's device.
     boundaries = partition.OptimalBoundaries(step, num_devices * config.virtual_stages)

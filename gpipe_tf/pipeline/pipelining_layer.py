@@ -104,8 +104,11 @@ class PipeliningLayer(BaseLayer):
         p.Define('round_robin', True,
                  'Whether stages share devices round-robin when there are fewer devices than K.')
         p.Define('recompute', 'always',
-                 f'Re-materialization: {RECOMPUTE_MODES} ("except_last" keeps the last cell\'s '
-                 'activations, which backprop needs first).')
+                 'Re-materialization: "always" (every cell re-runs its forward in its '
+                 'backward), "never" (every cell keeps its activations), "except_last" (the '
+                 'last cell keeps them: backprop needs them first) or "except_last_<j>" (the '
+                 'last j cells keep them, the others re-materialize; 0 <= j <= num_cells x '
+                 'virtual_stages).')
         p.Define('schedule', schedule_lib.DEFAULT_KIND,
                  f'The pipeline schedule, one of {schedule_lib.KINDS}: '
                  f'{schedule_lib.KindsHelp()}. All but {_LossAfterKinds()} need the loss per '

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import re
 from typing import Any, Iterator
 
 import tensorflow as tf
@@ -32,6 +33,12 @@ from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import schedule as schedule_lib
 
 RECOMPUTE_MODES = ('always', 'except_last', 'never')
+# recompute='except_last_<j>': the last j cells keep their activations and the others
+# re-materialize, for any 0 <= j <= S ('except_last' is j = 1, 'always' j = 0, 'never' j = S).
+KEEP_LAST_PREFIX = 'except_last_'
+_KEEP_LAST = re.compile(r'except_last_(0|[1-9][0-9]*)')
+RECOMPUTE_HELP = (f"one of {RECOMPUTE_MODES} or 'except_last_<j>' (the last j cells keep their "
+                  "activations, the others re-materialize; 0 <= j <= the number of cells)")
 PARTITION_METHODS = ('flops', 'params', 'time', 'uniform')
 UNROLL_MODES = (True, False, 'auto')
 # unroll='auto' runs the schedule as a loop from this many cell calls per forward (v K M): the
@@ -165,18 +172,18 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
       check_devices, available: see `Plan.Placed`.
 
     Raises:
-      errors.ConfigError: for inconsistent cells, partitions or shapes, a batch that R or M do
-        not divide, unroll=False where the loop cannot run the pipeline, or (check_devices) a
-        device that does not exist.
+      errors.ConfigError: for inconsistent cells, partitions or shapes, a recompute mode that
+        is not one (`KeptCells`), a batch that R or M do not divide, unroll=False where the
+        loop cannot run the pipeline, or (check_devices) a device that does not exist.
     """
-    if p.recompute not in RECOMPUTE_MODES:
-        raise errors.ConfigError(f'recompute must be one of {RECOMPUTE_MODES}, got '
-                                 f'{p.recompute!r}.')
     if p.logical_device_fn is not None and p.num_replicas != 1:
         raise errors.ConfigError(f'With logical_device_fn the replicas are the strategy\'s: '
                                  f'num_replicas must be 1, got {p.num_replicas}.')
     cells, metas = Cells(p)
-    recompute = RecomputeFlags(p.recompute, len(cells))
+    try:
+        recompute = RecomputeFlags(p.recompute, len(cells))
+    except errors.ConfigError as error:
+        raise errors.ConfigError(f'{p.name}: {error}') from None
     if p.unroll is False and not looped.Supports(p.logical_device_fn):
         raise errors.ConfigError(f'{p.name}: unroll=False runs the schedule as a loop, which '
                                  'cannot run a logical_device_fn (its XLA sharding annotations '
@@ -291,11 +298,54 @@ def MicroBatchesOfStep(p, batch_size: int | None) -> int:
     return NumMicroBatches(p, batch_size)
 
 
-def RecomputeFlags(mode: str, num_cells: int) -> list[bool]:
-    """Per cell, whether it re-materializes: 'always' all, 'never' none, 'except_last' all but
-    the last (whose activations backprop needs first)."""
-    return [mode == 'always' or (mode == 'except_last' and k < num_cells - 1)
-            for k in range(num_cells)]
+def KeptCells(mode, num_cells: int) -> int:
+    """How many of the last of `num_cells` cells keep their activations under recompute
+    `mode`: 'always' 0, 'except_last' 1, 'except_last_<j>' j, 'never' all of them.
+
+    Raises:
+      errors.ConfigError: for another mode, or j > num_cells.
+    """
+    if mode in RECOMPUTE_MODES:
+        return {'always': 0, 'except_last': min(1, num_cells), 'never': num_cells}[mode]
+    match = _KEEP_LAST.fullmatch(mode) if isinstance(mode, str) else None
+    if match is None:
+        raise errors.ConfigError(f'recompute must be {RECOMPUTE_HELP}, got {mode!r}.')
+    kept = int(match.group(1))
+    if kept > num_cells:
+        raise errors.ConfigError(
+            f"recompute={mode!r} keeps the activations of the last {kept} cells, but the "
+            f"pipeline has {num_cells} (num_cells x virtual_stages); expected 'except_last_<j>' "
+            f'with 0 <= j <= {num_cells}.')
+    return kept
+
+
+def KeepLast(kept_cells: int) -> str:
+    """The recompute mode in which the last `kept_cells` cells keep their activations and the
+    others re-materialize ('except_last' for one)."""
+    return 'except_last' if kept_cells == 1 else f'{KEEP_LAST_PREFIX}{kept_cells}'
+
+
+def RecomputeFlags(mode, num_cells: int) -> list[bool]:
+    """Per cell, whether it re-materializes under recompute `mode`: all but the last
+    `KeptCells(mode, num_cells)` ('always' all, 'never' none, 'except_last' all but the last,
+    whose activations backprop needs first; 'except_last_<j>' all but the last j).
+
+    Raises:
+      errors.ConfigError: as `KeptCells`.
+    """
+    kept = KeptCells(mode, num_cells)
+    return [k < num_cells - kept for k in range(num_cells)]
+
+
+def AnyRematerialized(p) -> bool:
+    """Whether any of layer_tpl pipeline Params `p`'s num_cells x virtual_stages cells
+    re-materializes. A partition on measured time, made before the cells exist, then counts
+    every layer's forward twice (a layer in a cell that keeps its activations runs it once).
+
+    Raises:
+      errors.ConfigError: as `KeptCells`.
+    """
+    return any(RecomputeFlags(p.recompute, p.num_cells * p.virtual_stages))
 
 
 def BatchSize(p) -> int | None:
