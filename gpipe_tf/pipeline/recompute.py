@@ -210,8 +210,9 @@ class CellFunctions:
     def ForwardSpecs(self, theta, input_spec, step_spec, training: bool = True):
         """TensorSpecs of the (outputs, statistics) of the cell's forward on inputs of
         `input_spec` (tracing it if it was not)."""
-        concrete = self._For(f'fwd_{training}').forward[training].get_concrete_function(
-            self._LayerThetas(theta), input_spec, step_spec, step_spec)
+        with tf.device(None):  # As `_OnDevice` traces it.
+            concrete = self._For(f'fwd_{training}').forward[training].get_concrete_function(
+                self._LayerThetas(theta), input_spec, step_spec, step_spec)
         return tf.nest.map_structure(
             lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype),
             concrete.structured_outputs)
@@ -219,15 +220,15 @@ class CellFunctions:
     def Forward(self, theta, inputs, step, first_example, training: bool = True):
         """(outputs, update stats) of the cell on one micro-batch whose first example has index
         `first_example` (scalar int64 tensor) in the mini-batch; one call op on the device."""
-        with tf.device(self.device):
-            return self._For(f'fwd_{training}').forward[training](
-                self._LayerThetas(theta), inputs, step, first_example)
+        return _OnDevice(self._For(f'fwd_{training}').forward[training], self.device,
+                         self._LayerThetas(theta), inputs, step, first_example)
 
     def Backward(self, theta, inputs, step, first_example, d_outputs):
         """(flat d_theta, flat d_inputs) for one micro-batch, recomputing the forward."""
+        d_theta, d_inputs = _OnDevice(self._For('bwd').backward, self.device,
+                                      self._LayerThetas(theta), inputs, step, first_example,
+                                      d_outputs)
         with tf.device(self.device):
-            d_theta, d_inputs = self._For('bwd').backward(self._LayerThetas(theta), inputs, step,
-                                                          first_example, d_outputs)
             return self.Flat(d_theta), d_inputs
 
     def Split(self, theta, input_spec, step_spec) -> CellSplit:
@@ -235,6 +236,19 @@ class CellFunctions:
         `input_spec` (`residuals.SplitCell`), on this device."""
         return CellSplit(self, self._For('split').Split(self._LayerThetas(theta), input_spec,
                                                         step_spec), input_spec)
+
+
+def _OnDevice(function, device: str, *args):
+    """Calls tf.function `function` on `args` as one op on `device`, its trace made with no
+    device scope. A trace keeps the device scope it is made in on every op inside (a
+    tf.function's graph starts with its caller's device stack), and the trace serves every cell
+    of the structure, on every device: traced inside stage 0's scope, the other stages' calls
+    ran their ops on stage 0's device (the loop's backwards, all on the first device). Traced
+    device-free, the call op's device places the body."""
+    with tf.device(None):
+        concrete = function.get_concrete_function(*args)
+    with tf.device(device):
+        return concrete(*args)
 
 
 class CellSplit:

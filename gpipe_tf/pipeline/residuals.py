@@ -68,8 +68,12 @@ class SplitCell:
                           d_theta=grads[:len(sources)], d_x=grads[len(sources):])
             return tf.nest.flatten(outputs), tf.nest.flatten(stats)
 
-        wrapped = tf.compat.v1.wrap_function(
-            Trace, [theta_specs, input_specs, step_spec, step_spec])
+        # Traced, and pruned (`_Part`), with no device scope: a trace (and a pruned copy of
+        # it) takes the device scope it is made in onto its ops, and the parts serve every
+        # cell of the structure, each called on its own device.
+        with tf.device(None):
+            wrapped = tf.compat.v1.wrap_function(
+                Trace, [theta_specs, input_specs, step_spec, step_spec])
         self._output_structure = traced['outputs']
         self._stats_structure = traced['stats']
         n_theta, n_x = len(theta_specs), len(input_specs)
@@ -136,7 +140,8 @@ class SplitCell:
     def _Part(self, name: str):
         """The pruned function of part `name` ('forward', 'backward', 'input', 'weight')."""
         if name not in self._pruned:
-            self._pruned[name] = self._prune[name]()
+            with tf.device(None):
+                self._pruned[name] = self._prune[name]()
         return self._pruned[name]
 
     # ---- calling the parts --------------------------------------------------------------------

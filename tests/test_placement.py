@@ -1,0 +1,94 @@
+"""Every op of a stage runs on the stage's device, read back from the graphs a tf.function step
+actually ran (its partition graphs, after placement, inlining and grappler), under every
+schedule and recompute mode, as a loop and unrolled.
+
+A traced cell function serves every stage of its structure; ops it took a device from while it
+was traced ran on that device for every stage (the looped backwards all on the first device).
+test_pipeline's PlacementTest reads a v1 graph before placement; this test reads what ran.
+"""
+
+import re
+
+import tensorflow as tf
+from absl.testing import parameterized
+from tensorflow.python.eager import context
+
+from gpipe_tf import test_utils
+from gpipe_tf.layers import basic
+from gpipe_tf.pipeline import pipelining_layer
+
+DEVICES = test_utils.ConfigureVirtualCpus()
+BATCH, DIM = 8, 4
+# An op of stage s's action: `cell_<s>_<part>/` (looped) or `cell_<s>_mb_<m>_<part>/` (unrolled).
+_STAGE_SCOPE = re.compile(r'(?:^|/)cell_(\d+)_(?:mb_\d+_)?(?:fwd|bwd|bwd_input|bwd_weight)'
+                          r'(?:_\d+)?/')
+# (schedule, devices, virtual stages): zero_bubble_v's four stages on devices 0, 1, 1, 0.
+KINDS = [('gpipe', 2, 1), ('1f1b', 2, 1), ('interleaved_1f1b', 2, 2), ('zero_bubble', 2, 1),
+         ('zero_bubble_v', 2, 2)]
+
+
+def SquareLoss(outputs, _):
+    """FPropLoss's loss_fn: (value, weight) of a micro-batch."""
+    return tf.reduce_sum(tf.square(outputs)), tf.constant(1.0)
+
+
+def RanOps(layer):
+    """(name, op type, device) of every node of the step's partition graphs, from one step of
+    a fresh tf.function (partition graphs are reported when a function first runs)."""
+    variables = layer.trainable_variables
+
+    @tf.function
+    def Step(x):
+        with tf.GradientTape() as tape:
+            _, loss, _ = layer.FPropLoss(layer.theta, x, SquareLoss)
+        return tape.gradient(loss, variables)
+
+    x = tf.random.stateless_normal([BATCH, DIM], [1, 2])
+    context.enable_run_metadata()
+    try:
+        context.export_run_metadata()  # Drops what earlier steps left.
+        Step(x)
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    graphs = list(metadata.partition_graphs) + [
+        g for function in metadata.function_graphs for g in function.partition_graphs]
+    return [(node.name, node.op, node.device) for g in graphs for node in g.node]
+
+
+class RunTimePlacementTest(parameterized.TestCase):
+
+    @parameterized.named_parameters(*[
+        (f'{kind}_{mode}_{"unrolled" if unroll else "looped"}', kind, k, v, mode, unroll)
+        for kind, k, v in KINDS for mode in pipelining_layer.RECOMPUTE_MODES
+        for unroll in (False, True)])
+    def testEveryStageOpRanOnItsStagesDevice(self, kind, k, v, mode, unroll):
+        layers = [basic.DenseLayer.Params().Set(name=f'dense_{i}', input_dim=DIM,
+                                                output_dim=DIM, activation='tanh')
+                  for i in range(2 * k * v)]
+        layer = pipelining_layer.PipeliningLayer.Params().Set(
+            name='pipe', layer_tpl=layers, num_cells=k, virtual_stages=v, num_micro_batches=4,
+            schedule=kind, recompute=mode, unroll=unroll, input_shapes=[BATCH, DIM],
+            devices=DEVICES[:k]).Instantiate()
+        stage_devices = [tf.DeviceSpec.from_string(d) for d in layer.devices]
+        self.assertLen(stage_devices, k * v)
+        checked, wrong = 0, []
+        for name, op, device in RanOps(layer):
+            match = _STAGE_SCOPE.search(name)
+            # Nodes named `.../_<n>` are the runtime's: send/receive pairs (a node on each
+            # side of a device boundary) and the identities an inlined call's inputs and
+            # outputs pass through.
+            if match is None or re.search(r'/_\d+$', name):
+                continue
+            checked += 1
+            stage = int(match.group(1))
+            ran = tf.DeviceSpec.from_string(device)
+            if ran.device_index != stage_devices[stage].device_index:
+                wrong.append(f'{name} ({op}) of stage {stage} on {device}')
+        self.assertGreater(checked, 0)
+        self.assertEqual(wrong[:5], [], f'{len(wrong)} of {checked} stage ops on another '
+                                        'device')
+
+
+if __name__ == '__main__':
+    tf.test.main()
