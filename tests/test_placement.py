@@ -32,9 +32,9 @@ def SquareLoss(outputs, _):
     return tf.reduce_sum(tf.square(outputs)), tf.constant(1.0)
 
 
-def RanOps(layer):
-    """(name, op type, device) of every node of the step's partition graphs, from one step of
-    a fresh tf.function (partition graphs are reported when a function first runs)."""
+def PartitionGraphs(layer) -> list:
+    """The partition graphs (GraphDefs, one per device and function) of one step of a fresh
+    tf.function (partition graphs are reported when a function first runs)."""
     variables = layer.trainable_variables
 
     @tf.function
@@ -51,9 +51,17 @@ def RanOps(layer):
         metadata = context.export_run_metadata()
     finally:
         context.disable_run_metadata()
-    graphs = list(metadata.partition_graphs) + [
+    return list(metadata.partition_graphs) + [
         g for function in metadata.function_graphs for g in function.partition_graphs]
-    return [(node.name, node.op, node.device) for g in graphs for node in g.node]
+
+
+def Pipeline(kind, k, v, mode, unroll):
+    layers = [basic.DenseLayer.Params().Set(name=f'dense_{i}', input_dim=DIM, output_dim=DIM,
+                                            activation='tanh') for i in range(2 * k * v)]
+    return pipelining_layer.PipeliningLayer.Params().Set(
+        name='pipe', layer_tpl=layers, num_cells=k, virtual_stages=v, num_micro_batches=4,
+        schedule=kind, recompute=mode, unroll=unroll, input_shapes=[BATCH, DIM],
+        devices=DEVICES[:k]).Instantiate()
 
 
 class RunTimePlacementTest(parameterized.TestCase):
@@ -63,17 +71,12 @@ class RunTimePlacementTest(parameterized.TestCase):
         for kind, k, v in KINDS for mode in pipelining_layer.RECOMPUTE_MODES
         for unroll in (False, True)])
     def testEveryStageOpRanOnItsStagesDevice(self, kind, k, v, mode, unroll):
-        layers = [basic.DenseLayer.Params().Set(name=f'dense_{i}', input_dim=DIM,
-                                                output_dim=DIM, activation='tanh')
-                  for i in range(2 * k * v)]
-        layer = pipelining_layer.PipeliningLayer.Params().Set(
-            name='pipe', layer_tpl=layers, num_cells=k, virtual_stages=v, num_micro_batches=4,
-            schedule=kind, recompute=mode, unroll=unroll, input_shapes=[BATCH, DIM],
-            devices=DEVICES[:k]).Instantiate()
+        layer = Pipeline(kind, k, v, mode, unroll)
         stage_devices = [tf.DeviceSpec.from_string(d) for d in layer.devices]
         self.assertLen(stage_devices, k * v)
         checked, wrong = 0, []
-        for name, op, device in RanOps(layer):
+        for name, op, device in [(node.name, node.op, node.device)
+                                 for g in PartitionGraphs(layer) for node in g.node]:
             match = _STAGE_SCOPE.search(name)
             # Nodes named `.../_<n>` are the runtime's: send/receive pairs (a node on each
             # side of a device boundary) and the identities an inlined call's inputs and
@@ -88,6 +91,33 @@ class RunTimePlacementTest(parameterized.TestCase):
         self.assertGreater(checked, 0)
         self.assertEqual(wrong[:5], [], f'{len(wrong)} of {checked} stage ops on another '
                                         'device')
+
+
+class LoopStateTest(parameterized.TestCase):
+    """The loop's state stays on its devices: a TensorArray is read where it lives (sent to
+    another device, a TensorArray is copied whole, every micro-batch of its ring), and no loop
+    variable passes through another device on its way from one tick to the next."""
+
+    @parameterized.named_parameters(*[(f'{kind}_{mode}', kind, k, v, mode)
+                                      for kind, k, v in KINDS for mode in ('always', 'never')])
+    def testNoTensorArrayOrLoopVariableCrossesADevice(self, kind, k, v, mode):
+        graphs = PartitionGraphs(Pipeline(kind, k, v, mode, unroll=False))
+        sends, loop_variables = 0, 0
+        for g in graphs:
+            ops = {node.name: node.op for node in g.node}
+            for node in g.node:
+                if node.op == '_Send':
+                    sends += 1
+                    self.assertNotEqual(node.attr['T'].type, tf.variant.as_datatype_enum,
+                                        f'{node.name} sends a TensorArray to '
+                                        f'{node.attr["recv_device"].s.decode()}')
+                if node.op == 'NextIteration':
+                    loop_variables += 1
+                    source = node.input[0].split(':')[0]
+                    self.assertNotEqual(ops.get(source), '_Recv',
+                                        f'{node.name} takes its next value from another device')
+        self.assertGreater(sends, 0)  # The stages' devices do exchange micro-batches.
+        self.assertGreater(loop_variables, 0)
 
 
 if __name__ == '__main__':

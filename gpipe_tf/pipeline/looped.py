@@ -32,6 +32,8 @@ layer's pre-activation gradient, the residuals W needs) to 'saved'; W runs no fo
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 
 from gpipe_tf.pipeline import executor
@@ -215,6 +217,13 @@ class LoopedSchedule:
             return [tf.TensorArray(x.dtype, size=self._RingSize(key), element_shape=x.shape,
                                    clear_after_read=False) for x in specs]
 
+    def _Owner(self, key) -> str:
+        """The device of `key`'s TensorArrays (`_EmptyArrays`): boundary b's outputs on the
+        stage that writes them, b - 1; boundary b's gradients, and a stage's kept and saved
+        residuals, on stage b's (the outputs' gradients on the last stage's)."""
+        kind, i = key
+        return self._devices[min(i - 1 if kind == 'act' else i, self._num_stages - 1)]
+
     def _RingSize(self, key) -> int:
         """How many micro-batches `key`'s TensorArrays hold (1 for one the step never uses:
         the boundaries' gradients in inference)."""
@@ -308,10 +317,12 @@ class LoopedSchedule:
                 self._Put(key, value)
             return (t + 1,) + tuple(self._State())
 
-        flat = tf.while_loop(lambda t, *_: t < len(ticks), Body, (tf.constant(0),) + tuple(state),
-                             # A device may start its next ticks while slower ones finish
-                             # theirs (at K=8, M=32: 2.2 s a step with 2, 1.8 s with 8).
-                             parallel_iterations=max(2, sched.num_devices))
+        with _OnInputsDevice():
+            flat = tf.while_loop(
+                lambda t, *_: t < len(ticks), Body, (tf.constant(0),) + tuple(state),
+                # A device may start its next ticks while slower ones finish theirs (at K=8,
+                # M=32: 2.2 s a step with 2, 1.8 s with 8).
+                parallel_iterations=max(2, sched.num_devices))
         self._SetState(flat[1:])
         self._loop_keys = None
 
@@ -409,7 +420,10 @@ class LoopedSchedule:
         stores = self._Value(key)
         if any(isinstance(x, tf.TensorArray) for x in stores):
             slot = self._Slot(key, m)
-            flat = [store.read(slot) for store in stores]
+            # Read where the arrays live, so that only the micro-batch crosses to this device:
+            # a TensorArray sent to another device is copied whole, every slot of its ring.
+            with tf.device(self._Owner(key)):
+                flat = [store.read(slot) for store in stores]
             if key in self._packings:
                 flat = self._packings[key].Unpack(flat)
         else:  # The inputs, or the outputs' gradients when given: read in place.
@@ -433,21 +447,24 @@ class LoopedSchedule:
         # the branch's ops back once lowered.)
         values[token] = tf.identity(values[token])
         with tf.control_dependencies([values[token]]):
-            # Its input: the stage's input, the residuals its forward kept, or what its I saved.
+            # Its input: the stage's input, the residuals its forward kept, or what its I saved;
+            # and for B and I the outputs' gradient. (Read outside the cell's scope: an array of
+            # another stage is read on that stage's device.)
             key = self._Access(kind, s)[0][0]
             x = self._Read(key, self._structures[s] if key[0] == 'act' else None, m)
+            d_y = self._Read(('d_act', s + 1), None, m) if kind in (B, I) else None
         with tf.name_scope(f'cell_{s}_{_SCOPES[kind]}'):
-            self._Run(kind, s, m, values, fn, first, x)
+            self._Run(kind, s, m, values, fn, first, x, d_y)
         done = [t.flow if isinstance(t, tf.TensorArray) else t
                 for k in keys if k != token for t in tf.nest.flatten(values[k])]
         with tf.control_dependencies(done):
             values[token] = tf.identity(values[token])
         return [values[k] for k in keys]
 
-    def _Run(self, kind, s, m, values, fn, first, x):
+    def _Run(self, kind, s, m, values, fn, first, x, d_y):
         """Runs action (kind, stage s, micro-batch m) on its input `x` (the stage's input, the
-        residuals its forward kept, or, for W, what I saved), updating `values` (the state the
-        action writes)."""
+        residuals its forward kept, or, for W, what I saved) and, for B and I, its outputs'
+        gradient `d_y`, updating `values` (the state the action writes)."""
         theta, split, step = self._thetas[s], self._splits[s], self._step
         if kind == F:
             if self._keeps[s]:
@@ -471,7 +488,6 @@ class LoopedSchedule:
             values[('grad', s)] = self._Added(
                 m, sums, lambda: _Add(sums, split.Weight(theta, x, step, first)))
             return
-        d_y = self._Read(('d_act', s + 1), None, m)
         if kind == B and self._keeps[s]:
             d_theta, d_x = split.Backward(theta, x, step, first, d_y)
         elif kind == B:
@@ -527,6 +543,23 @@ class LoopedSchedule:
             with tf.device(self._devices[s]):
                 grads.append(self._Unpack(s, self._grads[s]))
         return grads, d_inputs
+
+
+def _OnInputsDevice():
+    """A device scope for building the loop in a graph: an Identity made with no device (the
+    one tf.function puts on each value a loop body returns, after our device scopes end) is
+    placed with its input. Left to the placer, each went to the first device: every loop
+    variable of every device crossed to it and back at each tick (half the loop's sends at
+    K=4). Ops made in our own device scopes keep theirs (an inner scope overrides)."""
+    if tf.executing_eagerly():
+        return contextlib.nullcontext()
+
+    def Device(op):
+        if not op.device and op.type == 'Identity' and op.inputs and op.inputs[0].device:
+            return op.inputs[0].device
+        return op.device
+
+    return tf.compat.v1.device(Device)
 
 
 class _Packing:
