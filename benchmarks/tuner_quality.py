@@ -18,7 +18,8 @@ A step is the pipeline's `FPropLoss` on synthesized inputs (a mean square of its
 per micro-batch), its gradients and an SGD update, in a tf.function; the median of `--repeats`
 steps after two warm-ups.
 
-    python benchmarks/tuner_quality.py [--models=dense,amoebanet,lm] [--top=5] [--out=...]
+    python benchmarks/tuner_quality.py [--models=dense,amoebanet,lm] [--top=5]
+        [--parts=partition,tuner,memory] [--out=...]
 
 Prints a table as it goes and writes every row to JSON.
 """
@@ -135,8 +136,8 @@ def Partitions(name, p, repeats, emit):
     emit(row)
 
 
-def Tuned(name, p, top, repeats, memory_share, emit):
-    from gpipe_tf.perf import memory as memory_lib  # pylint: disable=g-import-not-at-top
+def Tuned(name, p, top, repeats, emit):
+    """The tuner's pick with ample memory against its `top` best-ranked configurations."""
     from gpipe_tf.perf import tuner  # pylint: disable=g-import-not-at-top
     base = p.Copy().Set(num_cells=2, devices=bench.DEVICES[:2])
     costs = tuner.MeasuredCosts(base)
@@ -175,7 +176,15 @@ def Tuned(name, p, top, repeats, memory_share, emit):
           f'{row["pick_vs_best"]:.3f}, predicted/measured {row["predicted_vs_measured"]:.3f}',
           flush=True)
     emit(row)
-    # A memory limit the FLOPs-balanced gpipe configuration exceeds.
+
+
+def Fitted(name, p, repeats, memory_share, emit):
+    """The tuner's pick under a memory limit the FLOPs-balanced gpipe configuration exceeds:
+    its planned step bytes against the measured."""
+    from gpipe_tf.perf import memory as memory_lib  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.perf import tuner  # pylint: disable=g-import-not-at-top
+    base = p.Copy().Set(num_cells=2, devices=bench.DEVICES[:2])
+    costs = tuner.MeasuredCosts(base)
     gpipe = memory_lib.PlanMemory(base.Copy().Set(schedule='gpipe', recompute='never',
                                                   virtual_stages=1, partition_method='flops'),
                                   0)
@@ -192,6 +201,8 @@ def Tuned(name, p, top, repeats, memory_share, emit):
                gpipe_flops_peak_bytes=gpipe.peak_device_bytes, pick=str(best.config),
                pick_boundaries=list(best.boundaries), moved=best.moved,
                planned_peak_device_bytes=best.peak_bytes, planned_step_bytes=planned,
+               planned_cells=[{name: getattr(c, name) for name in memory_lib.COMPONENTS}
+                              for c in best.memory.cells],
                measured_step_bytes=peak, planned_vs_measured=planned / peak if peak else None,
                predicted_s=best.step_s, measured_s=step_s, fits=True)
     print(f'{name}: limit {limit / 2**20:.1f} MiB (gpipe on FLOPs plans '
@@ -207,14 +218,24 @@ def main():
     parser.add_argument('--top', type=int, default=5)
     parser.add_argument('--repeats', type=int, default=7)
     parser.add_argument('--memory_share', type=float, default=0.6)
+    parser.add_argument('--parts', default='partition,tuner,memory',
+                        help='Comma-separated: which of partition, tuner, memory to run.')
     parser.add_argument('--out', default='benchmarks/results/tuner_quality.json')
     args = parser.parse_args()
     bench.Setup('per_device')
+    parts = args.parts.split(',')
+    unknown = sorted(set(parts) - {'partition', 'tuner', 'memory'})
+    if unknown:
+        parser.error(f'unknown --parts {unknown}; expected partition, tuner, memory')
     rows = []
     for name in args.models.split(','):
         p = MODELS[name]()
-        Partitions(name, p, args.repeats, rows.append)
-        Tuned(name, p, args.top, args.repeats, args.memory_share, rows.append)
+        if 'partition' in parts:
+            Partitions(name, p, args.repeats, rows.append)
+        if 'tuner' in parts:
+            Tuned(name, p, args.top, args.repeats, rows.append)
+        if 'memory' in parts:
+            Fitted(name, p, args.repeats, args.memory_share, rows.append)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, 'w') as f:
         json.dump(rows, f, indent=1)

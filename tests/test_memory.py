@@ -17,7 +17,11 @@ from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
 from gpipe_tf import optimizer  # pylint: disable=g-import-not-at-top
 from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
+from gpipe_tf.layers import conv  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import fprop_context  # pylint: disable=g-import-not-at-top
+from gpipe_tf.layers import normalization  # pylint: disable=g-import-not-at-top
+from gpipe_tf.layers import pooling  # pylint: disable=g-import-not-at-top
+from gpipe_tf.layers import sequential  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import memory  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import pictures  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
@@ -34,6 +38,19 @@ def _Dense(num_cells=2, m=4, recompute='always', layers=16, width=512, batch=102
         layer_tpl=[basic.DenseLayer.Params().Set(input_dim=width, output_dim=width,
                                                  activation='relu') for _ in range(layers)],
         input_shapes=[batch, width], devices=DEVICES[:num_cells])
+
+
+def _ConvBnRelu(num_cells=1, m=1, recompute='never', units=4, batch=64):
+    """`units` x (3x3 convolution without bias or activation, batch norm, ReLU) of 32
+    channels on 16 x 16 images: each layer's output is 2 MiB at batch 64."""
+    layers = []
+    for _ in range(units):
+        layers += [conv.Conv2DLayer.Params().Set(filter_shape=(3, 3, 32, 32), has_bias=False),
+                   normalization.BatchNormLayer.Params().Set(dim=32),
+                   basic.ActivationLayer.Params().Set(activation='relu')]
+    return pipelining_layer.PipeliningLayer.Params().Set(
+        name='pipe', num_cells=num_cells, num_micro_batches=m, recompute=recompute,
+        layer_tpl=layers, input_shapes=[batch, 16, 16, 32], devices=DEVICES[:num_cells])
 
 
 class PlanTest(tf.test.TestCase, parameterized.TestCase):
@@ -129,6 +146,22 @@ class PlanTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(from_plan, memory.PlanMemory(p, 2))
         self.assertEqual(pictured.memory, from_plan)
         self.assertEqual(pictured.forward_flops, [m.flops for m in pipeline_plan.metas])
+
+    def testAnOutputNoBackwardReadsIsNotKept(self):
+        # Of conv -> batch norm -> ReLU, the backward reads the convolution's output (batch
+        # norm's statistics and scale gradients) and the ReLU's (its own gradient, and the next
+        # convolution's filter gradient), not batch norm's: two of three 2 MiB outputs per unit.
+        cell = memory.PlanMemory(_ConvBnRelu(units=4), 0).cells[0]
+        # Held once the forward is done: the input and two outputs per unit (the last ReLU's
+        # is the pipeline's output).
+        self.assertEqual(cell.before_backward - cell.params, 2 * MIB + 8 * 2 * MIB)
+        # Average pooling's gradient reads neither its input nor its output; max pooling both.
+        pool = lambda kind: pooling.Pooling2DLayer.Params().Set(
+            pooling_type=kind, window_shape=(2, 2), window_stride=(2, 2))
+        bn = normalization.BatchNormLayer.Params().Set(dim=32)
+        for kind, kept_bn_output in (('AVG', False), ('MAX', True)):
+            chain, _ = sequential.ChainMeta([bn, pool(kind)], tf.TensorShape([64, 16, 16, 32]))
+            self.assertEqual(chain.activation_bytes, (2 * MIB if kept_bn_output else 0) + MIB // 2)
 
     def testBadInput(self):
         with self.assertRaisesRegex(ValueError, 'needs input_shapes'):
@@ -280,6 +313,8 @@ class PaperTable1Test(parameterized.TestCase):
 # measured 4.1 to 5.9 MiB at K=2, M=4 against the plan's 4.0 (balanced cells).
 TRAIN_CASES = [(1, 1, 'always'), (1, 8, 'always'), (2, 4, 'always'), (4, 8, 'always'),
                (1, 8, 'never'), (2, 4, 'never'), (4, 8, 'except_last')]
+# (K, M, recompute) of `_ConvBnRelu` training steps.
+CONV_CASES = [(1, 1, 'never'), (2, 4, 'never')]
 INFERENCE_CASES = [(1, 1), (1, 4)]
 
 
@@ -290,6 +325,11 @@ def _MeasureSteps() -> dict:
     for k, m, recompute in TRAIN_CASES:
         layer = _Dense(num_cells=k, m=m, recompute=recompute).Instantiate()
         measured[f'{k} {m} {recompute}'] = test_utils.StepBytes(layer, x)
+    images = tf.random.stateless_normal([64, 16, 16, 32], [1, 2])
+    for k, m, recompute in CONV_CASES:
+        layer = _ConvBnRelu(num_cells=k, m=m, recompute=recompute).Instantiate()
+        with fprop_context.Scope(training=True):
+            measured[f'conv {k} {m} {recompute}'] = test_utils.StepBytes(layer, images)
     for k, m in INFERENCE_CASES:
         layer = _Dense(num_cells=k, m=m).Instantiate()
         step = tf.function(lambda x, layer=layer: layer(x))
@@ -323,6 +363,14 @@ class MeasuredTest(tf.test.TestCase, parameterized.TestCase):
     def testPlannedStepMemoryIsWithin20PercentOfMeasured(self, k, m, recompute):
         p = _Dense(num_cells=k, m=m, recompute=recompute)
         self._Check(memory.PlanMemory(p, slots_per_param=0).step_bytes, f'{k} {m} {recompute}')
+
+    @parameterized.parameters(*CONV_CASES)
+    def testPlannedStepMemoryOfConvolutionsAndBatchNormIsWithin20PercentOfMeasured(
+            self, k, m, recompute):
+        # Counting batch norm's outputs as kept planned 1.4x what was measured.
+        p = _ConvBnRelu(num_cells=k, m=m, recompute=recompute)
+        self._Check(memory.PlanMemory(p, slots_per_param=0).step_bytes,
+                    f'conv {k} {m} {recompute}')
 
     @parameterized.parameters(*INFERENCE_CASES)
     def testPlannedInferenceMemoryIsWithin20PercentOfMeasured(self, k, m):

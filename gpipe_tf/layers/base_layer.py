@@ -127,12 +127,22 @@ class LayerMeta:
       flops: floating point operations of one forward pass (a multiply-add counts 2).
       num_params: number of scalar parameters the layer creates (trainable or not).
       activation_bytes: bytes of activations a backward pass keeps alive without
-        re-materialization (for a composite layer, every sub-layer's output).
+        re-materialization: its output (counted here whatever reads it), and what it makes
+        inside that its backward reads (for a composite layer, its sub-layers' outputs that
+        a backward reads).
+      reads_input: whether the layer's backward reads its input (a convolution's or a matrix
+        product's weight gradient does; ReLU's, an addition's and average pooling's do not).
+      reads_output: whether its backward reads its output (ReLU and tanh do; a convolution
+        without an activation and batch norm do not). An output that neither its layer nor the
+        next layer reads is freed after the forward: `sequential.ChainMeta` leaves it out. The
+        defaults count every output kept.
     """
     out_shapes: Any
     flops: int = 0
     num_params: int = 0
     activation_bytes: int = 0
+    reads_input: bool = True
+    reads_output: bool = True
 
 
 def FlattenShapes(shapes) -> list[tf.TensorShape]:

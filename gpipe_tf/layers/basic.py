@@ -83,8 +83,11 @@ class DenseLayer(BaseLayer):
         rows = tf.TensorShape(x_shape)[:-1].num_elements()
         flops = 2 * rows * p.input_dim * p.output_dim
         flops += out.num_elements() * (int(p.has_bias) + ACTIVATIONS[p.activation][1])
+        # The weight gradient reads the input; an activation's gradient reads its output (or
+        # its input, of the same size: gelu, swish).
         return LayerMeta(out, flops, p.input_dim * p.output_dim + p.output_dim * p.has_bias,
-                         base_layer.ActivationBytes(out, p))
+                         base_layer.ActivationBytes(out, p), reads_input=True,
+                         reads_output=p.activation != 'none')
 
 
 class ActivationLayer(BaseLayer):
@@ -106,8 +109,10 @@ class ActivationLayer(BaseLayer):
     @classmethod
     def FPropMeta(cls, p, x_shape):
         out = tf.TensorShape(x_shape)
+        # Its gradient reads its output (or its input, of the same size: gelu, swish).
         return LayerMeta(out, out.num_elements() * ACTIVATIONS[p.activation][1], 0,
-                         base_layer.ActivationBytes(out, p))
+                         base_layer.ActivationBytes(out, p), reads_input=False,
+                         reads_output=p.activation != 'none')
 
 
 class IdentityLayer(BaseLayer):

@@ -139,7 +139,9 @@ class _WindowConvLayer(BaseLayer):
         flops = 2 * outputs * window_fan_in
         flops += outputs * (int(p.has_bias) + basic.ACTIVATIONS[p.activation][1])
         num_params = kh * kw * cin * p.filter_shape[3] + out_c * int(p.has_bias)
-        return LayerMeta(out, flops, num_params, base_layer.ActivationBytes(out, p))
+        # The filter's gradient reads the input; an activation's gradient reads its output.
+        return LayerMeta(out, flops, num_params, base_layer.ActivationBytes(out, p),
+                         reads_input=True, reads_output=p.activation != 'none')
 
 
 class Conv2DLayer(_WindowConvLayer):

@@ -116,8 +116,10 @@ class BatchNormLayer(BaseLayer):
     @classmethod
     def FPropMeta(cls, p, x_shape):
         out = _CheckRank2(x_shape, p.name or cls.__name__, p.dim)
+        # The gradients of the statistics and of the scale read the input, none the output.
         return LayerMeta(out, _NORM_FLOPS_PER_ELEMENT * out.num_elements(), 4 * p.dim,
-                         base_layer.ActivationBytes(out, p))
+                         base_layer.ActivationBytes(out, p), reads_input=True,
+                         reads_output=False)
 
 
 class LayerNormLayer(BaseLayer):

@@ -69,7 +69,11 @@ class Pooling2DLayer(BaseLayer):
         except ValueError as e:
             raise ValueError(f'{layer}: {e}') from None
         flops = out.num_elements() * (kh * kw + int(p.pooling_type == 'AVG'))
-        return LayerMeta(out, flops, 0, base_layer.ActivationBytes(out, p))
+        # Max pooling's gradient reads its input and output (where the maxima were); average
+        # pooling's only the input's static shape.
+        is_max = p.pooling_type == 'MAX'
+        return LayerMeta(out, flops, 0, base_layer.ActivationBytes(out, p), reads_input=is_max,
+                         reads_output=is_max)
 
 
 class GlobalPoolingLayer(BaseLayer):

@@ -68,8 +68,15 @@ def ChainMeta(layer_params: list, *input_shapes) -> tuple[LayerMeta, list[LayerM
         args = base_layer.AsArgs(meta.out_shapes)
     out = metas[-1].out_shapes if metas else (
         input_shapes[0] if len(input_shapes) == 1 else tuple(input_shapes))
+    # TF frees an output that neither its layer's backward nor the next layer's reads (batch
+    # norm's before a ReLU, a convolution's before average pooling) once the next layer has run.
+    unread = sum(min(base_layer.ActivationBytes(m.out_shapes, p), m.activation_bytes)
+                 for p, m, after in zip(layer_params, metas, metas[1:])
+                 if not m.reads_output and not after.reads_input)
     total = LayerMeta(out, sum(m.flops for m in metas), sum(m.num_params for m in metas),
-                      sum(m.activation_bytes for m in metas))
+                      sum(m.activation_bytes for m in metas) - unread,
+                      reads_input=metas[0].reads_input if metas else False,
+                      reads_output=metas[-1].reads_output if metas else False)
     return total, metas
 
 

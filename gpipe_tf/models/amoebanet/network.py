@@ -136,42 +136,66 @@ class _TensorDataflow:
 
 
 class _ShapeDataflow:
-    """AmoebaCellLayer's dataflow on shapes: collects the children's and its own costs."""
+    """AmoebaCellLayer's dataflow on shapes: collects the children's and its own costs.
+
+    What a backward keeps is counted per tensor of the cell: a state is kept when the
+    operation that made it or one that reads it has a backward that reads it (`LayerMeta`'s
+    reads_output, reads_input). Additions, drop path (a per-example scale) and the
+    concatenation read none of theirs, so a state only they touch is freed after the forward.
+    """
 
     def __init__(self, p, layer: str, children: dict):
         self._p, self._layer, self._children = p, layer, children
-        self.metas, self.flops, self.activation_bytes = [], 0, 0
+        self.metas, self.flops, self.reads_input = [], 0, False
+        self._inside = 0  # What the children keep besides their outputs.
+        self._states = {}  # id(shape) -> [shape, bytes, whether a backward reads it].
 
-    def _Elementwise(self, shape, flops_per_element: int) -> None:
+    @property
+    def activation_bytes(self) -> int:
+        return self._inside + sum(size for _, size, read in self._states.values() if read)
+
+    def _Made(self, shape, read: bool):
+        """A new state of `shape` (a copy: the cached metas share their shape objects)."""
+        shape = tf.TensorShape(shape)
+        self._states[id(shape)] = [shape, base_layer.ActivationBytes(shape, self._p), read]
+        return shape
+
+    def _Elementwise(self, shape, flops_per_element: int):
         self.flops += flops_per_element * shape.num_elements()
-        self.activation_bytes += base_layer.ActivationBytes(shape, self._p)
+        return self._Made(shape, read=False)
 
     def Apply(self, name: str, x):
         child = self._children[name].Copy().Set(name=f'{self._layer}.{name}')
         meta = child.cls.FPropMeta(child, x)
         self.metas.append(meta)
-        return meta.out_shapes
+        if meta.reads_input:
+            if id(x) in self._states:
+                self._states[id(x)][2] = True
+            else:  # One of the cell's inputs.
+                self.reads_input = True
+        out = self._Made(meta.out_shapes, meta.reads_output)
+        self._inside += max(meta.activation_bytes - self._states[id(out)][1], 0)
+        return out
 
     def DropPath(self, index: int, x):
         if self._p.drop_path_keep_prob < 1.0:
-            self._Elementwise(x, 2)
+            return self._Elementwise(x, 2)
         return x
 
     def Add(self, a, b):
         if a != b:
             raise ValueError(f'{self._layer}: a combination adds states of shapes {a} and {b}; '
                              'check the genotype and the stride.')
-        self._Elementwise(a, 1)
-        return a
+        return self._Elementwise(a, 1)
 
     def Concat(self, states: list):
         if len({tuple(s[:-1]) for s in states}) > 1:
             raise ValueError(f'{self._layer}: the concatenated states differ in size: '
                              f'{[str(s) for s in states]}; a cell whose unused inputs need '
                              'reducing is not supported.')
-        out = states[0][:-1].concatenate([sum(s[-1] for s in states)])
-        self._Elementwise(out, 0)
-        return out
+        # The cell's output: what reads it is the next layer's to say, so it counts as kept
+        # (`LayerMeta.activation_bytes`), as the pipeline's memory planner expects of a cell.
+        return self._Made(states[0][:-1].concatenate([sum(s[-1] for s in states)]), read=True)
 
 
 class AmoebaCellLayer(BaseLayer):
@@ -307,7 +331,9 @@ class AmoebaCellLayer(BaseLayer):
         out = NestedMap(shapes)
         out.cur = cls._Dataflow(p, shapes.cur, shapes.get('prev'), flow, children)
         out.prev = shapes.cur
-        return SumMetas(out, flow.metas, flow.flops, flow.activation_bytes)
+        return LayerMeta(out, sum(m.flops for m in flow.metas) + flow.flops,
+                         sum(m.num_params for m in flow.metas), flow.activation_bytes,
+                         reads_input=flow.reads_input)
 
 
 def _BranchName(index: int) -> str:

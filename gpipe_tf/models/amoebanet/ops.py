@@ -235,6 +235,7 @@ class FactorizedReductionLayer(BaseLayer):
         out = path.out_shapes[:-1].concatenate([p.output_dim])
         bn = children['bn'].cls.FPropMeta(children['bn'], out)
         relu_flops = tf.TensorShape(x_shape).num_elements()
-        return SumMetas(out, [path, path, bn], relu_flops,
-                         base_layer.ActivationBytes(x_shape, p))
+        meta = SumMetas(out, [path, path, bn], relu_flops, base_layer.ActivationBytes(x_shape, p))
+        # It starts with a ReLU, which reads its output, and ends with batch norm.
+        return dataclasses.replace(meta, reads_input=False, reads_output=False)
 
