@@ -197,6 +197,26 @@ class PackingTest(absltest.TestCase):
             self.assertEqual(got.dtype, tf.as_dtype(np.asarray(want).dtype))
             np.testing.assert_array_equal(got.numpy(), want)
 
+    def testLooseTensorsAreNotCopied(self):
+        """Tensors at the `loose` positions (values stored anyway) follow the packed ones as
+        they are: the same buffer, not a copy."""
+        values = [tf.constant(np.arange(32, dtype=np.float32).reshape(2, 16)),
+                  tf.constant(np.ones([4, 16], np.float32)),
+                  tf.constant(np.arange(3, dtype=np.int32))]
+        specs = [tf.TensorSpec(v.shape, v.dtype) for v in values]
+        packing = looped._Packing(specs, loose=[0, 2])  # pylint: disable=protected-access
+        self.assertEqual([(s.dtype, s.shape) for s in packing.specs],
+                         [(tf.float32, [4, 16]), (tf.float32, [2, 16]), (tf.int32, [3])])
+        packed = packing.Pack(values)
+        self.assertIs(packed[1], values[0])
+        self.assertIs(packed[2], values[2])
+        for got, want in zip(packing.Unpack(packed), values):
+            np.testing.assert_array_equal(got.numpy(), want.numpy())
+        # Every tensor loose: nothing packed, nothing copied.
+        every = looped._Packing(specs, loose=[0, 1, 2])  # pylint: disable=protected-access
+        self.assertEqual(every.specs, specs)
+        self.assertEqual([id(x) for x in every.Pack(values)], [id(x) for x in values])
+
     def testRunTimeShapesAreNotPacked(self):
         packing = looped._Packing(  # pylint: disable=protected-access
             [tf.TensorSpec([None, 4], tf.float32)])

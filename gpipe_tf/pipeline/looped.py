@@ -192,19 +192,23 @@ class LoopedSchedule:
         # The residuals of a micro-batch, packed into one TensorArray per dtype (`_Packing`).
         self._packings = {}
         self._kept = [None if not keep else self._PackedArrays(
-            self._splits[s].kept_specs, ('kept', s), s) for s, keep in enumerate(self._keeps)]
+            self._splits[s].kept_specs, ('kept', s), s, self._splits[s].kept_shared)
+            for s, keep in enumerate(self._keeps)]
         self._saved = [None] * self._num_stages  # Per stage, its I's saved values for its W.
 
     def _StartSaved(self):
         """TensorArrays for what each stage's I saves for its W (a split backward)."""
         for s, split in enumerate(self._splits):
-            self._saved[s] = self._PackedArrays(split.saved_specs, ('saved', s), s)
+            self._saved[s] = self._PackedArrays(split.saved_specs, ('saved', s), s,
+                                                split.saved_shared)
 
-    def _PackedArrays(self, specs, key, stage):
+    def _PackedArrays(self, specs, key, stage, shared=()):
         """`_EmptyArrays` for `key`'s residuals, in one per dtype where their shapes are
         static: a cell's residuals are dozens of tensors (21 per Transformer layer), each a loop
-        variable passed through every tick (and every branch) as its own TensorArray."""
-        packing = _Packing(specs)
+        variable passed through every tick (and every branch) as its own TensorArray. Those at
+        positions `shared` (values stored anyway: the cell's input and outputs, the outputs'
+        gradient) keep arrays of their own, so that they are not copied."""
+        packing = _Packing(specs, shared)
         if packing.specs is None:
             return self._EmptyArrays(specs, key, stage)
         self._packings[key] = packing
@@ -569,22 +573,28 @@ class _Packing:
     instead of one per tensor. Each tensor takes whole rows of 64 bytes, so that unpacking
     splits the rows without a copy (TensorFlow shares the buffer of a split along the first
     dimension when the rows are aligned) and only a tensor not filling its last row is copied
-    out of it."""
+    out of it. The tensors at positions `loose` are not packed but follow the packed ones as
+    they are (stored as themselves, they share their buffers: a boundary's activation kept
+    for the backward would otherwise be held twice while its boundary's array holds it too)."""
 
     _ROW_BYTES = 64
 
-    def __init__(self, specs):
+    def __init__(self, specs, loose=()):
         self._specs = list(specs)
-        self._dtypes = list(dict.fromkeys(x.dtype for x in self._specs))
+        self._loose = sorted(set(loose))
+        packed = [x for i, x in enumerate(self._specs) if i not in self._loose]
+        self._dtypes = list(dict.fromkeys(x.dtype for x in packed))
         if not self._specs or not all(x.shape.is_fully_defined() for x in self._specs):
             self.specs = None
             return
         self._sizes = [x.shape.num_elements() for x in self._specs]
         self._columns = {dtype: max(1, self._ROW_BYTES // dtype.size) for dtype in self._dtypes}
-        self._rows = [-(-n // self._columns[x.dtype]) for x, n in zip(self._specs, self._sizes)]
+        self._rows = [None if i in self._loose else -(-n // self._columns[x.dtype])
+                      for i, (x, n) in enumerate(zip(self._specs, self._sizes))]
         self.specs = [tf.TensorSpec([sum(r for x, r in zip(self._specs, self._rows)
-                                         if x.dtype == dtype), self._columns[dtype]], dtype)
-                      for dtype in self._dtypes]
+                                         if r is not None and x.dtype == dtype),
+                                     self._columns[dtype]], dtype)
+                      for dtype in self._dtypes] + [self._specs[i] for i in self._loose]
 
     def Pack(self, flat: list) -> list:
         packed = []
@@ -592,21 +602,26 @@ class _Packing:
             columns = self._columns[dtype]
             rows = []
             for x, spec, n, r in zip(flat, self._specs, self._sizes, self._rows):
-                if spec.dtype == dtype:
+                if r is not None and spec.dtype == dtype:
                     x = tf.reshape(x, [-1])
                     if r * columns > n:
                         x = tf.concat([x, tf.zeros([r * columns - n], dtype)], axis=0)
                     rows.append(tf.reshape(x, [r, columns]))
             packed.append(tf.concat(rows, axis=0) if len(rows) > 1 else rows[0])
-        return packed
+        return packed + [flat[i] for i in self._loose]
 
     def Unpack(self, packed: list) -> list:
+        loose = dict(zip(self._loose, packed[len(self._dtypes):]))
         parts = {}
         for dtype, array in zip(self._dtypes, packed):
-            rows = [r for x, r in zip(self._specs, self._rows) if x.dtype == dtype]
+            rows = [r for x, r in zip(self._specs, self._rows)
+                    if r is not None and x.dtype == dtype]
             parts[dtype] = iter(tf.split(array, rows) if len(rows) > 1 else [array])
         flat = []
-        for x, n in zip(self._specs, self._sizes):
+        for i, (x, n) in enumerate(zip(self._specs, self._sizes)):
+            if i in loose:
+                flat.append(loose[i])
+                continue
             part = next(parts[x.dtype])
             if part.shape.num_elements() > n:
                 part = tf.reshape(part, [-1])[:n]
