@@ -72,6 +72,22 @@ class TuneTest(tf.test.TestCase):
                                         f'{candidate.config}: cut at {cut} beats '
                                         f'{candidate.boundaries}')
 
+    def testEachActionCostsItsCallOnceWhateverItsLayers(self):
+        # Each layer's forward timed as a call of its own includes the call's cost once; in the
+        # pipeline the cell's four layers run in one call per action. K=1: the step is every
+        # action in turn, M forwards and M backwards (zero_bubble: I and W, two calls), each
+        # one call's cost more than the layers' work alone.
+        p = Dense([32, 64, 32, 64, 32], 64)
+        before, work = tuner.FlopsCosts(p).Of(64 // 4)
+        call = 1e-3
+        timed = [tuner.LayerSeconds(c.forward + call, c.backward, c.input_grad) for c in work]
+        for kind, calls_per_micro_batch in (('gpipe', 2), ('1f1b', 2), ('zero_bubble', 3)):
+            config = tuner.Config(kind, 4, 1, 'never')
+            bare = tuner.Score(p, 1, config, [0, 4], before, work, 1e12)
+            called = tuner.Score(p, 1, config, [0, 4], before, timed, 1e12, action_s=call)
+            self.assertAlmostEqual(called.step_s - bare.step_s, 4 * calls_per_micro_batch * call,
+                                   msg=kind)
+
     def testThePickFitsWhereTheFlopsBalancedGpipeConfigurationDoesNot(self):
         p = Dense([64] * 13, 4096, num_micro_batches=8, recompute='never')
         gpipe = memory_lib.PlanMemory(p.Copy().Set(partition_method='flops'))

@@ -10,7 +10,10 @@ use (on devices whose allocator reports them).
 
 Each quantity is the median of `repeats` timed calls of a `tf.function` after two warm-up
 calls, within a time limit per layer: F (the forward), FB (forward and every gradient) and FI
-(forward and the input gradient); backward = FB - F, input gradient = FI - F. Inputs are
+(forward and the input gradient); backward = FB - F, input gradient = FI - F. A call that only
+passes the inputs on is timed too: a call's own cost (dispatching it, waiting for its outputs),
+which F includes and the differences do not; in the pipeline a cell's layers run in one call
+per action, and the tuner charges it so (`tuner.MeasuredCosts`). Inputs are
 synthesized from shapes and dtypes (uniform floats, zero integers: valid ids and labels), and
 each layer takes its predecessor's output, as in the pipeline.
 
@@ -37,7 +40,7 @@ from gpipe_tf.layers import fprop_context
 from gpipe_tf.pipeline import leaves
 
 # Bump when what is measured changes: older cache entries are then measured again.
-_VERSION = 1
+_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,9 @@ class LayerCost:
     input_grad_s: float
     output_bytes: int
     working_bytes: int
+    # The time of a call that only passes the layer's inputs on: what a call costs of itself,
+    # included in forward_s (in the pipeline a call runs a cell's layers, once per action).
+    call_s: float = 0.0
 
     @property
     def weight_grad_s(self) -> float:
@@ -256,8 +262,13 @@ def _Measure(layer, args, device, repeats, time_limit_s, outputs) -> LayerCost:
         return tf.function(Run, autograph=False)
 
     forward = tf.function(lambda args: _Forward(layer, args), autograph=False)
+    # A call's own cost (dispatching it from Python, waiting for its outputs), timed on a call
+    # that only passes its inputs on. B and I are differences of two calls, where it cancels.
+    passing = tf.function(lambda args: [tf.identity(x) for x in tf.nest.flatten(args)],
+                          autograph=False)
     deadline = time.perf_counter() + time_limit_s
     with tf.device(device):
+        call_s = _Median(passing, args, repeats, deadline)
         forward_s = _Median(forward, args, repeats, deadline)
         working = _WorkingBytes(device, Gradients(True), args)
         both_s = _Median(Gradients(True), args, repeats, deadline)
@@ -268,7 +279,7 @@ def _Measure(layer, args, device, repeats, time_limit_s, outputs) -> LayerCost:
         input_grad_s=max(input_s - forward_s, 0.0),
         output_bytes=sum(x.shape.num_elements() * x.dtype.size
                          for x in tf.nest.flatten(outputs)),
-        working_bytes=working)
+        working_bytes=working, call_s=call_s)
 
 
 def _Median(fn, args, repeats: int, deadline: float) -> float:

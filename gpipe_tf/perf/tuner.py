@@ -26,6 +26,7 @@ devices of one host.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Callable, Sequence
 
 from gpipe_tf import errors
@@ -59,12 +60,17 @@ class LayerSeconds:
 class Costs:
     """Per-layer costs on one micro-batch of a given size: `Of(micro_batch_size)` -> (the
     before_tpl layers', the body layers'). `measured` says whether they are seconds measured
-    on a device or an estimate."""
+    on a device or an estimate; `ActionSeconds`, what each action (one call of a cell's
+    forward or backward part on a micro-batch) costs besides its layers' work."""
     measured: bool = False
     description: str = ''
 
     def Of(self, micro_batch_size: int) -> tuple[list[LayerSeconds], list[LayerSeconds]]:
         raise NotImplementedError
+
+    def ActionSeconds(self, micro_batch_size: int) -> float:  # pylint: disable=unused-argument
+        """What each action costs besides its layers' work (none in an estimate)."""
+        return 0.0
 
 
 class FlopsCosts(Costs):
@@ -98,7 +104,7 @@ class MeasuredCosts(Costs):
     def __init__(self, p, progress: Callable | None = None):
         self.description = 'measured on ' + measured_costs.DescribeDevice(
             measured_costs.FirstDevice(p))
-        self._p, self._progress, self._memo = p, progress, {}
+        self._p, self._progress, self._memo, self._calls = p, progress, {}, {}
 
     def Of(self, micro_batch_size):
         if micro_batch_size not in self._memo:
@@ -107,7 +113,18 @@ class MeasuredCosts(Costs):
             self._memo[micro_batch_size] = tuple(
                 [LayerSeconds(c.forward_s, c.backward_s, c.input_grad_s) for c in costs]
                 for costs in (before, layers))
+            self._calls[micro_batch_size] = statistics.median(
+                c.call_s for c in list(before) + list(layers))
         return self._memo[micro_batch_size]
+
+    def ActionSeconds(self, micro_batch_size):
+        """A call's own cost, measured with the layers (their median), taken as each
+        action's: each layer's forward was timed as a call of its own, the pipeline runs a
+        cell's layers in one call per action, so `Score` takes it out of every layer's forward
+        and charges it once per action (`benchmarks/tuner_quality.py` checks the steps it
+        predicts)."""
+        self.Of(micro_batch_size)
+        return self._calls[micro_batch_size]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,10 +299,11 @@ def Tune(p, num_devices: int, device_memory_bytes: float, costs: Costs | None = 
                      f'{units.MiB(candidate.peak_bytes)} MiB')
 
     for config in space:
-        before, layers = costs.Of(batch // config.num_micro_batches)
+        micro_batch = batch // config.num_micro_batches
+        before, layers = costs.Of(micro_batch)
         try:
             candidate = _Fitted(p, num_devices, config, before, layers, device_memory_bytes,
-                                slots_per_param)
+                                slots_per_param, costs.ActionSeconds(micro_batch))
         except (errors.ConfigError, ValueError) as error:
             skipped[str(config)] = str(error)
             continue
@@ -296,9 +314,10 @@ def Tune(p, num_devices: int, device_memory_bytes: float, costs: Costs | None = 
         for candidate in scored:
             groups.setdefault(candidate.config.Group(), []).append(candidate)
         for candidates in groups.values():
-            before, layers = costs.Of(batch // candidates[0].config.num_micro_batches)
+            micro_batch = batch // candidates[0].config.num_micro_batches
+            before, layers = costs.Of(micro_batch)
             kept = MostKept(p, num_devices, candidates, before, layers, device_memory_bytes,
-                            slots_per_param)
+                            slots_per_param, costs.ActionSeconds(micro_batch))
             if kept is not None and all(kept.config != c.config for c in candidates):
                 scored.append(kept)
                 Report(kept)
@@ -326,9 +345,12 @@ def _GiB(value: float) -> str:
 
 def Score(p, num_devices: int, config: Config, boundaries: Sequence[int],
           before: Sequence[LayerSeconds], layers: Sequence[LayerSeconds],
-          device_memory_bytes: float, slots_per_param: int = 1, moved: bool = False) -> Candidate:
+          device_memory_bytes: float, slots_per_param: int = 1, moved: bool = False,
+          action_s: float = 0.0) -> Candidate:
     """One configuration with `boundaries`, simulated and planned on the plan the pipeline
-    makes of it.
+    makes of it. `action_s` is what an action costs besides its layers' work (a backward
+    split into I and W, twice), included once in each layer's forward (each was timed as a call
+    of its own): a cell's forward is its layers' less all but one of those.
 
     Raises:
       errors.ConfigError: if the pipeline refuses the configuration.
@@ -339,17 +361,21 @@ def Score(p, num_devices: int, config: Config, boundaries: Sequence[int],
                      partition_method=list(boundaries))
     pipeline_plan = plan_lib.MakePlan(q, place=False)
     memory = memory_lib.FromPlan(pipeline_plan, slots_per_param)
-    forward, backward, input_grad = [], [], []
+    forward, backward, input_grad, counts = [], [], [], []
     for k in range(len(boundaries) - 1):
         cell = list(layers[boundaries[k]:boundaries[k + 1]]) + (list(before) if k == 0 else [])
+        counts.append(len(cell))
         forward.append(sum(c.forward for c in cell))
         backward.append(sum(c.backward for c in cell))
         input_grad.append(sum(c.input_grad for c in cell))
     total = sum(backward)
     weight_fraction = min(max(1 - sum(input_grad) / total, 0.0), 1.0) if total else 0.5
+    backward_calls = 2 if schedule_lib.Kind(config.schedule).splits_backward else 1
+    work = [f - layers_in * action_s for f, layers_in in zip(forward, counts)]
     timeline = simulator.Simulate(
-        simulator.CellCosts(forward=forward, backward=backward, recompute=forward,
-                            weight_fraction=weight_fraction),
+        simulator.CellCosts(forward=[w + action_s for w in work],
+                            backward=[b + backward_calls * action_s for b in backward],
+                            recompute=work, weight_fraction=weight_fraction),
         config.num_micro_batches, pipeline_plan.recompute, pipeline_plan.schedule)
     totals = tuple(memory.device_totals)
     return Candidate(config, tuple(boundaries), timeline.makespan, timeline.bubble, totals,
@@ -358,7 +384,8 @@ def Score(p, num_devices: int, config: Config, boundaries: Sequence[int],
 
 def MostKept(p, num_devices: int, scored: Sequence[Candidate],
              before: Sequence[LayerSeconds], layers: Sequence[LayerSeconds],
-             device_memory_bytes: float, slots_per_param: int = 1) -> Candidate | None:
+             device_memory_bytes: float, slots_per_param: int = 1,
+             action_s: float = 0.0) -> Candidate | None:
     """Of one schedule, M and v (those of `scored`, candidates that differ only in recompute),
     the configuration that keeps the activations of the most last cells (j of the S cells,
     recompute 'except_last_<j>'; 'always' for j = 0) and still fits, its boundaries fitted as
@@ -376,7 +403,7 @@ def MostKept(p, num_devices: int, scored: Sequence[Candidate],
     def Fits(kept):
         if kept not in known:
             known[kept] = _Fitted(p, num_devices, base.KeepingLast(kept, num_cells), before,
-                                  layers, device_memory_bytes, slots_per_param)
+                                  layers, device_memory_bytes, slots_per_param, action_s)
         return known[kept].fits
 
     try:
@@ -394,7 +421,8 @@ def MostKept(p, num_devices: int, scored: Sequence[Candidate],
     return known[fits]
 
 
-def _Fitted(p, num_devices, config, before, layers, device_memory_bytes, slots_per_param):
+def _Fitted(p, num_devices, config, before, layers, device_memory_bytes, slots_per_param,
+            action_s=0.0):
     """The configuration at its time-optimal boundaries, or, if a device does not fit, at the
     boundaries one-layer moves away from the fullest device reach while its peak falls."""
     # Boundaries come before the cells: with any cell re-materializing, every layer's
@@ -405,7 +433,7 @@ def _Fitted(p, num_devices, config, before, layers, device_memory_bytes, slots_p
     step[0] += sum(c.Step(remat) for c in before)  # Before layers run on cell 0's device.
     boundaries = partition.OptimalBoundaries(step, num_devices * config.virtual_stages)
     args = (before, layers, device_memory_bytes, slots_per_param)
-    best = Score(p, num_devices, config, boundaries, *args)
+    best = Score(p, num_devices, config, boundaries, *args, action_s=action_s)
     for _ in range(_MAX_MOVES):
         if best.fits:
             break
@@ -413,7 +441,8 @@ def _Fitted(p, num_devices, config, before, layers, device_memory_bytes, slots_p
         fullest = best.device_bytes.index(best.peak_bytes)
         for b in _MovesFrom(list(best.boundaries), fullest, num_devices, config):
             try:
-                moves.append(Score(p, num_devices, config, b, *args, moved=True))
+                moves.append(Score(p, num_devices, config, b, *args, moved=True,
+                                   action_s=action_s))
             except errors.ConfigError:
                 continue
         if not moves:
