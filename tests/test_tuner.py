@@ -223,6 +223,15 @@ class TuneModeTest(tf.test.TestCase):
         self.assertEqual(result.returncode, 2, result.stderr)
         self.assertRegex(ErrorLine(result), r'^error: --mode=tune needs --device_memory_gib')
 
+    def testMoreDevicesThanLayersIsOneLineNamingNumDevices(self):
+        result = InProcess(f'--model={MLP}', '--mode=tune', '--num_devices=8',
+                           '--device_memory_gib=1', '--tune_costs=flops',
+                           f'--logdir={self.LogDir()}', check=False)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertEqual(ErrorLine(result), 'error: --num_devices=8: examples.PipelinedMLP has 4 '
+                         'layers to partition into cells, at least one per device: tune for at '
+                         'most 4 devices.')
+
     def testNothingFitsIsOneLineNamingTheMemoryThatWould(self):
         logdir = os.path.join(self.LogDir(), 'run')
         result = InProcess(f'--model={MLP}', '--mode=tune', '--device_memory_gib=1e-6',

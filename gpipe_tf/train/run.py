@@ -39,7 +39,14 @@ def Run(config) -> None:
         raise errors.UserError('--model is required (see --list_models).')
     p = setup.TaskParams(config)
     if config.mode == 'tune' and config.num_devices is not None:
-        p.model.num_cells = config.num_devices // p.model.num_replicas  # K, tuned for.
+        num_cells = config.num_devices // p.model.num_replicas  # K, tuned for.
+        num_layers = len(p.model.layer_tpl or [])
+        if num_layers and num_cells > num_layers:
+            raise errors.ConfigError(
+                f'--num_devices={config.num_devices}: {config.model} has {num_layers} layers to '
+                f'partition into cells, at least one per device: tune for at most '
+                f'{num_layers * p.model.num_replicas} devices.')
+        p.model.num_cells = num_cells
     if config.logdir and config.mode != 'inspect_model':
         logdir_lib.CheckCreatable(config.logdir)  # Before anything is built.
     if config.mode == 'inspect_params':
