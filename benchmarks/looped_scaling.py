@@ -1,6 +1,7 @@
 r"""The looped step of every schedule as K grows, for the same work: is any slower than gpipe's?
 
-A dense stack of 2K layers of 64 (tanh), M = 4K micro-batches of 8 examples, K cells on K
+A dense stack of 2K layers of 64 (tanh; --width), M = 4K micro-batches of 8 examples
+(--micro_batch), K cells on K
 virtual CPU devices (2K cells, two per device, for interleaved_1f1b and zero_bubble_v), run as
 a loop (unroll=False). TensorFlow's default threads: the devices share this machine's cores, so
 a step's time is its total work plus the loop's own cost, and the schedules, doing the same
@@ -16,7 +17,8 @@ arithmetic, should take the same time. Per (K, schedule):
   node_visits    body_nodes x ticks: the executor's work per step, independent of the load
 
     python benchmarks/looped_scaling.py [--ks=8,16,32] [--recompute=always] [--schedules=...]
-        [--count_nodes] [--out=benchmarks/results/looped_scaling.json]
+        [--width=64] [--micro_batch=8] [--count_nodes]
+        [--out=benchmarks/results/looped_scaling.json]
 """
 
 from __future__ import annotations
@@ -35,22 +37,21 @@ import re  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
 
-WIDTH, MICRO_BATCH = 64, 8
 
 
-def Build(kind, k, devices, recompute):
+def Build(kind, k, devices, recompute, width, micro_batch):
     from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
     from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
     from gpipe_tf.pipeline import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
     virtual = schedule_lib.Kind(kind).searched_virtual_stages
     m = 4 * k
-    layers = [basic.DenseLayer.Params().Set(name=f'dense_{i}', input_dim=WIDTH,
-                                            output_dim=WIDTH, activation='tanh')
+    layers = [basic.DenseLayer.Params().Set(name=f'dense_{i}', input_dim=width,
+                                            output_dim=width, activation='tanh')
               for i in range(2 * k)]
     return pipelining_layer.PipeliningLayer.Params().Set(
         name='pipe', layer_tpl=layers, num_cells=k, virtual_stages=virtual,
         num_micro_batches=m, schedule=kind, recompute=recompute, unroll=False,
-        input_shapes=[MICRO_BATCH * m, WIDTH], devices=devices[:k]).Instantiate()
+        input_shapes=[micro_batch * m, width], devices=devices[:k]).Instantiate()
 
 
 def LossFn(outputs, _):
@@ -70,11 +71,11 @@ def MakeStep(layer):
     return Step
 
 
-def BodyNodes(kind, k, devices, recompute) -> int:
+def BodyNodes(kind, k, devices, recompute, width, micro_batch) -> int:
     """Nodes of the while loops' bodies in the partition graphs of a step built afresh (a
     function's partition graphs are reported when it first runs)."""
-    step = MakeStep(Build(kind, k, devices, recompute))
-    x = tf.random.stateless_normal([MICRO_BATCH * 4 * k, WIDTH], [1, 2])
+    step = MakeStep(Build(kind, k, devices, recompute, width, micro_batch))
+    x = tf.random.stateless_normal([micro_batch * 4 * k, width], [1, 2])
     context.enable_run_metadata()
     try:
         context.export_run_metadata()  # Drops what earlier steps of this process left there.
@@ -90,12 +91,12 @@ def BodyNodes(kind, k, devices, recompute) -> int:
                if in_loop.search(node.name) and node.op not in ('Enter', 'Exit'))
 
 
-def Measure(kind, k, devices, recompute, count_nodes=False) -> dict:
+def Measure(kind, k, devices, recompute, width, micro_batch, count_nodes=False) -> dict:
     from gpipe_tf.pipeline import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
-    layer = Build(kind, k, devices, recompute)
+    layer = Build(kind, k, devices, recompute, width, micro_batch)
     assert layer.plan.Loops(layer.plan.num_micro_batches), 'the benchmark measures the loop'
     step = MakeStep(layer)
-    x = tf.random.stateless_normal([MICRO_BATCH * 4 * k, WIDTH], [1, 2])
+    x = tf.random.stateless_normal([micro_batch * 4 * k, width], [1, 2])
     start = time.perf_counter()
     step(x).numpy()
     first = time.perf_counter() - start
@@ -108,9 +109,10 @@ def Measure(kind, k, devices, recompute, count_nodes=False) -> dict:
         times.append(time.perf_counter() - begin)
     counts = {}
     if count_nodes:
-        nodes = BodyNodes(kind, k, devices, recompute)
+        nodes = BodyNodes(kind, k, devices, recompute, width, micro_batch)
         counts = dict(body_nodes=nodes, node_visits=nodes * ticks)
-    return dict(schedule=kind, k=k, m=4 * k, layers=2 * k, recompute=recompute,
+    return dict(schedule=kind, k=k, m=4 * k, layers=2 * k, width=width,
+                micro_batch=micro_batch, recompute=recompute,
                 first_step_s=first, step_ms=1e3 * statistics.median(times), ticks=ticks,
                 **counts)
 
@@ -123,6 +125,8 @@ def Main() -> None:
     parser.add_argument('--schedules', default=None,
                         help='Comma-separated kinds (default: every kind; gpipe always runs '
                              'first, as the reference).')
+    parser.add_argument('--width', type=int, default=64, help="The dense layers' width.")
+    parser.add_argument('--micro_batch', type=int, default=8, help='Examples per micro-batch.')
     parser.add_argument('--count_nodes', action='store_true',
                         help="Also count the loop body's nodes (one more step, traced).")
     parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
@@ -134,15 +138,16 @@ def Main() -> None:
     devices = test_utils.ConfigureVirtualCpus(max(ks))
     kinds = args.schedules.split(',') if args.schedules else list(schedule.KINDS)
     kinds = ['gpipe'] + [kind for kind in kinds if kind != 'gpipe']
-    print(f'TensorFlow {tf.__version__}, {os.cpu_count()} CPU cores; 2K dense layers of {WIDTH}, '
-          f'M=4K micro-batches of {MICRO_BATCH}, looped, recompute {args.recompute}')
+    print(f'TensorFlow {tf.__version__}, {os.cpu_count()} CPU cores; 2K dense layers of {args.width}, '
+          f'M=4K micro-batches of {args.micro_batch}, looped, recompute {args.recompute}')
     print(f'{"schedule":17s} {"K":>3s} {"M":>4s} {"first step s":>12s} {"step ms":>8s} '
           f'{"/gpipe":>7s} {"ticks":>6s} {"node visits":>12s}', flush=True)
     rows = []
     for k in ks:
         reference = None
         for kind in kinds:
-            row = Measure(kind, k, devices, args.recompute, args.count_nodes)
+            row = Measure(kind, k, devices, args.recompute, args.width, args.micro_batch,
+                          args.count_nodes)
             reference = reference or row['step_ms']
             row['over_gpipe'] = row['step_ms'] / reference
             rows.append(row)
