@@ -45,6 +45,18 @@ def Layers(batch_norm=False):
     return layers
 
 
+def AssertMovingStatisticsAsGpipe(test, layer, x, loss_inputs, k, v, m, r):
+    """Batch norm's moving statistics of `layer`, after its step, equal those of the same
+    pipeline run by gpipe (unrolled) for one step on the same data."""
+    reference = Pipeline('gpipe', k, v, m, r, batch_norm=True).Instantiate()
+    PipelineStep(reference, x, loss_inputs)
+    want = {t.name: t.numpy() for t in reference.variables if 'moving' in t.name}
+    test.assertNotEmpty(want)
+    for var in layer.variables:
+        if 'moving' in var.name:
+            test.assertAllClose(var.numpy(), want[var.name], rtol=RTOL, msg=var.name)
+
+
 # gpipe unrolled is test_pipeline's (its K x M x recompute grid in every mode); here it is the
 # batch-norm reference. The same cases run as a loop over the schedule's clock (`unroll=False`).
 LOOPED = [(f'{case[0]}_looped',) + case[1:] + (False,) for case in CASES]
@@ -334,13 +346,7 @@ class LoopedKeepingTest(tf.test.TestCase, parameterized.TestCase):
         # Batch norm per micro-batch of two examples: float32 order shows at up to 6e-5.
         self.assertSameStep(got, ReferenceStep(layer, x, loss_inputs, m), rtol=1e-4,
                             d_x_rtol=1e-4)
-        reference = Pipeline('gpipe', k, v, m, r, batch_norm=True).Instantiate()
-        PipelineStep(reference, x, loss_inputs)
-        want = {v.name: v.numpy() for v in reference.variables if 'moving' in v.name}
-        self.assertNotEmpty(want)
-        for var in layer.variables:
-            if 'moving' in var.name:
-                self.assertAllClose(var.numpy(), want[var.name], rtol=RTOL, msg=var.name)
+        AssertMovingStatisticsAsGpipe(self, layer, x, loss_inputs, k, v, m, r)
 
     @parameterized.named_parameters(*LOOPED_KEEPING)
     def testV1GraphEqualsTheLayersInSequence(self, kind, k, v, m, r, recompute):
@@ -446,13 +452,7 @@ class KeptCellsTest(tf.test.TestCase, parameterized.TestCase):
         # Batch norm per micro-batch of two examples: float32 order shows at up to 6e-5.
         self.assertSameStep(got, ReferenceStep(layer, x, loss_inputs, 4), rtol=1e-4,
                             d_x_rtol=1e-4)
-        reference = Pipeline('gpipe', 4, 1, 4, 1, batch_norm=True).Instantiate()
-        PipelineStep(reference, x, loss_inputs)
-        want = {v.name: v.numpy() for v in reference.variables if 'moving' in v.name}
-        self.assertNotEmpty(want)
-        for var in layer.variables:
-            if 'moving' in var.name:
-                self.assertAllClose(var.numpy(), want[var.name], rtol=RTOL, msg=var.name)
+        AssertMovingStatisticsAsGpipe(self, layer, x, loss_inputs, 4, 1, 4, 1)
 
     @parameterized.named_parameters(*KEPT_CELLS)
     def testV1GraphEqualsTheLayersInSequence(self, kind, unroll):
