@@ -122,7 +122,7 @@ class LoopedSchedule:
             self._loss = [tf.zeros([]), tf.zeros([])]
             # The outputs' gradients come from the loss, written as each forward ends.
             self._d_acts[-1] = self._EmptyArrays(leaves.FloatLeaves(self._output_specs),
-                                                 ('d_act', self._num_stages), self._num_stages)
+                                                 ('d_act', self._num_stages))
         if self._schedule.splits_backward:
             self._StartSaved()
         self._Loop((F, B, I, W))
@@ -174,12 +174,12 @@ class LoopedSchedule:
             self._stat_specs.append(stats)
         self._output_specs = self._structures[-1]
         self._acts = [first] + [
-            self._EmptyArrays(tf.nest.flatten(st), ('act', s + 1), s) for s, st in
+            self._EmptyArrays(tf.nest.flatten(st), ('act', s + 1)) for s, st in
             enumerate(self._structures[1:])]
         self._d_acts = [None] * (self._num_stages + 1)
         for b in range(self._num_stages):  # Boundary b's gradient is written by stage b.
             self._d_acts[b] = self._EmptyArrays(leaves.FloatLeaves(self._structures[b]),
-                                                ('d_act', b), b)
+                                                ('d_act', b))
         self._grads = [None] * self._num_stages
         self._stats = [None] * self._num_stages
         # Per stage that runs them, its forward's and backward's parts (`residuals`): where it
@@ -192,17 +192,17 @@ class LoopedSchedule:
         # The residuals of a micro-batch, packed into one TensorArray per dtype (`_Packing`).
         self._packings = {}
         self._kept = [None if not keep else self._PackedArrays(
-            self._splits[s].kept_specs, ('kept', s), s, self._splits[s].kept_shared)
+            self._splits[s].kept_specs, ('kept', s), self._splits[s].kept_shared)
             for s, keep in enumerate(self._keeps)]
         self._saved = [None] * self._num_stages  # Per stage, its I's saved values for its W.
 
     def _StartSaved(self):
         """TensorArrays for what each stage's I saves for its W (a split backward)."""
         for s, split in enumerate(self._splits):
-            self._saved[s] = self._PackedArrays(split.saved_specs, ('saved', s), s,
+            self._saved[s] = self._PackedArrays(split.saved_specs, ('saved', s),
                                                 split.saved_shared)
 
-    def _PackedArrays(self, specs, key, stage, shared=()):
+    def _PackedArrays(self, specs, key, shared=()):
         """`_EmptyArrays` for `key`'s residuals, in one per dtype where their shapes are
         static: a cell's residuals are dozens of tensors (21 per Transformer layer), each a loop
         variable passed through every tick (and every branch) as its own TensorArray. Those at
@@ -210,21 +210,21 @@ class LoopedSchedule:
         gradient) keep arrays of their own, so that they are not copied."""
         packing = _Packing(specs, shared)
         if packing.specs is None:
-            return self._EmptyArrays(specs, key, stage)
+            return self._EmptyArrays(specs, key)
         self._packings[key] = packing
-        return self._EmptyArrays(packing.specs, key, stage)
+        return self._EmptyArrays(packing.specs, key)
 
-    def _EmptyArrays(self, specs, key, stage):
-        """Empty TensorArrays for `key`'s leaves of `specs`, of its ring's size, on the device
-        of `stage` (the last stage's for the outputs' boundary)."""
-        with tf.device(self._devices[min(stage, self._num_stages - 1)]):
+    def _EmptyArrays(self, specs, key):
+        """Empty TensorArrays for `key`'s leaves of `specs`, of its ring's size, on its
+        device (`_Owner`)."""
+        with tf.device(self._Owner(key)):
             return [tf.TensorArray(x.dtype, size=self._RingSize(key), element_shape=x.shape,
                                    clear_after_read=False) for x in specs]
 
     def _Owner(self, key) -> str:
-        """The device of `key`'s TensorArrays (`_EmptyArrays`): boundary b's outputs on the
-        stage that writes them, b - 1; boundary b's gradients, and a stage's kept and saved
-        residuals, on stage b's (the outputs' gradients on the last stage's)."""
+        """The device of `key`'s TensorArrays, where each is made and read: boundary b's
+        outputs on the stage that writes them, b - 1; boundary b's gradients, and a stage's kept
+        and saved residuals, on stage b's (the outputs' gradients on the last stage's)."""
         kind, i = key
         return self._devices[min(i - 1 if kind == 'act' else i, self._num_stages - 1)]
 

@@ -210,9 +210,8 @@ class CellFunctions:
     def ForwardSpecs(self, theta, input_spec, step_spec, training: bool = True):
         """TensorSpecs of the (outputs, statistics) of the cell's forward on inputs of
         `input_spec` (tracing it if it was not)."""
-        with tf.device(None):  # As `_OnDevice` traces it.
-            concrete = self._For(f'fwd_{training}').forward[training].get_concrete_function(
-                self._LayerThetas(theta), input_spec, step_spec, step_spec)
+        concrete = _DeviceFree(self._For(f'fwd_{training}').forward[training],
+                               self._LayerThetas(theta), input_spec, step_spec, step_spec)
         return tf.nest.map_structure(
             lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype),
             concrete.structured_outputs)
@@ -238,15 +237,20 @@ class CellFunctions:
                                                         step_spec), input_spec)
 
 
-def _OnDevice(function, device: str, *args):
-    """Calls tf.function `function` on `args` as one op on `device`, its trace made with no
-    device scope. A trace keeps the device scope it is made in on every op inside (a
-    tf.function's graph starts with its caller's device stack), and the trace serves every cell
-    of the structure, on every device: traced inside stage 0's scope, the other stages' calls
-    ran their ops on stage 0's device (the loop's backwards, all on the first device). Traced
-    device-free, the call op's device places the body."""
+def _DeviceFree(function, *args):
+    """tf.function `function`'s concrete function for `args`, traced with no device scope. A
+    trace keeps the device scope it is made in on every op inside (a tf.function's graph starts
+    with its caller's device stack), and the trace serves every cell of the structure, on every
+    device: traced inside stage 0's scope, the other stages' calls ran their ops on stage 0's
+    device (the loop's backwards, all on the first device)."""
     with tf.device(None):
-        concrete = function.get_concrete_function(*args)
+        return function.get_concrete_function(*args)
+
+
+def _OnDevice(function, device: str, *args):
+    """Calls tf.function `function` on `args` as one op on `device`, its trace device-free
+    (`_DeviceFree`): the call op's device places the body."""
+    concrete = _DeviceFree(function, *args)
     with tf.device(device):
         return concrete(*args)
 
