@@ -118,9 +118,14 @@ def DefineFlags(flag_values: flags.FlagValues) -> None:
                       'costs to predict steps from: measured on the first device, FLOPs, or auto '
                       '(measured where the model fits in half this machine\'s memory).',
                       flag_values=flag_values)
-    flags.DEFINE_integer('tune_steps', 5, 'tune: train the chosen configuration this many steps '
-                         'and print its measured step and memory beside the prediction '
-                         '(measured costs only; 0: do not run it).', flag_values=flag_values)
+    flags.DEFINE_integer('tune_steps', 5, 'tune: with measured costs, run the pipeline this many '
+                         'steps per configuration: gpipe at two M to calibrate the costs, then '
+                         'the --tune_top best-ranked, and print measured steps and memory beside '
+                         'the predicted (0: run nothing, choose the best-ranked).',
+                         flag_values=flag_values)
+    flags.DEFINE_integer('tune_top', 3, 'tune: run this many best-ranked configurations '
+                         'that fit (--tune_steps steps each) and choose the fastest measured '
+                         '(1: the best-ranked).', flag_values=flag_values)
     flags.DEFINE_float('device_memory_gb', None, 'Deprecated (until 0.2): the old name of '
                        '--device_memory_gib; it always meant GiB.', flag_values=flag_values)
     flags.register_multi_flags_validator(
@@ -180,6 +185,7 @@ class Config:
     device_memory_gib: float | None
     tune_costs: str
     tune_steps: int
+    tune_top: int
     seed: int | None
     decode_input: tuple[str, ...]
     decode_input_file: str | None

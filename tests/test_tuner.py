@@ -9,6 +9,7 @@ are one line (the check mode's tests are in test_check.py). Costs are FLOPs (det
 except in the one run that measures.
 """
 
+import dataclasses
 import os
 import re
 import shutil
@@ -84,7 +85,8 @@ class TuneTest(tf.test.TestCase):
         for kind, calls_per_micro_batch in (('gpipe', 2), ('1f1b', 2), ('zero_bubble', 3)):
             config = tuner.Config(kind, 4, 1, 'never')
             bare = tuner.Score(p, 1, config, [0, 4], before, work, 1e12)
-            called = tuner.Score(p, 1, config, [0, 4], before, timed, 1e12, action_s=call)
+            called = tuner.Score(p, 1, config, [0, 4], before, timed, 1e12,
+                                 overheads=tuner.Overheads(action_s=call, call_s=call))
             self.assertAlmostEqual(called.step_s - bare.step_s, 4 * calls_per_micro_batch * call,
                                    msg=kind)
 
@@ -172,6 +174,77 @@ class TuneTest(tf.test.TestCase):
         self.assertIn('layer costs estimated from FLOPs', table)
         self.assertLen(table.splitlines(), 1 + 3 + 1)
 
+    def testCalibrationScalesThePredictionsToTheMeasuredSteps(self):
+        # The oracle: two equal cells on two devices; gpipe and 1f1b take M + 1 slots of a
+        # cell's forward and M + 1 of its backward (the last micro-batch's fill and the first's
+        # drain), each slot a micro-batch's share of a cell's work and one action's cost.
+        p = Dense([32, 64, 32, 64, 32], 64)
+
+        class Costs(tuner.FlopsCosts):
+            def Overheads(self, micro_batch_size):
+                return tuner.Overheads(action_s=1e-3)
+
+        costs = Costs(p)
+        before, layers = costs.Of(64)
+        work = sum(c.forward + c.backward for c in list(before) + list(layers))
+
+        def Step(m):
+            return (m + 1) * (work / (2 * m) + 2e-3)
+
+        counts = tuner.MicroBatchCounts(64, 2)
+        noise = dict(zip(counts, (1.1, 0.95, 1.0, 1.05)))  # Measured steps vary.
+        runs = []
+
+        def Measure(candidate):
+            self.assertEqual(list(candidate.boundaries), [0, 2, 4])
+            runs.append(candidate.config)
+            return 0.6 * noise[candidate.config.num_micro_batches] * Step(
+                candidate.config.num_micro_batches)
+
+        fitted = tuner.Calibrate(p, 2, costs, Measure, 1e12, slots_per_param=0)
+        self.assertEqual([(c.schedule, c.num_micro_batches) for c in runs],
+                         [('gpipe', m) for m in counts])
+        # Least squares in relative error, min over k of sum((k / r - 1)^2) for the measured
+        # over predicted ratios r = 0.6 x noise: k = sum(1 / r) / sum(1 / r^2).
+        expected = (sum(1 / (0.6 * noise[m]) for m in counts) /
+                    sum(1 / (0.6 * noise[m]) ** 2 for m in counts))
+        self.assertAllClose(fitted.scale, expected, rtol=1e-6)
+        self.assertIn(f'x{expected:.2f} calibrated on measured gpipe steps', fitted.description)
+        space = [tuner.Config('1f1b', m, 1, 'never') for m in (2, 4, 32)]
+        for candidate in tuner.Tune(p, 2, 1e12, fitted, 0, space).candidates:
+            self.assertAllClose(candidate.step_s,
+                                expected * Step(candidate.config.num_micro_batches),
+                                rtol=1e-6, msg=str(candidate.config))
+
+    def testCalibrationWithNothingThatFitsLeavesTheCosts(self):
+        p = Dense([32, 64, 32], 64)
+        costs = tuner.FlopsCosts(p)
+        self.assertIs(tuner.Calibrate(p, 2, costs, lambda c: 1.0, 1024), costs)
+
+    def testMeasureBestRunsTheBestRankedThatFitAndPutsTheFastestFirst(self):
+        p = Dense([64] * 7, 256)
+        space = [tuner.Config(kind, 8, 1, mode) for kind in ('gpipe', '1f1b', 'zero_bubble')
+                 for mode in ('never', 'always')]
+        result = tuner.Tune(p, 2, 1e12, space=space)
+        # The best-ranked does not fit: it is not run.
+        candidates = [dataclasses.replace(result.candidates[0], fits=False)] + \
+            result.candidates[1:]
+        result = dataclasses.replace(result, candidates=candidates)
+        seconds = {c.config: 1.0 - 0.1 * i for i, c in enumerate(candidates)}  # Later: faster.
+        runs, lines = [], []
+
+        def Measure(candidate):
+            runs.append(candidate.config)
+            return seconds[candidate.config]
+
+        measured = tuner.MeasureBest(result, Measure, 3, progress=lines.append)
+        self.assertEqual(runs, [c.config for c in candidates[1:4]])
+        self.assertEqual([c.config for c, _ in measured],
+                         [c.config for c in reversed(candidates[1:4])])
+        self.assertEqual([s for _, s in measured], sorted(seconds[c] for c in runs))
+        self.assertLen(lines, 3)
+        self.assertRegex(lines[0], r'^rank 1: .* predicted [\d.]+ ms, measured 900.00 ms$')
+
     def testPipelineParamsWithoutLayersToPartitionAreRefused(self):
         p = Dense([64] * 5, 256).Set(input_shapes=None)
         with self.assertRaisesRegex(errors.ConfigError, 'input_shapes'):
@@ -191,8 +264,8 @@ class TuneModeTest(tf.test.TestCase):
                            '--device_memory_gib=1', '--tune_costs=flops',
                            f'--logdir={logdir}').stdout
         self.assertIn('layer costs estimated from FLOPs', output)
-        chosen = re.search(r'chosen: (\S+)(?: v=(\d))? M=(\d+) recompute=(\S+) with boundaries '
-                           r'\[([\d, ]+)\]', output)
+        chosen = re.search(r'chosen \(the best-ranked\): (\S+)(?: v=(\d))? M=(\d+) '
+                           r'recompute=(\S+) with boundaries \[([\d, ]+)\]', output)
         self.assertIsNotNone(chosen, output)
         path = os.path.join(logdir, 'tuned_params.txt')
         self.assertIn(f'wrote {path}', output)
@@ -209,13 +282,40 @@ class TuneModeTest(tf.test.TestCase):
         self.assertEqual([0] + [sum(sizes[:i + 1]) for i in range(len(sizes))],
                          [int(b) for b in bounds.split(',')])
 
-    def testMeasuredCostsRunThePickAndPrintMeasuredBesidePredicted(self):
+    def testMeasuredCostsAreCalibratedAndTheFastestOfTheBestRankedIsChosen(self):
+        logdir = self.LogDir()
         output = InProcess(f'--model={MLP}', '--mode=tune', '--num_devices=2',
                            '--device_memory_gib=1', '--tune_costs=measured', '--tune_steps=2',
-                           f'--logdir={self.LogDir()}').stdout
+                           '--tune_top=2', f'--logdir={logdir}').stdout
         self.assertIn('layer costs measured on CPU', output)
+        self.assertRegex(output, r'x[\d.]+ calibrated on measured gpipe steps \(M=2: [\d.]+ ms, '
+                         r'4: [\d.]+ ms, 8: [\d.]+ ms, 16: [\d.]+ ms\)')
+        runs = re.findall(r'^rank (\d): (.*) \[[\d, ]+\]: predicted [\d.]+ ms, measured '
+                          r'([\d.]+) ms$', output, re.M)
+        self.assertEqual([rank for rank, _, _ in runs], ['1', '2'])
+        fastest = min(runs, key=lambda run: float(run[2]))[1]
+        self.assertIn(f'chosen (the fastest of the 2 best-ranked, measured): {fastest} with',
+                      output)
+        with open(os.path.join(logdir, 'tuned_params.txt')) as f:
+            self.assertIn(f': {fastest}, K=2', f.readline())
         self.assertRegex(output, r'ran the pick for 2 steps: step [\d.]+ ms measured, '
                          r'[\d.]+ ms predicted')
+        # The layers' costs are kept in the logdir: a second run measures none again.
+        self.assertIn('measured layer', output)
+        self.assertTrue(os.path.exists(os.path.join(logdir, 'layer_costs.json')))
+        again = InProcess(f'--model={MLP}', '--mode=tune', '--num_devices=2',
+                          '--device_memory_gib=1', '--tune_costs=measured', '--tune_steps=0',
+                          f'--logdir={logdir}').stdout
+        self.assertNotIn('measured layer', again)
+        self.assertIn('chosen (the best-ranked)', again)
+
+    def testTuneTopBelowOneIsOneLine(self):
+        result = InProcess(f'--model={MLP}', '--mode=tune', '--num_devices=2',
+                           '--device_memory_gib=1', '--tune_top=0', f'--logdir={self.LogDir()}',
+                           check=False)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertEqual(ErrorLine(result), 'error: --tune_top must be at least 1 (the '
+                         'configurations to run and choose from), got 0.')
 
     def testWithoutAMemoryIsOneLine(self):
         result = InProcess(f'--model={MLP}', '--mode=tune', f'--logdir={self.LogDir()}',

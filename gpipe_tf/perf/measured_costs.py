@@ -39,6 +39,9 @@ from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.pipeline import leaves
 
+# The file in a logdir that keeps its measured costs (`partition_method='time'`, `--mode=tune`).
+COSTS_FILE = 'layer_costs.json'
+
 # Bump when what is measured changes: older cache entries are then measured again.
 _VERSION = 2
 

@@ -57,20 +57,29 @@ class LayerSeconds:
         return self.forward * (2 if recompute else 1) + self.backward
 
 
+@dataclasses.dataclass(frozen=True)
+class Overheads:
+    """What a step costs besides its layers' work: `action_s` per action (one call of a cell's
+    forward or backward part on a micro-batch; a backward split into I and W is two), and
+    `call_s`, what each layer's forward of the costs includes besides its work (each layer was
+    timed as a call of its own: `Score` takes it out)."""
+    action_s: float = 0.0
+    call_s: float = 0.0
+
+
 class Costs:
     """Per-layer costs on one micro-batch of a given size: `Of(micro_batch_size)` -> (the
     before_tpl layers', the body layers'). `measured` says whether they are seconds measured
-    on a device or an estimate; `ActionSeconds`, what each action (one call of a cell's
-    forward or backward part on a micro-batch) costs besides its layers' work."""
+    on a device or an estimate; `Overheads`, what a step costs besides its layers' work."""
     measured: bool = False
     description: str = ''
 
     def Of(self, micro_batch_size: int) -> tuple[list[LayerSeconds], list[LayerSeconds]]:
         raise NotImplementedError
 
-    def ActionSeconds(self, micro_batch_size: int) -> float:  # pylint: disable=unused-argument
-        """What each action costs besides its layers' work (none in an estimate)."""
-        return 0.0
+    def Overheads(self, micro_batch_size: int) -> Overheads:  # pylint: disable=unused-argument
+        """What a step costs besides its layers' work (nothing in an estimate)."""
+        return Overheads()
 
 
 class FlopsCosts(Costs):
@@ -117,14 +126,37 @@ class MeasuredCosts(Costs):
                 c.call_s for c in list(before) + list(layers))
         return self._memo[micro_batch_size]
 
-    def ActionSeconds(self, micro_batch_size):
+    def Overheads(self, micro_batch_size):
         """A call's own cost, measured with the layers (their median), taken as each
         action's: each layer's forward was timed as a call of its own, the pipeline runs a
         cell's layers in one call per action, so `Score` takes it out of every layer's forward
-        and charges it once per action (`benchmarks/tuner_quality.py` checks the steps it
-        predicts)."""
+        and charges it once per action. (`Calibrated` replaces it with what an action of the
+        pipeline itself costs.)"""
         self.Of(micro_batch_size)
-        return self._calls[micro_batch_size]
+        call = self._calls[micro_batch_size]
+        return Overheads(action_s=call, call_s=call)
+
+
+class Calibrated(Costs):
+    """`costs` times `scale`, fitted to measured steps of the pipeline itself (`Calibrate`):
+    every layer's seconds and every overhead. A layer timed alone on one device is not the layer
+    inside the pipeline's graph (no call of its own, other ops beside it that may share the
+    device's cores, other caches)."""
+
+    def __init__(self, costs: Costs, scale: float, description: str):
+        self._costs, self.scale = costs, scale
+        self.measured = costs.measured
+        self.description = f'{costs.description}, {description}'
+
+    def Of(self, micro_batch_size):
+        return tuple([LayerSeconds(self.scale * c.forward, self.scale * c.backward,
+                                   self.scale * c.input_grad) for c in costs]
+                     for costs in self._costs.Of(micro_batch_size))
+
+    def Overheads(self, micro_batch_size):
+        overheads = self._costs.Overheads(micro_batch_size)
+        return Overheads(*(self.scale * getattr(overheads, field.name)
+                           for field in dataclasses.fields(Overheads)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,7 +335,7 @@ def Tune(p, num_devices: int, device_memory_bytes: float, costs: Costs | None = 
         before, layers = costs.Of(micro_batch)
         try:
             candidate = _Fitted(p, num_devices, config, before, layers, device_memory_bytes,
-                                slots_per_param, costs.ActionSeconds(micro_batch))
+                                slots_per_param, costs.Overheads(micro_batch))
         except (errors.ConfigError, ValueError) as error:
             skipped[str(config)] = str(error)
             continue
@@ -317,12 +349,68 @@ def Tune(p, num_devices: int, device_memory_bytes: float, costs: Costs | None = 
             micro_batch = batch // candidates[0].config.num_micro_batches
             before, layers = costs.Of(micro_batch)
             kept = MostKept(p, num_devices, candidates, before, layers, device_memory_bytes,
-                            slots_per_param, costs.ActionSeconds(micro_batch))
+                            slots_per_param, costs.Overheads(micro_batch))
             if kept is not None and all(kept.config != c.config for c in candidates):
                 scored.append(kept)
                 Report(kept)
     scored.sort(key=lambda c: (not c.fits, c.step_s if c.fits else c.peak_bytes, c.peak_bytes))
     return Result(scored, device_memory_bytes, costs.description, costs.measured, skipped)
+
+
+def Calibrate(p, num_devices: int, costs: Costs, measure: Callable[[Candidate], float],
+              device_memory_bytes: float, slots_per_param: int = 1,
+              space: Sequence[Config] | None = None) -> Costs:
+    """`costs` scaled to measured steps of the pipeline itself (`Calibrated`): gpipe at each M
+    of `space` (the first recompute mode of each that fits, at its time-optimal boundaries) is
+    run by `measure` (a Candidate -> its step in seconds), and the scale is the least squares
+    fit of their predicted steps to the measured in relative error (each M weighs the same,
+    however long its step). One number: steps of a few milliseconds vary by 5-15% between
+    runs, too much to fit more (a step's fixed cost, an action's and the layers' work apart:
+    tried, the fit put everything in the fixed cost on one model and on another made a 15%
+    outlier its per-action cost). Where no gpipe configuration fits, `costs` are returned as
+    they are.
+    """
+    batch = plan_lib.BatchSize(p) // p.num_replicas
+    space = space if space is not None else Space(len(p.layer_tpl), num_devices, batch)
+    references = []  # (M, predicted seconds, measured seconds)
+    for m in sorted({c.num_micro_batches for c in space}):
+        before, layers = costs.Of(batch // m)
+        candidate = next((c for c in (
+            _FittedOrNone(p, num_devices, Config('gpipe', m, 1, mode), before, layers,
+                          device_memory_bytes, slots_per_param, costs.Overheads(batch // m))
+            for mode in ('never', 'always')) if c is not None and c.fits), None)
+        if candidate is not None:
+            references.append((m, candidate.step_s, measure(candidate)))
+    if not references:
+        return costs
+    # Minimises the sum over M of (scale x predicted / measured - 1) squared.
+    ratios = [predicted / seconds for _, predicted, seconds in references]
+    scale = sum(ratios) / sum(r * r for r in ratios)
+    shown = ', '.join(f'{m}: {t * 1e3:.1f} ms' for m, _, t in references)
+    return Calibrated(costs, scale, f'x{scale:.2f} calibrated on measured gpipe steps (M={shown})')
+
+
+def _FittedOrNone(*args) -> Candidate | None:
+    try:
+        return _Fitted(*args)
+    except (errors.ConfigError, ValueError):
+        return None
+
+
+def MeasureBest(result: Result, measure: Callable[[Candidate], float], count: int,
+                progress: Callable | None = None) -> list[tuple[Candidate, float]]:
+    """The `count` best-ranked candidates that fit, each run by `measure` (a Candidate -> its
+    step in seconds), fastest first: what a simulation cannot see (how two schedules share a
+    device's cores, what splitting a backward costs in the graph) decides between
+    configurations it ranks close."""
+    measured = []
+    for rank, candidate in enumerate([c for c in result.candidates if c.fits][:count], 1):
+        seconds = measure(candidate)
+        measured.append((candidate, seconds))
+        if progress:
+            progress(f'rank {rank}: {candidate.config} {list(candidate.boundaries)}: predicted '
+                     f'{candidate.step_s * 1e3:.2f} ms, measured {seconds * 1e3:.2f} ms')
+    return sorted(measured, key=lambda pair: pair[1])
 
 
 def NoFitError(p, result: Result) -> errors.ConfigError:
@@ -346,11 +434,9 @@ def _GiB(value: float) -> str:
 def Score(p, num_devices: int, config: Config, boundaries: Sequence[int],
           before: Sequence[LayerSeconds], layers: Sequence[LayerSeconds],
           device_memory_bytes: float, slots_per_param: int = 1, moved: bool = False,
-          action_s: float = 0.0) -> Candidate:
-    """One configuration with `boundaries`, simulated and planned on the plan the pipeline
-    makes of it. `action_s` is what an action costs besides its layers' work (a backward
-    split into I and W, twice), included once in each layer's forward (each was timed as a call
-    of its own): a cell's forward is its layers' less all but one of those.
+          overheads: Overheads = Overheads()) -> Candidate:
+    """One configuration with `boundaries`, simulated (`_Simulated`) and planned on the plan the
+    pipeline makes of it.
 
     Raises:
       errors.ConfigError: if the pipeline refuses the configuration.
@@ -361,6 +447,19 @@ def Score(p, num_devices: int, config: Config, boundaries: Sequence[int],
                      partition_method=list(boundaries))
     pipeline_plan = plan_lib.MakePlan(q, place=False)
     memory = memory_lib.FromPlan(pipeline_plan, slots_per_param)
+    timeline = _Simulated(pipeline_plan, boundaries, before, layers, overheads)
+    totals = tuple(memory.device_totals)
+    return Candidate(config, tuple(boundaries), timeline.makespan, timeline.bubble, totals,
+                     memory.Fits(device_memory_bytes), moved, q, memory)
+
+
+def _Simulated(pipeline_plan, boundaries: Sequence[int], before: Sequence[LayerSeconds],
+               layers: Sequence[LayerSeconds],
+               overheads: Overheads = Overheads()) -> simulator.Timeline:
+    """The simulated actions of a plan whose cells hold the layers between `boundaries` (the
+    before layers in cell 0): each cell's forward is its layers' work (their forwards less
+    `overheads.call_s` each) and one action's cost, its backward theirs and one action's (a
+    split one, two)."""
     forward, backward, input_grad, counts = [], [], [], []
     for k in range(len(boundaries) - 1):
         cell = list(layers[boundaries[k]:boundaries[k + 1]]) + (list(before) if k == 0 else [])
@@ -370,22 +469,20 @@ def Score(p, num_devices: int, config: Config, boundaries: Sequence[int],
         input_grad.append(sum(c.input_grad for c in cell))
     total = sum(backward)
     weight_fraction = min(max(1 - sum(input_grad) / total, 0.0), 1.0) if total else 0.5
-    backward_calls = 2 if schedule_lib.Kind(config.schedule).splits_backward else 1
-    work = [f - layers_in * action_s for f, layers_in in zip(forward, counts)]
-    timeline = simulator.Simulate(
+    backward_calls = 2 if pipeline_plan.schedule.splits_backward else 1
+    action_s = overheads.action_s
+    work = [max(f - layers_in * overheads.call_s, 0.0) for f, layers_in in zip(forward, counts)]
+    return simulator.Simulate(
         simulator.CellCosts(forward=[w + action_s for w in work],
                             backward=[b + backward_calls * action_s for b in backward],
                             recompute=work, weight_fraction=weight_fraction),
-        config.num_micro_batches, pipeline_plan.recompute, pipeline_plan.schedule)
-    totals = tuple(memory.device_totals)
-    return Candidate(config, tuple(boundaries), timeline.makespan, timeline.bubble, totals,
-                     memory.Fits(device_memory_bytes), moved, q, memory)
+        pipeline_plan.num_micro_batches, pipeline_plan.recompute, pipeline_plan.schedule)
 
 
 def MostKept(p, num_devices: int, scored: Sequence[Candidate],
              before: Sequence[LayerSeconds], layers: Sequence[LayerSeconds],
              device_memory_bytes: float, slots_per_param: int = 1,
-             action_s: float = 0.0) -> Candidate | None:
+             overheads: Overheads = Overheads()) -> Candidate | None:
     """Of one schedule, M and v (those of `scored`, candidates that differ only in recompute),
     the configuration that keeps the activations of the most last cells (j of the S cells,
     recompute 'except_last_<j>'; 'always' for j = 0) and still fits, its boundaries fitted as
@@ -403,7 +500,7 @@ def MostKept(p, num_devices: int, scored: Sequence[Candidate],
     def Fits(kept):
         if kept not in known:
             known[kept] = _Fitted(p, num_devices, base.KeepingLast(kept, num_cells), before,
-                                  layers, device_memory_bytes, slots_per_param, action_s)
+                                  layers, device_memory_bytes, slots_per_param, overheads)
         return known[kept].fits
 
     try:
@@ -422,7 +519,7 @@ def MostKept(p, num_devices: int, scored: Sequence[Candidate],
 
 
 def _Fitted(p, num_devices, config, before, layers, device_memory_bytes, slots_per_param,
-            action_s=0.0):
+            overheads=Overheads()):
     """The configuration at its time-optimal boundaries, or, if a device does not fit, at the
     boundaries one-layer moves away from the fullest device reach while its peak falls."""
     # Boundaries come before the cells: with any cell re-materializing, every layer's
@@ -433,7 +530,7 @@ def _Fitted(p, num_devices, config, before, layers, device_memory_bytes, slots_p
     step[0] += sum(c.Step(remat) for c in before)  # Before layers run on cell 0's device.
     boundaries = partition.OptimalBoundaries(step, num_devices * config.virtual_stages)
     args = (before, layers, device_memory_bytes, slots_per_param)
-    best = Score(p, num_devices, config, boundaries, *args, action_s=action_s)
+    best = Score(p, num_devices, config, boundaries, *args, overheads=overheads)
     for _ in range(_MAX_MOVES):
         if best.fits:
             break
@@ -442,7 +539,7 @@ def _Fitted(p, num_devices, config, before, layers, device_memory_bytes, slots_p
         for b in _MovesFrom(list(best.boundaries), fullest, num_devices, config):
             try:
                 moves.append(Score(p, num_devices, config, b, *args, moved=True,
-                                   action_s=action_s))
+                                   overheads=overheads))
             except errors.ConfigError:
                 continue
         if not moves:

@@ -73,7 +73,8 @@ def Run(config) -> None:
         return
     if config.mode == 'tune':
         tune.Run(p, config.model, logdir_lib.Resolve(config.logdir, config.model),
-                 config.device_memory_gib, config.tune_costs, config.tune_steps)
+                 config.device_memory_gib, config.tune_costs, config.tune_steps,
+                 config.tune_top)
         return
     if config.mode == 'check':
         check.Run(p, config.model, plan)

@@ -16,6 +16,7 @@ from gpipe_tf import errors
 from gpipe_tf import model_registry
 from gpipe_tf import overrides
 from gpipe_tf.layers import precision
+from gpipe_tf.perf import measured_costs
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.tasks import base_task
@@ -194,7 +195,7 @@ def PartitionOnTime(p, logdir: str):
     if not plan_lib.IsPipeline(model) or model.partition_method != 'time':
         return None
     if model.costs_file is None:
-        model.costs_file = os.path.join(logdir, 'layer_costs.json')
+        model.costs_file = os.path.join(logdir, measured_costs.COSTS_FILE)
     print(f'measuring the layers of {model.name} for partition_method="time" (cached in '
           f'{model.costs_file})', flush=True)
     plan = plan_lib.MakePlan(model, place=False)

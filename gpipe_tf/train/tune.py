@@ -109,14 +109,19 @@ def MeasurePick(task_params, candidate: tuner.Candidate, steps: int) -> tuple[fl
 
 
 def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
-        costs: str = 'auto', steps: int = 5) -> tuner.Result:
+        costs: str = 'auto', steps: int = 5, top: int = 3) -> tuner.Result:
     """Tunes task Params' pipeline for its K devices (`model.num_cells`, set up already) of
-    `device_memory_gib` each; prints the table, writes `<logdir>/tuned_params.txt`, and runs the
-    pick for `steps` steps when the costs were measured (0: not at all).
+    `device_memory_gib` each; prints the table and writes `<logdir>/tuned_params.txt`.
+
+    With measured costs and `steps` > 0, the pipeline is also run here: gpipe at the smallest
+    and largest M first, to fit the layers' costs to the pipeline's own steps
+    (`tuner.Calibrate`); then the `top` best-ranked configurations that fit, `steps` steps each,
+    and the fastest measured is chosen (`tuner.MeasureBest`; `top` 1: the best-ranked is run
+    and chosen). Measured steps are printed beside the predicted ones.
 
     Raises:
-      errors.ConfigError: for a model that is not a pipeline, a missing or bad memory, or no
-        configuration that fits (naming the smallest memory that would).
+      errors.ConfigError: for a model that is not a pipeline, a missing or bad memory or
+        `top`, or no configuration that fits (naming the smallest memory that would).
     """
     p = task_params.model
     if not plan_lib.IsPipeline(p) or p.layer_tpl is None:
@@ -127,7 +132,12 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
                                  f'one device in GiB; got {device_memory_gib}.')
     if costs not in COSTS:
         raise errors.ConfigError(f'--tune_costs must be one of {COSTS}, got {costs!r}.')
+    if top < 1:
+        raise errors.ConfigError(f'--tune_top must be at least 1 (the configurations to run '
+                                 f'and choose from), got {top}.')
     device_bytes = device_memory_gib * 2**30
+    if p.costs_file is None:  # Measured costs, kept for the next run (and partition_method='time').
+        p.costs_file = os.path.join(logdir, measured_costs.COSTS_FILE)
     slots = memory_lib.SlotsPerParam(task_params.train.optimizer)
     k = p.num_cells
     batch = plan_lib.BatchSize(p) // p.num_replicas
@@ -137,35 +147,65 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
           f'{plan_lib.BatchSize(p)}: {len(space)} configurations, layer costs '
           f'{layer_costs.description}', flush=True)
     started = time.perf_counter()
+    runs = bool(steps and layer_costs.measured)
+    peaks = {}  # Per configuration run, the peak bytes of its steps.
+
+    def Measure(candidate):
+        if candidate.step_s * steps > _MAX_RUN_S:
+            raise _TooLong(candidate, steps)
+        seconds, peaks[candidate.config, candidate.boundaries] = MeasurePick(
+            task_params, candidate, steps)
+        return seconds
+
+    if runs:
+        try:
+            layer_costs = tuner.Calibrate(p, k, layer_costs, Measure, device_bytes, slots, space)
+        except (_TooLong, errors.UserError) as error:  # Its data are not here, say.
+            print(f'not run: {error}', flush=True)
+            runs = False
+        else:
+            print(f'layer costs {layer_costs.description}', flush=True)
     result = tuner.Tune(p, k, device_bytes, layer_costs, slots, space)
     print(result.Format(), flush=True)
     print(f'tuned in {time.perf_counter() - started:.1f} s', flush=True)
     pick = result.best
     if pick is None:
         raise tuner.NoFitError(p, result)
+    step_s = None
+    if runs:
+        try:
+            measured = tuner.MeasureBest(result, Measure, top,
+                                         progress=lambda line: print(line, flush=True))
+        except (_TooLong, errors.UserError) as error:
+            print(f'not run: {error}', flush=True)
+        else:
+            pick, step_s = measured[0]
     tf.io.gfile.makedirs(logdir)
     path = os.path.join(logdir, TUNED_PARAMS)
     with tf.io.gfile.GFile(path, 'w') as f:
         f.write(f'# --mode=tune of {name}: {pick.config}, K={k}, devices of '
                 f'{device_memory_gib:g} GiB\n')
         f.write(OverrideText(task_params, pick))
-    print(f'chosen: {pick.config} with boundaries {list(pick.boundaries)}; wrote {path} (train '
-          f'with --model_params_file_override={path})', flush=True)
-    if steps and result.measured and pick.step_s * steps > _MAX_RUN_S:
-        print(f'not run: {steps} steps would take about {pick.step_s * steps:.0f} s as '
-              f'predicted (more than {_MAX_RUN_S:g} s); train with the file to see them',
-              flush=True)
-    elif steps and result.measured:
-        try:
-            step_s, peak = MeasurePick(task_params, pick, steps)
-        except errors.UserError as error:  # The input's data are not here, say.
-            print(f'not run: {error}', flush=True)
-            return result
+    how = (f'the fastest of the {min(top, len(measured))} best-ranked, measured'
+           if step_s is not None else 'the best-ranked')
+    print(f'chosen ({how}): {pick.config} with boundaries {list(pick.boundaries)}; wrote '
+          f'{path} (train with --model_params_file_override={path})', flush=True)
+    if step_s is not None:
+        peak = peaks[pick.config, pick.boundaries]
         planned = _PlannedStepBytes(pick.memory)
         memory = ('' if peak is None else f'; a step allocates {units.MiB(peak)} MiB at its peak '
                   f'(planned {units.MiB(planned)} MiB, all devices in one memory)')
         print(f'ran the pick for {steps} steps: step {step_s * 1e3:.1f} ms measured, '
               f'{pick.step_s * 1e3:.1f} ms predicted{memory}', flush=True)
-    elif steps:
+    elif steps and not layer_costs.measured:
         print('not run: FLOPs costs predict no seconds of this machine', flush=True)
     return result
+
+
+class _TooLong(Exception):
+    """A configuration whose steps would take too long to run here."""
+
+    def __init__(self, candidate, steps):
+        super().__init__(f'{steps} steps of {candidate.config} would take about '
+                         f'{candidate.step_s * steps:.0f} s as predicted (more than '
+                         f'{_MAX_RUN_S:g} s); train with the file to see them')
