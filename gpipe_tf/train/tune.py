@@ -151,8 +151,12 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
     peaks = {}  # Per configuration run, the peak bytes of its steps.
 
     def Measure(candidate):
+        """The candidate's measured step, or None where its steps would take too long."""
         if candidate.step_s * steps > _MAX_RUN_S:
-            raise _TooLong(candidate, steps)
+            print(f'not run: {steps} steps of {candidate.config} would take about '
+                  f'{candidate.step_s * steps:.0f} s as predicted (more than {_MAX_RUN_S:g} s)',
+                  flush=True)
+            return None
         seconds, peaks[candidate.config, candidate.boundaries] = MeasurePick(
             task_params, candidate, steps)
         return seconds
@@ -160,7 +164,7 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
     if runs:
         try:
             layer_costs = tuner.Calibrate(p, k, layer_costs, Measure, device_bytes, slots, space)
-        except (_TooLong, errors.UserError) as error:  # Its data are not here, say.
+        except errors.UserError as error:  # The input's data are not here, say.
             print(f'not run: {error}', flush=True)
             runs = False
         else:
@@ -171,23 +175,20 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
     pick = result.best
     if pick is None:
         raise tuner.NoFitError(p, result)
-    step_s = None
+    step_s, measured = None, []
     if runs:
-        try:
-            measured = tuner.MeasureBest(result, Measure, top,
-                                         progress=lambda line: print(line, flush=True))
-        except (_TooLong, errors.UserError) as error:
-            print(f'not run: {error}', flush=True)
-        else:
-            pick, step_s = measured[0]
+        measured = tuner.MeasureBest(result, Measure, top,
+                                     progress=lambda line: print(line, flush=True))
+    if measured:
+        pick, step_s = measured[0]
     tf.io.gfile.makedirs(logdir)
     path = os.path.join(logdir, TUNED_PARAMS)
     with tf.io.gfile.GFile(path, 'w') as f:
         f.write(f'# --mode=tune of {name}: {pick.config}, K={k}, devices of '
                 f'{device_memory_gib:g} GiB\n')
         f.write(OverrideText(task_params, pick))
-    how = (f'the fastest of the {min(top, len(measured))} best-ranked, measured'
-           if step_s is not None else 'the best-ranked')
+    how = (f'the fastest of the {len(measured)} best-ranked, measured'
+           if measured else 'the best-ranked')
     print(f'chosen ({how}): {pick.config} with boundaries {list(pick.boundaries)}; wrote '
           f'{path} (train with --model_params_file_override={path})', flush=True)
     if step_s is not None:
@@ -200,12 +201,3 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
     elif steps and not layer_costs.measured:
         print('not run: FLOPs costs predict no seconds of this machine', flush=True)
     return result
-
-
-class _TooLong(Exception):
-    """A configuration whose steps would take too long to run here."""
-
-    def __init__(self, candidate, steps):
-        super().__init__(f'{steps} steps of {candidate.config} would take about '
-                         f'{candidate.step_s * steps:.0f} s as predicted (more than '
-                         f'{_MAX_RUN_S:g} s); train with the file to see them')
