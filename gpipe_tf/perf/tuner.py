@@ -138,27 +138,25 @@ class MeasuredCosts(Costs):
 
 
 class Calibrated(Costs):
-    """`costs` fitted to measured steps of the pipeline itself (`Calibrate`): every layer's
-    work (its forward less the call it was timed as, its backward, its input gradient) times
-    `scale`, and `action_s` for each action's own cost. A layer timed alone on one device is
-    not the layer inside the pipeline's graph (no call of its own, other ops beside it that may
-    share the device's cores, other caches), and an action of the pipeline (its reads and writes
-    of boundaries, its transfers) costs what no call timed alone shows."""
+    """`costs` times `scale`, fitted to measured steps of the pipeline itself (`Calibrate`):
+    every layer's seconds and every overhead. A layer timed alone on one device is not the layer
+    inside the pipeline's graph (no call of its own, other ops beside it that may share the
+    device's cores, other caches)."""
 
-    def __init__(self, costs: Costs, scale: float, action_s: float, description: str):
-        self._costs, self.scale, self.action_s = costs, scale, action_s
+    def __init__(self, costs: Costs, scale: float, description: str):
+        self._costs, self.scale = costs, scale
         self.measured = costs.measured
         self.description = f'{costs.description}, {description}'
 
     def Of(self, micro_batch_size):
-        call = self._costs.Overheads(micro_batch_size).call_s
-        return tuple([LayerSeconds(self.scale * (c.forward - call) + call,
-                                   self.scale * c.backward, self.scale * c.input_grad)
-                      for c in costs] for costs in self._costs.Of(micro_batch_size))
+        return tuple([LayerSeconds(self.scale * c.forward, self.scale * c.backward,
+                                   self.scale * c.input_grad) for c in costs]
+                     for costs in self._costs.Of(micro_batch_size))
 
     def Overheads(self, micro_batch_size):
-        return Overheads(action_s=self.action_s,
-                         call_s=self._costs.Overheads(micro_batch_size).call_s)
+        overheads = self._costs.Overheads(micro_batch_size)
+        return Overheads(*(self.scale * getattr(overheads, field.name)
+                           for field in dataclasses.fields(Overheads)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,77 +361,38 @@ def Calibrate(p, num_devices: int, costs: Costs,
               measure: Callable[[Candidate], float | None],
               device_memory_bytes: float, slots_per_param: int = 1,
               space: Sequence[Config] | None = None) -> Costs:
-    """`costs` fitted to measured steps of the pipeline itself (`Calibrated`): gpipe at each M
+    """`costs` scaled to measured steps of the pipeline itself (`Calibrated`): gpipe at each M
     of `space` (the first recompute mode of each that fits, at its time-optimal boundaries) is
-    run by `measure` (a Candidate -> its step in seconds, or None where it was not run). A step
-    is modelled as `scale` x (its simulated step of the layers' work alone) + `action_s` x (its
-    simulated step of unit-cost actions alone): a larger M splits the same work into more
-    actions. The two are the least squares fit in relative error (each M weighs the same,
-    however long its step), neither negative. A third term, a fixed cost per step, was tried
-    and dropped: it is nearly collinear with the work (both change little with M), and with
-    steps varying 5-15% between runs the fit put everything into it. Where fewer than two gpipe
-    configurations were run, `costs` are returned as they are.
+    run by `measure` (a Candidate -> its step in seconds, or None where it was not run), and
+    the scale is the least squares fit of their predicted steps to the measured in relative
+    error (each M weighs the same, however long its step).
+
+    One number. Two were tried, the layers' work scaled and an action's cost fitted apart: a
+    small model's steps are mostly a fixed cost per step (the update, the function's call),
+    which neither term holds (examples.PipelinedMLP was then predicted at a third of its
+    measured step), and a third term for it is nearly collinear with the work (both change
+    little with M): with steps varying 5-15% between runs, the fit put everything into it.
+    Where no gpipe configuration fits or none was run, `costs` are returned as they are.
     """
     batch = plan_lib.BatchSize(p) // p.num_replicas
     space = space if space is not None else Space(len(p.layer_tpl), num_devices, batch)
-    references = []  # (M, the step of the work alone, of the actions alone, measured seconds)
+    references = []  # (M, predicted seconds, measured seconds)
     for m in sorted({c.num_micro_batches for c in space}):
-        micro_batch = batch // m
-        before, layers = costs.Of(micro_batch)
-        call = costs.Overheads(micro_batch).call_s
+        before, layers = costs.Of(batch // m)
         candidate = next((c for c in (
             _FittedOrNone(p, num_devices, Config('gpipe', m, 1, mode), before, layers,
-                          device_memory_bytes, slots_per_param, costs.Overheads(micro_batch))
+                          device_memory_bytes, slots_per_param, costs.Overheads(batch // m))
             for mode in ('never', 'always')) if c is not None and c.fits), None)
         seconds = None if candidate is None else measure(candidate)
-        if seconds is None:
-            continue
-        plan = plan_lib.MakePlan(candidate.params, place=False)
-        work = _Simulated(plan, candidate.boundaries, before, layers,
-                          Overheads(call_s=call)).makespan
-        none = [LayerSeconds(0.0, 0.0, 0.0)]
-        actions = _Simulated(plan, candidate.boundaries, none * len(before), none * len(layers),
-                             Overheads(action_s=1.0)).makespan
-        references.append((m, work, actions, seconds))
-    if len(references) < 2:
+        if seconds is not None:
+            references.append((m, candidate.step_s, seconds))
+    if not references:
         return costs
-    scale, action_s = _NonNegativeLeastSquares(
-        [(work / seconds, actions / seconds) for _, work, actions, seconds in references],
-        [1.0] * len(references))
-    shown = ', '.join(f'{m}: {seconds * 1e3:.1f} ms' for m, *_, seconds in references)
-    return Calibrated(costs, scale, action_s,
-                      f'calibrated on measured gpipe steps (M={shown}): work x{scale:.2f}, '
-                      f'{action_s * 1e6:.0f} us per action')
-
-
-def _NonNegativeLeastSquares(rows, targets) -> tuple[float, float]:
-    """The (x, y) >= 0 minimising the squares of row . (x, y) - target: the free fit where
-    neither is negative, else the better of each alone."""
-    def Solve(columns):
-        # Normal equations of the columns kept (the others zero).
-        a = [[sum(r[i] * r[j] for r in rows) for j in columns] for i in columns]
-        b = [sum(r[i] * t for r, t in zip(rows, targets)) for i in columns]
-        if len(columns) == 1:
-            values = [b[0] / a[0][0]] if a[0][0] > 0 else [0.0]
-        else:
-            det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
-            if abs(det) < 1e-300:
-                return None
-            values = [(b[0] * a[1][1] - b[1] * a[0][1]) / det,
-                      (a[0][0] * b[1] - a[1][0] * b[0]) / det]
-        x = [0.0, 0.0]
-        for i, v in zip(columns, values):
-            x[i] = v
-        return x
-
-    def Error(x):
-        return sum((r[0] * x[0] + r[1] * x[1] - t) ** 2 for r, t in zip(rows, targets))
-
-    both = Solve([0, 1])
-    if both is not None and min(both) >= 0:
-        return tuple(both)
-    alone = [x for x in (Solve([0]), Solve([1])) if min(x) >= 0]
-    return tuple(min(alone, key=Error)) if alone else (0.0, 0.0)
+    # Minimises the sum over M of (scale x predicted / measured - 1) squared.
+    ratios = [predicted / seconds for _, predicted, seconds in references]
+    scale = sum(ratios) / sum(r * r for r in ratios)
+    shown = ', '.join(f'{m}: {t * 1e3:.1f} ms' for m, _, t in references)
+    return Calibrated(costs, scale, f'x{scale:.2f} calibrated on measured gpipe steps (M={shown})')
 
 
 def _FittedOrNone(*args) -> Candidate | None:
