@@ -241,3 +241,17 @@ class TrainerTest(CleanCacheTestCase):
             result = test_utils.TrainerInProcess(*flags, '--max_steps=2')
             self.assertIn('boundaries [0, 3, 4]', result.stdout)
             self.assertEqual(made_up.calls, 3)
+
+
+class CountsPeakBytesTest(tf.test.TestCase):
+
+    def testOnlyTheBfcAllocatorCountsACpusPeak(self):
+        with mock.patch.dict(os.environ, {'TF_CPU_ALLOCATOR_USE_BFC': 'true'}):
+            self.assertTrue(measured_costs.CountsPeakBytes('/device:CPU:1'))
+        with mock.patch.dict(os.environ, {'TF_CPU_ALLOCATOR_USE_BFC': 'false'}):
+            self.assertFalse(measured_costs.CountsPeakBytes(
+                '/job:localhost/replica:0/task:0/device:CPU:0'))
+            self.assertFalse(measured_costs.CountsPeakBytes(None))  # The default: CPU:0.
+            self.assertTrue(measured_costs.CountsPeakBytes('/device:GPU:0'))
+        with mock.patch.dict(os.environ, clear=True):
+            self.assertFalse(measured_costs.CountsPeakBytes('CPU:0'))

@@ -80,7 +80,8 @@ def _PlannedStepBytes(memory: memory_lib.MemoryPlan) -> int:
 def MeasurePick(task_params, candidate: tuner.Candidate, steps: int) -> tuple[float, int | None]:
     """Trains `candidate` for 1 + `steps` steps in a scratch logdir; (the median step after the
     first, in seconds; the peak bytes a step allocated above what was in use before it, on the
-    first cell's device, or None where its allocator keeps no statistics)."""
+    first cell's device, or None where its allocator keeps no statistics or does not count its
+    peak: `measured_costs.CountsPeakBytes`)."""
     from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
     task = task_params.Copy()
     task.model = candidate.params.Copy()
@@ -90,11 +91,13 @@ def MeasurePick(task_params, candidate: tuner.Candidate, steps: int) -> tuple[fl
         prog.Restore()
         prog.Step()  # The trace, and the optimizer's slots.
         device = measured_costs.FirstDevice(candidate.params) or 'CPU:0'
-        try:
-            tf.config.experimental.reset_memory_stats(device)
-            before = tf.config.experimental.get_memory_info(device)['current']
-        except (ValueError, tf.errors.OpError):
-            before = None
+        before = None
+        if measured_costs.CountsPeakBytes(device):
+            try:
+                tf.config.experimental.reset_memory_stats(device)
+                before = tf.config.experimental.get_memory_info(device)['current']
+            except (ValueError, tf.errors.OpError):
+                pass
         times = []
         for _ in range(steps):
             started = time.perf_counter()
@@ -194,8 +197,15 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
     if step_s is not None:
         peak = peaks[pick.config, pick.boundaries]
         planned = _PlannedStepBytes(pick.memory)
-        memory = ('' if peak is None else f'; a step allocates {units.MiB(peak)} MiB at its peak '
-                  f'(planned {units.MiB(planned)} MiB, all devices in one memory)')
+        if peak is not None:
+            memory = (f'; a step allocates {units.MiB(peak)} MiB at its peak (planned '
+                      f'{units.MiB(planned)} MiB, all devices in one memory)')
+        elif not measured_costs.CountsPeakBytes(measured_costs.FirstDevice(pick.params)):
+            memory = ("; its memory is not measured: TensorFlow's default CPU allocator counts "
+                      'only part of its peak (run with TF_CPU_ALLOCATOR_USE_BFC=true to measure '
+                      'it)')
+        else:
+            memory = ''
         print(f'ran the pick for {steps} steps: step {step_s * 1e3:.1f} ms measured, '
               f'{pick.step_s * 1e3:.1f} ms predicted{memory}', flush=True)
     elif steps and not layer_costs.measured:
