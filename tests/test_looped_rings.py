@@ -1,4 +1,4 @@
-"""The looped executor's TensorArray rings (`looped._RingSizes`): replaying every schedule's
+"""The looped executor's TensorArray rings (`rings.RingSizes`): replaying every schedule's
 ticks with rings of those sizes, each read finds the micro-batch it asks for, and the rings
 are as small as the schedule allows (1F1B keeps about K - b micro-batches at boundary b)."""
 
@@ -8,7 +8,7 @@ import tensorflow as tf
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from gpipe_tf.pipeline import looped
+from gpipe_tf.pipeline import rings
 from gpipe_tf.pipeline import schedule as schedule_lib
 
 pytestmark = pytest.mark.unit
@@ -99,34 +99,34 @@ class RingTest(parameterized.TestCase):
     def testEveryReadFindsItsMicroBatch(self, kind, k, m, v):
         sched = schedule_lib.Make(kind, k, m, v)
         phases, loss_in_loop = _Phases(kind)
-        sizes = looped._RingSizes(sched, phases, loss_in_loop)  # pylint: disable=protected-access
+        sizes = rings.RingSizes(sched, phases, loss_in_loop)
         self.assertEqual(_Replay(sched, phases, loss_in_loop, sizes), [])
         inference = schedule_lib.Make(kind, k, m, v, training=False)
-        sizes = looped._RingSizes(inference, [(F,)], False)  # pylint: disable=protected-access
+        sizes = rings.RingSizes(inference, [(F,)], False)
         self.assertEqual(_Replay(inference, [(F,)], False, sizes), [])
 
     @parameterized.parameters(*_Cases())
     def testEagerRingsAreNotReusedInTheTickOfTheirLastRead(self, kind, k, m, v):
         sched = schedule_lib.Make(kind, k, m, v)
         phases, loss_in_loop = _Phases(kind)
-        sizes = looped._RingSizes(  # pylint: disable=protected-access
+        sizes = rings.RingSizes(
             sched, phases, loss_in_loop, reuse_in_tick=False)
         self.assertEqual(_Replay(sched, phases, loss_in_loop, sizes, eager=True), [])
-        graph_sizes = looped._RingSizes(sched, phases, loss_in_loop)  # pylint: disable=protected-access
+        graph_sizes = rings.RingSizes(sched, phases, loss_in_loop)
         self.assertTrue(all(sizes[key] >= size for key, size in graph_sizes.items()))
 
     def testEagerReplayCatchesARingReusedInItsLastReadsTick(self):
         # zero_bubble_v, K=2, M=4: the graph's rings reuse a slot in the tick of its last read,
         # which an eager loop (devices in turn) reads after the write.
         sched = schedule_lib.Make('zero_bubble_v', 2, 4, 2)
-        sizes = looped._RingSizes(sched, [(F, B, I, W)], True)  # pylint: disable=protected-access
+        sizes = rings.RingSizes(sched, [(F, B, I, W)], True)
         self.assertNotEqual(_Replay(sched, [(F, B, I, W)], True, sizes, eager=True), [])
 
     @parameterized.parameters(*_Cases())
     def testNoRingCanBeSmaller(self, kind, k, m, v):
         sched = schedule_lib.Make(kind, k, m, v)
         phases, loss_in_loop = _Phases(kind)
-        sizes = looped._RingSizes(sched, phases, loss_in_loop)  # pylint: disable=protected-access
+        sizes = rings.RingSizes(sched, phases, loss_in_loop)
         for key, size in sizes.items():
             if size > 1:
                 smaller = {**sizes, key: size - 1}
@@ -138,7 +138,7 @@ class RingTest(parameterized.TestCase):
         phases, loss_in_loop = _Phases(kind)
         # Every other stage keeps its activations (recompute 'never' on those).
         keeps = [s % 2 == 0 for s in range(sched.num_stages)]
-        sizes = looped._RingSizes(  # pylint: disable=protected-access
+        sizes = rings.RingSizes(
             sched, phases, loss_in_loop, keeps=keeps)
         self.assertEqual(_Replay(sched, phases, loss_in_loop, sizes, keeps=keeps), [])
         self.assertEqual({key for key in sizes if key[0] == 'kept'},
@@ -151,20 +151,20 @@ class RingTest(parameterized.TestCase):
 
     def testOneFOneBKeepsAboutKMinusBMicroBatchesAtBoundaryB(self):
         k, m = 4, 16
-        sizes = looped._RingSizes(  # pylint: disable=protected-access
+        sizes = rings.RingSizes(
             schedule_lib.Make('1f1b', k, m), [(F, B, I, W)], True)
         for b in range(1, k):
             self.assertLessEqual(sizes['act', b], k - b + 1)
         for b in range(1, k + 1):
             self.assertLessEqual(sizes['d_act', b], 2)
         # Keeping its activations, stage s holds about K - s micro-batches' residuals.
-        kept = looped._RingSizes(  # pylint: disable=protected-access
+        kept = rings.RingSizes(
             schedule_lib.Make('1f1b', k, m), [(F, B, I, W)], True, keeps=[True] * k)
         for s in range(k):
             self.assertLessEqual(kept['kept', s], k - s + 1)
         # GPipe keeps every micro-batch's boundaries for its backwards, and the inputs,
         # outputs and input gradients are whole under every schedule.
-        gpipe = looped._RingSizes(  # pylint: disable=protected-access
+        gpipe = rings.RingSizes(
             schedule_lib.Make('gpipe', k, m), [(F,), (B,)], False)
         for b in range(k + 1):
             self.assertEqual(gpipe['act', b], m)
@@ -176,7 +176,7 @@ if __name__ == '__main__':
 
 
 class PackingTest(absltest.TestCase):
-    """A micro-batch's residuals packed into one array per dtype (`looped._Packing`) come back
+    """A micro-batch's residuals packed into one array per dtype (`rings.Packing`) come back
     as they were, and whole aligned rows split out of it share its buffer."""
 
     def testRoundTripOfMixedDtypesAndSizes(self):
@@ -187,7 +187,7 @@ class PackingTest(absltest.TestCase):
                   np.array([True, False]),
                   np.zeros([0, 4], np.float32)]
         specs = [tf.TensorSpec(np.shape(v), tf.as_dtype(np.asarray(v).dtype)) for v in values]
-        packing = looped._Packing(specs)  # pylint: disable=protected-access
+        packing = rings.Packing(specs)
         self.assertEqual([s.dtype for s in packing.specs], [tf.float32, tf.int32, tf.bool])
         # float32: 3 rows + 1 (scalar) + 2 (30 values in rows of 16) + 0; 16 per row.
         self.assertEqual(packing.specs[0].shape, [6, 16])
@@ -204,7 +204,7 @@ class PackingTest(absltest.TestCase):
                   tf.constant(np.ones([4, 16], np.float32)),
                   tf.constant(np.arange(3, dtype=np.int32))]
         specs = [tf.TensorSpec(v.shape, v.dtype) for v in values]
-        packing = looped._Packing(specs, loose=[0, 2])  # pylint: disable=protected-access
+        packing = rings.Packing(specs, loose=[0, 2])
         self.assertEqual([(s.dtype, s.shape) for s in packing.specs],
                          [(tf.float32, [4, 16]), (tf.float32, [2, 16]), (tf.int32, [3])])
         packed = packing.Pack(values)
@@ -213,11 +213,11 @@ class PackingTest(absltest.TestCase):
         for got, want in zip(packing.Unpack(packed), values):
             np.testing.assert_array_equal(got.numpy(), want.numpy())
         # Every tensor loose: nothing packed, nothing copied.
-        every = looped._Packing(specs, loose=[0, 1, 2])  # pylint: disable=protected-access
+        every = rings.Packing(specs, loose=[0, 1, 2])
         self.assertEqual(every.specs, specs)
         self.assertEqual([id(x) for x in every.Pack(values)], [id(x) for x in values])
 
     def testRunTimeShapesAreNotPacked(self):
-        packing = looped._Packing(  # pylint: disable=protected-access
+        packing = rings.Packing(
             [tf.TensorSpec([None, 4], tf.float32)])
         self.assertIsNone(packing.specs)

@@ -8,8 +8,8 @@ every device runs the action the table gives it, a `tf.switch_case` over the kin
 and stages it has, or idles. Micro-batches live in TensorArrays, one per leaf of each stage
 boundary: outputs of every stage (what the next one and re-materializing backwards read) and the
 gradients of every boundary; each is a ring of as many micro-batches as the schedule has
-alive in it at once (`_RingSizes`), so what is no longer needed is freed. The pipeline's inputs
-and, when given, its outputs' gradients and the loss's inputs are read in place (along
+alive in it at once (`rings.RingSizes`), so what is no longer needed is freed. The pipeline's
+inputs and, when given, its outputs' gradients and the loss's inputs are read in place (along
 batch_dim 0, a micro-batch is a slice that shares the mini-batch's buffer), and each loop
 carries only the state its actions read or write. A batch known only when the step runs splits
 as the unrolled executor splits it (`microbatch.Sizes`: the first N mod M micro-batches one
@@ -40,6 +40,7 @@ from gpipe_tf.pipeline import executor
 from gpipe_tf.pipeline import leaves
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import recompute
+from gpipe_tf.pipeline import rings
 from gpipe_tf.pipeline import schedule as schedule_lib
 from gpipe_tf.pipeline import unfolded
 
@@ -133,13 +134,13 @@ class LoopedSchedule:
     def _Start(self, thetas, inputs, training, phases, loss_in_loop=False):
         """Splits the inputs and makes the step's TensorArrays, each a ring of as many
         micro-batches as the loops `phases` (per loop, the kinds of action it runs) have alive
-        in it at once (`_RingSizes`)."""
+        in it at once (`rings.RingSizes`)."""
         m_count, batch_dim = self._num_micro_batches, self._batch_dim
         # Per stage, whether its training forward keeps its residuals for its backward.
         self._keeps = [training and not r for r in self._recomputes]
         # Eagerly, a TensorArray write changes it in place: a device later in the same tick
         # would read it, so a slot is not reused in the tick of its last read.
-        self._ring = _RingSizes(self._schedule, phases, loss_in_loop,
+        self._ring = rings.RingSizes(self._schedule, phases, loss_in_loop,
                                 reuse_in_tick=not tf.executing_eagerly(), keeps=self._keeps)
         self._loop_keys = None  # While a loop is built, the state it carries (`_Loop`).
         self._training = training
@@ -189,7 +190,7 @@ class LoopedSchedule:
                      step_spec)
             if self._keeps[s] or (training and self._schedule.splits_backward) else None
             for s, fn in enumerate(self._functions)]
-        # The residuals of a micro-batch, packed into one TensorArray per dtype (`_Packing`).
+        # The residuals of a micro-batch, packed into one TensorArray per dtype (`rings.Packing`).
         self._packings = {}
         self._kept = [None if not keep else self._PackedArrays(
             self._splits[s].kept_specs, ('kept', s), self._splits[s].kept_shared)
@@ -208,7 +209,7 @@ class LoopedSchedule:
         variable passed through every tick (and every branch) as its own TensorArray. Those at
         positions `shared` (values stored anyway: the cell's input and outputs, the outputs'
         gradient) keep arrays of their own, so that they are not copied."""
-        packing = _Packing(specs, shared)
+        packing = rings.Packing(specs, shared)
         if packing.specs is None:
             return self._EmptyArrays(specs, key)
         self._packings[key] = packing
@@ -396,12 +397,12 @@ class LoopedSchedule:
             self._Put(key, value)
 
     def _Reads(self, device_branches):
-        """The state a device's actions read (`_ArrayAccess`)."""
+        """The state a device's actions read (`rings.ArrayAccess`)."""
         return [key for kind, s in device_branches for key in
                 self._Access(kind, s)[0]]
 
     def _Writes(self, device_branches):
-        """The state a device's actions change: the TensorArrays they write (`_ArrayAccess`),
+        """The state a device's actions change: the TensorArrays they write (`rings.ArrayAccess`),
         the weight-gradient (B, W) and statistics (F) sums, and the loss on the last stage."""
         keys = []
         for kind, s in device_branches:
@@ -415,7 +416,8 @@ class LoopedSchedule:
         return list(dict.fromkeys(keys))
 
     def _Access(self, kind, s) -> tuple:
-        return _ArrayAccess(kind, s, self._num_stages, self._loss_fn is not None, self._keeps[s])
+        return rings.ArrayAccess(kind, s, self._num_stages, self._loss_fn is not None,
+                                 self._keeps[s])
 
     # ---- the actions ------------------------------------------------------------------------
     def _Read(self, key, structure, m):
@@ -564,150 +566,6 @@ def _OnInputsDevice():
         return op.device
 
     return tf.compat.v1.device(Device)
-
-
-class _Packing:
-    """Tensors of static shapes (a micro-batch's residuals) as one tensor per dtype and back:
-    `specs` (None where a shape is not static: then nothing is packed), `Pack`, `Unpack`.
-    Packing copies them once, at the write; the loop then carries one TensorArray per dtype
-    instead of one per tensor. Each tensor takes whole rows of 64 bytes, so that unpacking
-    splits the rows without a copy (TensorFlow shares the buffer of a split along the first
-    dimension when the rows are aligned) and only a tensor not filling its last row is copied
-    out of it. The tensors at positions `loose` are not packed but follow the packed ones as
-    they are (stored as themselves, they share their buffers: a boundary's activation kept
-    for the backward would otherwise be held twice while its boundary's array holds it too)."""
-
-    _ROW_BYTES = 64
-
-    def __init__(self, specs, loose=()):
-        self._specs = list(specs)
-        self._loose = sorted(set(loose))
-        packed = [x for i, x in enumerate(self._specs) if i not in self._loose]
-        self._dtypes = list(dict.fromkeys(x.dtype for x in packed))
-        if not self._specs or not all(x.shape.is_fully_defined() for x in self._specs):
-            self.specs = None
-            return
-        self._sizes = [x.shape.num_elements() for x in self._specs]
-        self._columns = {dtype: max(1, self._ROW_BYTES // dtype.size) for dtype in self._dtypes}
-        self._rows = [None if i in self._loose else -(-n // self._columns[x.dtype])
-                      for i, (x, n) in enumerate(zip(self._specs, self._sizes))]
-        self.specs = [tf.TensorSpec([sum(r for x, r in zip(self._specs, self._rows)
-                                         if r is not None and x.dtype == dtype),
-                                     self._columns[dtype]], dtype)
-                      for dtype in self._dtypes] + [self._specs[i] for i in self._loose]
-
-    def Pack(self, flat: list) -> list:
-        packed = []
-        for dtype in self._dtypes:
-            columns = self._columns[dtype]
-            rows = []
-            for x, spec, n, r in zip(flat, self._specs, self._sizes, self._rows):
-                if r is not None and spec.dtype == dtype:
-                    x = tf.reshape(x, [-1])
-                    if r * columns > n:
-                        x = tf.concat([x, tf.zeros([r * columns - n], dtype)], axis=0)
-                    rows.append(tf.reshape(x, [r, columns]))
-            packed.append(tf.concat(rows, axis=0) if len(rows) > 1 else rows[0])
-        return packed + [flat[i] for i in self._loose]
-
-    def Unpack(self, packed: list) -> list:
-        loose = dict(zip(self._loose, packed[len(self._dtypes):]))
-        parts = {}
-        for dtype, array in zip(self._dtypes, packed):
-            rows = [r for x, r in zip(self._specs, self._rows)
-                    if r is not None and x.dtype == dtype]
-            parts[dtype] = iter(tf.split(array, rows) if len(rows) > 1 else [array])
-        flat = []
-        for i, (x, n) in enumerate(zip(self._specs, self._sizes)):
-            if i in loose:
-                flat.append(loose[i])
-                continue
-            part = next(parts[x.dtype])
-            if part.shape.num_elements() > n:
-                part = tf.reshape(part, [-1])[:n]
-            flat.append(tf.reshape(part, x.shape))
-        return flat
-
-
-def _ArrayAccess(kind: str, s: int, num_stages: int, loss_in_loop: bool,
-                 keep: bool = False) -> tuple:
-    """(the TensorArray keys action (kind, stage s) reads, its input first, and those it writes),
-    each for its micro-batch: F reads its input and writes its output (the last stage, with the
-    loss in the loop, the outputs' gradient too; a stage that keeps its residuals, `keep`, also
-    those); B and I read the input (`keep`: the kept residuals) and the output's gradient and
-    write the input's gradient, I also what it saves for its W; W reads what its I saved."""
-    if kind == F:
-        writes = [('act', s + 1)]
-        if s == num_stages - 1 and loss_in_loop:
-            writes.append(('d_act', num_stages))
-        return [('act', s)], writes + ([('kept', s)] if keep else [])
-    if kind == W:
-        return [('saved', s)], []
-    source = ('kept', s) if keep else ('act', s)
-    return [source, ('d_act', s + 1)], [('d_act', s)] + ([('saved', s)] if kind == I else [])
-
-
-def _RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool,
-               reuse_in_tick: bool = True, keeps=None) -> dict:
-    """Per TensorArray key ('act', b), ('d_act', b), ('kept', s) or ('saved', s), how many
-    micro-batches it holds: the smallest R such that micro-batch m + R is written (slot (m + R) mod R) no earlier
-    than the tick of micro-batch m's last read. A loop's tick reads the arrays as they were
-    when it began, so a write in the tick of the last read is safe. Values no longer in a ring
-    are freed: with 1F1B a boundary holds about K - b micro-batches, a gradient one or two,
-    where M slots would keep every micro-batch until the step ends.
-
-    Args:
-      sched: the schedule.
-      phases: per loop of the step, in order, the action kinds it runs.
-      loss_in_loop: whether the last stage's forwards write the outputs' gradients (the loss
-        inside the loop); otherwise they are given, all at once, before the second loop.
-      reuse_in_tick: whether a slot may be written in the tick of its last read (in a graph,
-        where a tick reads the arrays as they were when it began); False: only after it (when
-        executing eagerly, where a write changes the array in place).
-      keeps: per stage, whether its forward keeps its residuals for its backward (default:
-        none does).
-    """
-    m_count, last = sched.num_micro_batches, sched.num_stages
-    keeps = keeps or [False] * last
-    writes, reads = {}, {}  # key -> {micro-batch: tick}
-
-    def Write(key, m, tick):
-        writes.setdefault(key, {})[m] = tick
-
-    def Read(key, m, tick):
-        reads.setdefault(key, {})[m] = max(reads.get(key, {}).get(m, tick), tick)
-
-    tick = 0
-    for m in range(m_count):
-        Write(('act', 0), m, -1)
-    for p, kinds in enumerate(phases):
-        if p > 0 and not loss_in_loop:
-            for m in range(m_count):
-                Write(('d_act', last), m, tick - 1)
-        for actions in schedule_lib.Ticks(sched, kinds):
-            for a in actions:
-                if a is None:
-                    continue
-                read, written = _ArrayAccess(a.kind, a.stage, last, loss_in_loop,
-                                             keeps[a.stage])
-                for key in read:
-                    Read(key, a.micro_batch, tick)
-                for key in written:
-                    Write(key, a.micro_batch, tick)
-            tick += 1
-        if p == 0:  # The outputs, joined after the first loop.
-            for m in range(m_count):
-                Read(('act', last), m, tick)
-    for m in range(m_count):  # The inputs' gradients, joined at the end.
-        Read(('d_act', 0), m, tick)
-    sizes = {}
-    after = 0 if reuse_in_tick else 1
-    for key in set(writes) | set(reads):
-        written, read = writes.get(key, {}), reads.get(key, {})
-        sizes[key] = next(r for r in range(1, m_count + 1) if all(
-            written.get(m + r, float('inf')) >= read.get(m, float('-inf')) + after
-            for m in range(m_count - r)))
-    return sizes
 
 
 def _CheckStaticBatch(batch_size: int, num_micro_batches: int) -> None:
