@@ -119,9 +119,9 @@ def DefineFlags(flag_values: flags.FlagValues) -> None:
                       '(measured where the model fits in half this machine\'s memory).',
                       flag_values=flag_values)
     flags.DEFINE_integer('tune_steps', 5, 'tune: with measured costs, run the pipeline this many '
-                         'steps per configuration: gpipe at two M to calibrate the costs, then '
-                         'the --tune_top best-ranked, and print measured steps and memory beside '
-                         'the predicted (0: run nothing, choose the best-ranked).',
+                         'steps per configuration: gpipe at each M searched to calibrate the '
+                         'costs, then the --tune_top best-ranked, and print measured steps and '
+                         'memory beside the predicted (0: run nothing, choose the best-ranked).',
                          flag_values=flag_values)
     flags.DEFINE_integer('tune_top', 3, 'tune: run this many best-ranked configurations '
                          'that fit (--tune_steps steps each) and choose the fastest measured '

@@ -116,8 +116,8 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
     """Tunes task Params' pipeline for its K devices (`model.num_cells`, set up already) of
     `device_memory_gib` each; prints the table and writes `<logdir>/tuned_params.txt`.
 
-    With measured costs and `steps` > 0, the pipeline is also run here: gpipe at the smallest
-    and largest M first, to fit the layers' costs to the pipeline's own steps
+    With measured costs and `steps` > 0, the pipeline is also run here: gpipe at each M searched
+    first, to fit the layers' costs to the pipeline's own steps
     (`tuner.Calibrate`); then the `top` best-ranked configurations that fit, `steps` steps each,
     and the fastest measured is chosen (`tuner.MeasureBest`; `top` 1: the best-ranked is run
     and chosen). Measured steps are printed beside the predicted ones.
