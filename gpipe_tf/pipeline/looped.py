@@ -5,10 +5,14 @@ it, do not grow with M.
 at K=8, M=32 graph optimization of the inlined calls took minutes before the first step.
 `LoopedSchedule` puts the schedule's clock (`schedule.Ticks`) in a `tf.while_loop`: at each tick
 every device runs the action the table gives it, a `tf.switch_case` over the kinds of action
-and stages it has, or idles. Micro-batches live in TensorArrays, one per leaf of each stage
-boundary: outputs of every stage (what the next one and re-materializing backwards read) and the
-gradients of every boundary; each is a ring of as many micro-batches as the schedule has
-alive in it at once (`rings.RingSizes`), so what is no longer needed is freed. The pipeline's
+and stages it has, or idles. Each device counts the ticks itself and reads its action from a
+table on its own device, and what an action reads of another device's TensorArrays is read
+there at the tick's start and sent once (`_CrossReads`): a value, a table or a switch on
+another device costs a send and a receive per tick, in every branch, taken or not.
+Micro-batches live in TensorArrays, one per leaf of each stage boundary: outputs of every stage
+(what the next one and re-materializing backwards read) and the gradients of every boundary;
+each is a ring of as many micro-batches as the schedule has alive in it at once
+(`rings.RingSizes`), so what is no longer needed is freed. The pipeline's
 inputs and, when given, its outputs' gradients and the loss's inputs are read in place (along
 batch_dim 0, a micro-batch is a slice that shares the mini-batch's buffer), and each loop
 carries only the state its actions read or write. A batch known only when the step runs splits
@@ -143,6 +147,8 @@ class LoopedSchedule:
         self._ring = rings.RingSizes(self._schedule, phases, loss_in_loop,
                                 reuse_in_tick=not tf.executing_eagerly(), keeps=self._keeps)
         self._loop_keys = None  # While a loop is built, the state it carries (`_Loop`).
+        self._fetched = {}  # While a tick is built, what it reads across devices (`_Fetched`).
+        self._clocks = []  # While a loop is built, per device its count of ticks (`_Loop`).
         self._training = training
         self._thetas = list(thetas)
         self._loss_fn = None
@@ -223,11 +229,15 @@ class LoopedSchedule:
                                    clear_after_read=False) for x in specs]
 
     def _Owner(self, key) -> str:
-        """The device of `key`'s TensorArrays, where each is made and read: boundary b's
-        outputs on the stage that writes them, b - 1; boundary b's gradients, and a stage's kept
-        and saved residuals, on stage b's (the outputs' gradients on the last stage's)."""
+        """The device of `key`'s TensorArrays, where each is made and read (`_OwnerStage`)."""
+        return self._devices[self._OwnerStage(key)]
+
+    def _OwnerStage(self, key) -> int:
+        """The stage whose device holds `key`'s TensorArrays: boundary b's outputs on the stage
+        that writes them, b - 1; boundary b's gradients, and a stage's kept and saved
+        residuals, on stage b's (the outputs' gradients on the last stage's)."""
         kind, i = key
-        return self._devices[min(i - 1 if kind == 'act' else i, self._num_stages - 1)]
+        return min(i - 1 if kind == 'act' else i, self._num_stages - 1)
 
     def _RingSize(self, key) -> int:
         """How many micro-batches `key`'s TensorArrays hold (1 for one the step never uses:
@@ -298,25 +308,49 @@ class LoopedSchedule:
         # The loop carries only what its actions read or write: a value it passed on unread
         # (the outputs' micro-batches in the backwards' loop) would stay alive until it ends.
         self._loop_keys = {('token', d) for d in range(sched.num_devices)}
+        # Per device, its own count of the ticks, so that its actions' indices are read from
+        # tables on its own device: the loop's counter lives on one device, and reading it,
+        # or a table there, cost a send and a receive per device and tick.
+        self._clocks = [None] * sched.num_devices
+        for d in range(sched.num_devices):
+            if branches[d]:
+                with tf.device(self._devices[branches[d][0][1]]):
+                    self._clocks[d] = tf.zeros([], tf.int32, name=f'device_{d}_clock')
+                self._loop_keys.add(('clock', d))
         for device_branches in branches:
             self._loop_keys.update(self._Reads(device_branches) + self._Writes(device_branches))
         state = self._State()
-        index_table = tf.constant(index, tf.int32)
-        micro_batch_table = tf.constant(micro_batch, tf.int32)
+        fetches = self._CrossReads(ticks)
 
         def Body(t, *flat):
             self._SetState(flat)
+            # Micro-batches a device reads from another's TensorArrays, read at the tick's start
+            # on the device that holds them, under its own clock.
+            self._fetched = {}
+            for key, (reader, slots) in fetches.items():
+                owner = self._schedule.DeviceOf(self._OwnerStage(key))
+                with tf.name_scope(f'fetch_{key[0]}_{key[1]}'):
+                    with tf.device(self._Owner(key)):
+                        slot = tf.constant(slots, tf.int32)[self._clocks[owner]]
+                        values = _Fetched(self._Value(key), slot)
+                    # On the reader's device before its switch_case takes them, so that the
+                    # switch and its branches' ops stay on the reader's device.
+                    with tf.device(reader):
+                        self._fetched[key] = [_OnDevice(v) for v in values]
             writes = {}
             for d in range(sched.num_devices):
                 if not branches[d]:
                     continue  # A device with no action of these kinds.
                 keys = self._Writes(branches[d]) + [('token', d)]
                 with tf.device(self._devices[branches[d][0][1]]), tf.name_scope(f'device_{d}'):
-                    m = micro_batch_table[t, d]
+                    clock = self._clocks[d]
+                    m = tf.constant([row[d] for row in micro_batch], tf.int32)[clock]
+                    branch = tf.constant([row[d] for row in index], tf.int32)[clock]
+                    writes[('clock', d)] = clock + 1
                     fns = [lambda keys=keys: self._Get(keys)] + [
                         (lambda kind=kind, s=s, keys=keys:
                          self._Action(kind, s, m, keys)) for kind, s in branches[d]]
-                    results = tf.switch_case(index_table[t, d], fns)
+                    results = tf.switch_case(branch, fns)
                 writes.update(zip(keys, _AsList(results)))
             for key, value in writes.items():
                 self._Put(key, value)
@@ -330,6 +364,31 @@ class LoopedSchedule:
                 parallel_iterations=max(2, sched.num_devices))
         self._SetState(flat[1:])
         self._loop_keys = None
+        self._fetched = {}
+
+    def _CrossReads(self, ticks) -> dict:
+        """Per TensorArray key that an action reads on a device other than the arrays' own, that
+        device and per tick the slot it reads (-1: none reads it then). Read inside the reader's
+        branch, such a read cost every tick, in every branch that reads the key, taken or not,
+        sends to the arrays' device of the branch's index, its slot and a control edge, and the
+        value back; read by the arrays' device at the tick's start (`_Fetched`), one send of
+        the value."""
+        tables = {}
+        for t, tick in enumerate(ticks):
+            for action in tick:
+                if action is None:
+                    continue
+                for key in self._Access(action.kind, action.stage)[0]:
+                    if (self._Owner(key) == self._devices[action.stage] or not any(
+                            isinstance(x, tf.TensorArray) for x in self._Value(key))):
+                        continue
+                    # The arrays' device reads them under its clock: it runs actions here.
+                    owner = self._schedule.DeviceOf(self._OwnerStage(key))
+                    assert self._clocks[owner] is not None, (key, owner)
+                    _, slots = tables.setdefault(
+                        key, (self._devices[action.stage], [-1] * len(ticks)))
+                    slots[t] = action.micro_batch % self._RingSize(key)
+        return tables
 
     def _InitSums(self, kinds):
         for s, fn in enumerate(self._functions):
@@ -364,6 +423,7 @@ class LoopedSchedule:
         keys += [('kept', s) for s in range(self._num_stages) if self._kept[s] is not None]
         keys += [('saved', s) for s in range(self._num_stages) if self._saved[s] is not None]
         keys += [('token', d) for d in range(len(self._tokens))]
+        keys += [('clock', d) for d, clock in enumerate(self._clocks) if clock is not None]
         if self._loss_fn is not None:
             keys.append(('loss', 0))
         return keys if self._loop_keys is None else [k for k in keys if k in self._loop_keys]
@@ -373,8 +433,8 @@ class LoopedSchedule:
 
     def _Table(self, kind) -> list:
         return {'act': self._acts, 'd_act': self._d_acts, 'grad': self._grads,
-                'stats': self._stats, 'token': self._tokens, 'kept': self._kept,
-                'saved': self._saved}[kind]
+                'stats': self._stats, 'token': self._tokens, 'clock': self._clocks,
+                'kept': self._kept, 'saved': self._saved}[kind]
 
     def _Value(self, key):
         kind, i = key
@@ -424,7 +484,11 @@ class LoopedSchedule:
         """Micro-batch m from `key`'s TensorArrays (as they were when the tick began), packed
         as `structure` (None: the flat list)."""
         stores = self._Value(key)
-        if any(isinstance(x, tf.TensorArray) for x in stores):
+        if key in self._fetched:  # Read at the tick's start: after the device's last action.
+            flat = [tf.identity(x) for x in self._fetched[key]]
+            if key in self._packings:
+                flat = self._packings[key].Unpack(flat)
+        elif any(isinstance(x, tf.TensorArray) for x in stores):
             slot = self._Slot(key, m)
             # Read where the arrays live, so that only the micro-batch crosses to this device:
             # a TensorArray sent to another device is copied whole, every slot of its ring.
@@ -566,6 +630,38 @@ def _OnInputsDevice():
         return op.device
 
     return tf.compat.v1.device(Device)
+
+
+def _OnDevice(x):
+    """`x` by an op of the current device scope that grappler keeps (an Identity it removes,
+    and the switch that takes the value then goes to the value's device)."""
+    if tf.executing_eagerly():
+        return x
+    kept = tf.ensure_shape(x, tf.TensorShape([None] * x.shape.rank) if x.shape.rank is not None
+                           else tf.TensorShape(None))
+    kept.set_shape(x.shape)
+    return kept
+
+
+def _Fetched(stores, slot) -> list:
+    """The elements at `slot` of TensorArrays `stores`, each of its array's element shape; for
+    a negative slot (no read this tick) empty tensors in their place (a cond's branches return
+    alike), whose size, 0, is all that crosses to the reader."""
+    def Empty(store):
+        shape = store.element_shape
+        if shape.rank is None or shape.rank == 0:
+            return tf.zeros([0] if shape.rank is None else [], store.dtype)
+        dims = [0 if d is None else d for d in shape.as_list()]
+        if 0 not in dims:
+            dims[0] = 0
+        return tf.zeros(dims, store.dtype)
+
+    values = tf.cond(slot >= 0, lambda: [store.read(slot) for store in stores],
+                     lambda: [Empty(store) for store in stores])
+    if not tf.executing_eagerly():  # The branches' shapes merged: the read's, as it was.
+        for value, store in zip(values, stores):
+            value.set_shape(store.element_shape)
+    return values
 
 
 def _CheckStaticBatch(batch_size: int, num_micro_batches: int) -> None:
