@@ -176,48 +176,58 @@ if __name__ == '__main__':
 
 
 class PackingTest(absltest.TestCase):
-    """A micro-batch's residuals packed into one array per dtype (`rings.Packing`) come back
-    as they were, and whole aligned rows split out of it share its buffer."""
+    """A micro-batch's residuals stored as items of one array per dtype (`rings.Packing`) come
+    back as they were, from the slot they were written to, as the tensors themselves (no copy),
+    whatever their shapes."""
 
-    def testRoundTripOfMixedDtypesAndSizes(self):
-        values = [np.arange(3 * 16, dtype=np.float32).reshape(3, 16),  # Whole rows.
-                  np.float32(7.5),  # A scalar, one padded row.
-                  np.arange(5, dtype=np.int32),
-                  np.ones([2, 3, 5], np.float32),
-                  np.array([True, False]),
-                  np.zeros([0, 4], np.float32)]
+    def _Values(self):
+        return [np.arange(3 * 16, dtype=np.float32).reshape(3, 16),
+                np.float32(7.5),
+                np.arange(5, dtype=np.int32),
+                np.ones([2, 3, 5], np.float32),
+                np.array([True, False]),
+                np.zeros([0, 4], np.float32)]
+
+    def testRoundTripOfMixedDtypesAndSizesAtEverySlot(self):
+        values = self._Values()
         specs = [tf.TensorSpec(np.shape(v), tf.as_dtype(np.asarray(v).dtype)) for v in values]
         packing = rings.Packing(specs)
-        self.assertEqual([s.dtype for s in packing.specs], [tf.float32, tf.int32, tf.bool])
-        # float32: 3 rows + 1 (scalar) + 2 (30 values in rows of 16) + 0; 16 per row.
-        self.assertEqual(packing.specs[0].shape, [6, 16])
-        packed = packing.Pack([tf.constant(v) for v in values])
-        self.assertEqual([p.shape for p in packed], [s.shape for s in packing.specs])
-        for got, want in zip(packing.Unpack(packed), values):
-            self.assertEqual(got.dtype, tf.as_dtype(np.asarray(want).dtype))
-            np.testing.assert_array_equal(got.numpy(), want)
+        self.assertEqual(packing.dtypes, [tf.float32, tf.int32, tf.bool])
+        self.assertEqual(packing.counts, [4, 1, 1])
+        arrays = packing.Arrays(3)
+        self.assertEqual([a.size() for a in arrays], [12, 3, 3])
+        # Slot r holds the values plus r: no slot's items overwrite another's.
+        for r in range(3):
+            arrays = packing.Write(arrays, r, [tf.constant(v) + tf.cast(r, v.dtype) if
+                                               v.dtype != np.bool_ else tf.constant(v)
+                                               for v in values])
+        for r in (2, 0, 1):
+            for got, want in zip(packing.Read(arrays, tf.constant(r)), values):
+                self.assertEqual(got.dtype, tf.as_dtype(np.asarray(want).dtype))
+                expected = want if want.dtype == np.bool_ else want + want.dtype.type(r)
+                np.testing.assert_array_equal(got.numpy(), expected)
 
-    def testLooseTensorsAreNotCopied(self):
-        """Tensors at the `loose` positions (values stored anyway) follow the packed ones as
-        they are: the same buffer, not a copy."""
-        values = [tf.constant(np.arange(32, dtype=np.float32).reshape(2, 16)),
-                  tf.constant(np.ones([4, 16], np.float32)),
-                  tf.constant(np.arange(3, dtype=np.int32))]
-        specs = [tf.TensorSpec(v.shape, v.dtype) for v in values]
-        packing = rings.Packing(specs, loose=[0, 2])
-        self.assertEqual([(s.dtype, s.shape) for s in packing.specs],
-                         [(tf.float32, [4, 16]), (tf.float32, [2, 16]), (tf.int32, [3])])
-        packed = packing.Pack(values)
-        self.assertIs(packed[1], values[0])
-        self.assertIs(packed[2], values[2])
-        for got, want in zip(packing.Unpack(packed), values):
-            np.testing.assert_array_equal(got.numpy(), want.numpy())
-        # Every tensor loose: nothing packed, nothing copied.
-        every = rings.Packing(specs, loose=[0, 1, 2])
-        self.assertEqual(every.specs, specs)
-        self.assertEqual([id(x) for x in every.Pack(values)], [id(x) for x in values])
+    def testItemsAreTheTensorsWritten(self):
+        values = [tf.constant(v) for v in self._Values()]
+        packing = rings.Packing([tf.TensorSpec(v.shape, v.dtype) for v in values])
+        arrays = packing.Write(packing.Arrays(2), 1, values)
+        for got, want in zip(packing.Read(arrays, 1), values):
+            self.assertIs(got, want)
 
-    def testRunTimeShapesAreNotPacked(self):
-        packing = rings.Packing(
-            [tf.TensorSpec([None, 4], tf.float32)])
-        self.assertIsNone(packing.specs)
+    def testRunTimeShapesInAGraph(self):
+        """Specs with dimensions known only when the step runs: the items keep their own
+        shapes, and what is read has the specs' static shapes."""
+        specs = [tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None], tf.float32)]
+        packing = rings.Packing(specs)
+
+        @tf.function(input_signature=specs)
+        def RoundTrip(a, b):
+            arrays = packing.Write(packing.Arrays(2), 1, [a, b])
+            read = packing.Read(arrays, tf.constant(1))
+            self.assertEqual([x.shape.as_list() for x in read], [[None, 4], [None]])
+            return read
+
+        a, b = np.ones([3, 4], np.float32), np.arange(7, dtype=np.float32)
+        got = RoundTrip(a, b)
+        np.testing.assert_array_equal(got[0].numpy(), a)
+        np.testing.assert_array_equal(got[1].numpy(), b)

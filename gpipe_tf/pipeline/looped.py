@@ -196,30 +196,24 @@ class LoopedSchedule:
                      step_spec)
             if self._keeps[s] or (training and self._schedule.splits_backward) else None
             for s, fn in enumerate(self._functions)]
-        # The residuals of a micro-batch, packed into one TensorArray per dtype (`rings.Packing`).
+        # The residuals of a micro-batch, items of one TensorArray per dtype (`rings.Packing`).
         self._packings = {}
-        self._kept = [None if not keep else self._PackedArrays(
-            self._splits[s].kept_specs, ('kept', s), self._splits[s].kept_shared)
-            for s, keep in enumerate(self._keeps)]
+        self._kept = [None if not keep else self._PackedArrays(self._splits[s].kept_specs,
+                                                              ('kept', s))
+                      for s, keep in enumerate(self._keeps)]
         self._saved = [None] * self._num_stages  # Per stage, its I's saved values for its W.
 
     def _StartSaved(self):
         """TensorArrays for what each stage's I saves for its W (a split backward)."""
         for s, split in enumerate(self._splits):
-            self._saved[s] = self._PackedArrays(split.saved_specs, ('saved', s),
-                                                split.saved_shared)
+            self._saved[s] = self._PackedArrays(split.saved_specs, ('saved', s))
 
-    def _PackedArrays(self, specs, key, shared=()):
-        """`_EmptyArrays` for `key`'s residuals, in one per dtype where their shapes are
-        static: a cell's residuals are dozens of tensors (21 per Transformer layer), each a loop
-        variable passed through every tick (and every branch) as its own TensorArray. Those at
-        positions `shared` (values stored anyway: the cell's input and outputs, the outputs'
-        gradient) keep arrays of their own, so that they are not copied."""
-        packing = rings.Packing(specs, shared)
-        if packing.specs is None:
-            return self._EmptyArrays(specs, key)
-        self._packings[key] = packing
-        return self._EmptyArrays(packing.specs, key)
+    def _PackedArrays(self, specs, key):
+        """Empty TensorArrays for `key`'s residuals, their tensors the items of one per dtype
+        (`rings.Packing`), on its device (`_Owner`)."""
+        packing = self._packings[key] = rings.Packing(specs)
+        with tf.device(self._Owner(key)):
+            return packing.Arrays(self._RingSize(key))
 
     def _EmptyArrays(self, specs, key):
         """Empty TensorArrays for `key`'s leaves of `specs`, of its ring's size, on its
@@ -385,6 +379,7 @@ class LoopedSchedule:
                     # The arrays' device reads them under its clock: it runs actions here.
                     owner = self._schedule.DeviceOf(self._OwnerStage(key))
                     assert self._clocks[owner] is not None, (key, owner)
+                    assert key not in self._packings, key  # Residuals are read where kept.
                     _, slots = tables.setdefault(
                         key, (self._devices[action.stage], [-1] * len(ticks)))
                     slots[t] = action.micro_batch % self._RingSize(key)
@@ -486,16 +481,15 @@ class LoopedSchedule:
         stores = self._Value(key)
         if key in self._fetched:  # Read at the tick's start: after the device's last action.
             flat = [tf.identity(x) for x in self._fetched[key]]
-            if key in self._packings:
-                flat = self._packings[key].Unpack(flat)
         elif any(isinstance(x, tf.TensorArray) for x in stores):
             slot = self._Slot(key, m)
             # Read where the arrays live, so that only the micro-batch crosses to this device:
             # a TensorArray sent to another device is copied whole, every slot of its ring.
             with tf.device(self._Owner(key)):
-                flat = [store.read(slot) for store in stores]
-            if key in self._packings:
-                flat = self._packings[key].Unpack(flat)
+                if key in self._packings:
+                    flat = self._packings[key].Read(stores, slot)
+                else:
+                    flat = [store.read(slot) for store in stores]
         else:  # The inputs, or the outputs' gradients when given: read in place.
             flat = [self._MicroBatch(store, m) for store in stores]
         return flat if structure is None else tf.nest.pack_sequence_as(structure, flat)
@@ -504,8 +498,9 @@ class LoopedSchedule:
         """`values[key]`'s TensorArrays with micro-batch m's `flat` leaves written."""
         slot = self._Slot(key, m)
         if key in self._packings:
-            flat = self._packings[key].Pack(flat)
-        values[key] = [ta.write(slot, x) for ta, x in zip(values[key], flat)]
+            values[key] = self._packings[key].Write(values[key], slot, flat)
+        else:
+            values[key] = [ta.write(slot, x) for ta, x in zip(values[key], flat)]
 
     def _Action(self, kind, s, m, keys):
         values = dict(zip(keys, self._Get(keys)))

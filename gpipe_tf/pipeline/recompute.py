@@ -266,8 +266,6 @@ class CellSplit:
         self._input_spec = input_spec
         self.kept_specs = split.kept_specs
         self.saved_specs = split.saved_specs
-        self.kept_shared = split.kept_shared
-        self.saved_shared = split.saved_shared
 
     def _Call(self, part, theta, *args):
         fn = self._functions

@@ -120,14 +120,6 @@ class SplitCell:
         self._input_positions = [_Index(t, kept) for t in for_input]
         # Per residual of W: ('d_y', i), ('kept', i) or ('computed', None), a value of I's.
         self._saved_sources = [_Source(t, d_ys, kept) for t in saved]
-        # Residuals that are values stored anyway (a boundary's activation or gradient, or a
-        # kept residual), not computed for the backward alone: a store that copies them
-        # (packing) would hold them twice.
-        outputs = _Refs(tf.nest.flatten(traced['outputs']))
-        self.kept_shared = [i for i, (t, j) in enumerate(zip(kept, self._kept_from_input))
-                            if j is not None or t.ref() in outputs]
-        self.saved_shared = [i for i, (source, _) in enumerate(self._saved_sources)
-                             if source != 'computed']
         # Each part is pruned when first called: a fused backward never needs I and W, a split
         # one never needs B (pruning copies the traced graph).
         self._pruned = {}

@@ -1,7 +1,7 @@
 """How the looped executor (`looped.LoopedSchedule`) stores micro-batches between the actions
 of its loop: which TensorArrays each action reads and writes (`ArrayAccess`), how many
 micro-batches each must hold at once (`RingSizes`: a ring, not M slots, so that what is no longer
-read is freed), and a micro-batch's residuals packed into one array per dtype (`Packing`).
+read is freed), and a micro-batch's residuals as items of one array per dtype (`Packing`).
 """
 
 from __future__ import annotations
@@ -96,63 +96,46 @@ def RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool,
 
 
 class Packing:
-    """Tensors of static shapes (a micro-batch's residuals) as one tensor per dtype and back:
-    `specs` (None where a shape is not static: then nothing is packed), `Pack`, `Unpack`.
-    Packing copies them once, at the write; the loop then carries one TensorArray per dtype
-    instead of one per tensor. Each tensor takes whole rows of 64 bytes, so that unpacking
-    splits the rows without a copy (TensorFlow shares the buffer of a split along the first
-    dimension when the rows are aligned) and only a tensor not filling its last row is copied
-    out of it. The tensors at positions `loose` are not packed but follow the packed ones as
-    they are (stored as themselves, they share their buffers: a boundary's activation kept
-    for the backward would otherwise be held twice while its boundary's array holds it too)."""
+    """A micro-batch's residuals (dozens of tensors: 21 per Transformer layer) stored as the
+    items of one TensorArray per dtype, each array holding its dtype's tensors of every slot of
+    the ring: tensor j of a dtype with n tensors, of slot r, is item r n + j. The loop then
+    carries one TensorArray per dtype instead of one per tensor (each a loop variable passed
+    through every tick and every branch), and nothing is copied: an item is the tensor itself,
+    of any shape, run-time shapes included (where concatenating the tensors into one buffer
+    cost a copy of every residual at each write).
 
-    _ROW_BYTES = 64
+    `dtypes` and `counts` size the arrays (`Arrays`); `Write` and `Read` store and fetch a
+    micro-batch's tensors at a slot of the ring."""
 
-    def __init__(self, specs, loose=()):
+    def __init__(self, specs):
         self._specs = list(specs)
-        self._loose = sorted(set(loose))
-        packed = [x for i, x in enumerate(self._specs) if i not in self._loose]
-        self._dtypes = list(dict.fromkeys(x.dtype for x in packed))
-        if not self._specs or not all(x.shape.is_fully_defined() for x in self._specs):
-            self.specs = None
-            return
-        self._sizes = [x.shape.num_elements() for x in self._specs]
-        self._columns = {dtype: max(1, self._ROW_BYTES // dtype.size) for dtype in self._dtypes}
-        self._rows = [None if i in self._loose else -(-n // self._columns[x.dtype])
-                      for i, (x, n) in enumerate(zip(self._specs, self._sizes))]
-        self.specs = [tf.TensorSpec([sum(r for x, r in zip(self._specs, self._rows)
-                                         if r is not None and x.dtype == dtype),
-                                     self._columns[dtype]], dtype)
-                      for dtype in self._dtypes] + [self._specs[i] for i in self._loose]
+        self.dtypes = list(dict.fromkeys(x.dtype for x in self._specs))
+        self.counts = [0] * len(self.dtypes)
+        # Per tensor, (its dtype's array, its index among that dtype's tensors).
+        self._places = []
+        for x in self._specs:
+            array = self.dtypes.index(x.dtype)
+            self._places.append((array, self.counts[array]))
+            self.counts[array] += 1
 
-    def Pack(self, flat: list) -> list:
-        packed = []
-        for dtype in self._dtypes:
-            columns = self._columns[dtype]
-            rows = []
-            for x, spec, n, r in zip(flat, self._specs, self._sizes, self._rows):
-                if r is not None and spec.dtype == dtype:
-                    x = tf.reshape(x, [-1])
-                    if r * columns > n:
-                        x = tf.concat([x, tf.zeros([r * columns - n], dtype)], axis=0)
-                    rows.append(tf.reshape(x, [r, columns]))
-            packed.append(tf.concat(rows, axis=0) if len(rows) > 1 else rows[0])
-        return packed + [flat[i] for i in self._loose]
+    def Arrays(self, ring_size: int) -> list:
+        """Empty TensorArrays for a ring of `ring_size` micro-batches."""
+        return [tf.TensorArray(dtype, size=ring_size * n, infer_shape=False,
+                               clear_after_read=False)
+                for dtype, n in zip(self.dtypes, self.counts)]
 
-    def Unpack(self, packed: list) -> list:
-        loose = dict(zip(self._loose, packed[len(self._dtypes):]))
-        parts = {}
-        for dtype, array in zip(self._dtypes, packed):
-            rows = [r for x, r in zip(self._specs, self._rows)
-                    if r is not None and x.dtype == dtype]
-            parts[dtype] = iter(tf.split(array, rows) if len(rows) > 1 else [array])
+    def Write(self, arrays: list, slot, flat: list) -> list:
+        """`arrays` with the tensors `flat` written at ring slot `slot` (an int or a scalar)."""
+        arrays = list(arrays)
+        for (a, j), x in zip(self._places, flat):
+            arrays[a] = arrays[a].write(slot * self.counts[a] + j, x)
+        return arrays
+
+    def Read(self, arrays: list, slot) -> list:
+        """The tensors written at ring slot `slot`, each of its spec's static shape."""
         flat = []
-        for i, (x, n) in enumerate(zip(self._specs, self._sizes)):
-            if i in loose:
-                flat.append(loose[i])
-                continue
-            part = next(parts[x.dtype])
-            if part.shape.num_elements() > n:
-                part = tf.reshape(part, [-1])[:n]
-            flat.append(tf.reshape(part, x.shape))
+        for (a, j), spec in zip(self._places, self._specs):
+            x = arrays[a].read(slot * self.counts[a] + j)
+            x.set_shape(spec.shape)
+            flat.append(x)
         return flat
