@@ -86,9 +86,10 @@ def BodyNodes(kind, k, devices, recompute, width, micro_batch) -> int:
     graphs = list(metadata.partition_graphs) + [
         g for function in metadata.function_graphs for g in function.partition_graphs]
     in_loop = re.compile(r'(^|/)while(_\d+)?/')
-    # Enter and Exit run once per loop, not per tick.
-    return sum(1 for g in graphs for node in g.node
-               if in_loop.search(node.name) and node.op not in ('Enter', 'Exit'))
+    # A function's partition graphs are reported twice (as the step's and as the function's):
+    # a node is counted once per device. Enter and Exit run once per loop, not per tick.
+    return len({(node.name, node.device) for g in graphs for node in g.node
+                if in_loop.search(node.name) and node.op not in ('Enter', 'Exit')})
 
 
 def Measure(kind, k, devices, recompute, width, micro_batch, count_nodes=False) -> dict:

@@ -119,6 +119,34 @@ class LoopStateTest(parameterized.TestCase):
         self.assertGreater(sends, 0)  # The stages' devices do exchange micro-batches.
         self.assertGreater(loop_variables, 0)
 
+    @parameterized.named_parameters(*[(f'{kind}_{mode}', kind, k, v, mode)
+                                      for kind, k, v in KINDS for mode in ('always', 'never')])
+    def testNothingCrossesADeviceInsideASwitch(self, kind, k, v, mode):
+        """A device's switch over its actions (lowered: its branches' ops run every tick,
+        taken or not) sends nothing to, and receives nothing from, another device: what an
+        action reads of another device's arrays is read there before the switch, and the
+        action's index and micro-batch come from the device's own tables. (A transfer inside
+        the switch costs a send and a receive each tick in every branch that has it.)"""
+        graphs = PartitionGraphs(Pipeline(kind, k, v, mode, unroll=False))
+        transfers = ('_Send', '_Recv', '_HostSend', '_HostRecv')
+        crossings = 0
+        for g in graphs:
+            ops = {node.name: node.op for node in g.node}
+            for node in g.node:
+                # (A switch's completion, `branch_executed`, goes to the loop body's control
+                # output on the first device: one signal a tick, not an action's data.)
+                if 'branch_executed' in node.name:
+                    continue
+                if node.op in ('_Send', '_HostSend'):
+                    crossings += 1
+                    self.assertNotIn('switch_case', node.input[0],
+                                     f'{node.name} sends a value of a switch to another device')
+                if 'switch_case' in node.name and node.op not in transfers:
+                    for source in (x.lstrip('^').split(':')[0] for x in node.input):
+                        self.assertNotIn(ops.get(source), transfers,
+                                         f'{node.name} takes {source} from another device')
+        self.assertGreater(crossings, 0)
+
 
 if __name__ == '__main__':
     tf.test.main()
