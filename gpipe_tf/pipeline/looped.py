@@ -4,8 +4,8 @@ it, do not grow with M.
 `executor.UnrolledSchedule` adds every action to the graph, K M forwards and as many backwards:
 at K=8, M=32 graph optimization of the inlined calls took minutes before the first step.
 `LoopedSchedule` puts the schedule's clock (`schedule.Ticks`) in a `tf.while_loop`: at each tick
-every device runs the action the table gives it, a `tf.switch_case` over the kinds of action
-and stages it has, or idles. Each device counts the ticks itself and reads its action from a
+every device runs the action the table gives it, a `tf.switch_case` per stage it holds over
+the kinds of action of that stage, or idles. Each device counts the ticks itself and reads its action from a
 table on its own device, and what an action reads of another device's TensorArrays is read
 there at the tick's start and sent once (`_CrossReads`): a value, a table or a switch on
 another device costs a send and a receive per tick, in every branch, taken or not.
@@ -283,12 +283,15 @@ class LoopedSchedule:
     def _Loop(self, kinds):
         sched = self._schedule
         ticks = schedule_lib.Ticks(sched, kinds)
-        # Per device, its branches: the (kind, stage) pairs it runs; branch 0 idles.
+        # Per device, its branches: the (kind, stage) pairs it runs.
         branches = [sorted({(a.kind, a.stage) for tick in ticks for a in [tick[d]] if a})
                     for d in range(sched.num_devices)]
-        index = [[0 if tick[d] is None else 1 + branches[d].index((tick[d].kind,
-                                                                   tick[d].stage))
-                  for d in range(sched.num_devices)] for tick in ticks]
+        # Per device and stage of it, per tick the branch of the stage's switch: 0 idles, i the
+        # i-th of the stage's (kind, stage) pairs.
+        index = [{s: [0 if tick[d] is None or tick[d].stage != s else
+                      1 + _OfStage(branches[d], s).index((tick[d].kind, s)) for tick in ticks]
+                  for s in dict.fromkeys(s for _, s in branches[d])}
+                 for d in range(sched.num_devices)]
         micro_batch = [[0 if a is None else a.micro_batch for a in tick] for tick in ticks]
         self._InitSums(kinds)
         # Per device, a token its actions pass on: each action starts once the one before it
@@ -335,17 +338,25 @@ class LoopedSchedule:
             for d in range(sched.num_devices):
                 if not branches[d]:
                     continue  # A device with no action of these kinds.
-                keys = self._Writes(branches[d]) + [('token', d)]
                 with tf.device(self._devices[branches[d][0][1]]), tf.name_scope(f'device_{d}'):
                     clock = self._clocks[d]
                     m = tf.constant([row[d] for row in micro_batch], tf.int32)[clock]
-                    branch = tf.constant([row[d] for row in index], tf.int32)[clock]
                     writes[('clock', d)] = clock + 1
-                    fns = [lambda keys=keys: self._Get(keys)] + [
-                        (lambda kind=kind, s=s, keys=keys:
-                         self._Action(kind, s, m, keys)) for kind, s in branches[d]]
-                    results = tf.switch_case(branch, fns)
-                writes.update(zip(keys, _AsList(results)))
+                    # A switch per stage of the device (two with virtual stages), over its own
+                    # actions: a lowered switch passes every value its branches read or write
+                    # through each branch, taken or not, so one switch over the device's
+                    # stages passed each stage's values through the other's branches too. The
+                    # device's token runs from one switch to the next.
+                    for s, stage_index in index[d].items():
+                        keys = self._Writes(_OfStage(branches[d], s)) + [('token', d)]
+                        branch = tf.constant(stage_index, tf.int32)[clock]
+                        fns = [lambda keys=keys: self._Get(keys)] + [
+                            (lambda kind=kind, s=s, keys=keys:
+                             self._Action(kind, s, m, keys))
+                            for kind, _ in _OfStage(branches[d], s)]
+                        results = dict(zip(keys, _AsList(tf.switch_case(branch, fns))))
+                        self._Put(('token', d), results[('token', d)])
+                        writes.update(results)
             for key, value in writes.items():
                 self._Put(key, value)
             return (t + 1,) + tuple(self._State())
@@ -625,6 +636,11 @@ def _OnInputsDevice():
         return op.device
 
     return tf.compat.v1.device(Device)
+
+
+def _OfStage(device_branches, s) -> list:
+    """The (kind, stage) pairs of `device_branches` that are stage s's."""
+    return [branch for branch in device_branches if branch[1] == s]
 
 
 def _OnDevice(x):
