@@ -5,10 +5,11 @@ it, do not grow with M.
 at K=8, M=32 graph optimization of the inlined calls took minutes before the first step.
 `LoopedSchedule` puts the schedule's clock (`schedule.Ticks`) in a `tf.while_loop`: at each tick
 every device runs the action the table gives it, a `tf.switch_case` per stage it holds over
-the kinds of action of that stage, or idles. Each device counts the ticks itself and reads its action from a
-table on its own device, and what an action reads of another device's TensorArrays is read
-there at the tick's start and sent once (`_CrossReads`): a value, a table or a switch on
-another device costs a send and a receive per tick, in every branch, taken or not.
+the kinds of action of that stage, or idles. Each device counts the ticks itself and reads
+its action from a table on its own device, and what an action reads of another device's
+TensorArrays is read there at the tick's start and sent once (`_CrossReads`): a value, a
+table or a switch on another device costs a send and a receive per tick, in every branch,
+taken or not.
 Micro-batches live in TensorArrays, one per leaf of each stage boundary: outputs of every stage
 (what the next one and re-materializing backwards read) and the gradients of every boundary;
 each is a ring of as many micro-batches as the schedule has alive in it at once
