@@ -287,11 +287,14 @@ class LoopedSchedule:
         # Per device, its branches: the (kind, stage) pairs it runs.
         branches = [sorted({(a.kind, a.stage) for tick in ticks for a in [tick[d]] if a})
                     for d in range(sched.num_devices)]
+        # Per device, per stage it holds the pairs of that stage: one switch each.
+        stage_branches = [{s: [(kind, t) for kind, t in pairs if t == s]
+                           for s in dict.fromkeys(s for _, s in pairs)} for pairs in branches]
         # Per device and stage of it, per tick the branch of the stage's switch: 0 idles, i the
-        # i-th of the stage's (kind, stage) pairs.
+        # i-th of the stage's pairs.
         index = [{s: [0 if tick[d] is None or tick[d].stage != s else
-                      1 + _OfStage(branches[d], s).index((tick[d].kind, s)) for tick in ticks]
-                  for s in dict.fromkeys(s for _, s in branches[d])}
+                      1 + pairs.index((tick[d].kind, s)) for tick in ticks]
+                  for s, pairs in stage_branches[d].items()}
                  for d in range(sched.num_devices)]
         micro_batch = [[0 if a is None else a.micro_batch for a in tick] for tick in ticks]
         self._InitSums(kinds)
@@ -325,8 +328,7 @@ class LoopedSchedule:
             # Micro-batches a device reads from another's TensorArrays, read at the tick's start
             # on the device that holds them, under its own clock.
             self._fetched = {}
-            for key, (reader, slots) in fetches.items():
-                owner = self._schedule.DeviceOf(self._OwnerStage(key))
+            for key, (owner, reader, slots) in fetches.items():
                 with tf.name_scope(f'fetch_{key[0]}_{key[1]}'):
                     with tf.device(self._Owner(key)):
                         slot = tf.constant(slots, tf.int32)[self._clocks[owner]]
@@ -348,13 +350,12 @@ class LoopedSchedule:
                     # through each branch, taken or not, so one switch over the device's
                     # stages passed each stage's values through the other's branches too. The
                     # device's token runs from one switch to the next.
-                    for s, stage_index in index[d].items():
-                        keys = self._Writes(_OfStage(branches[d], s)) + [('token', d)]
-                        branch = tf.constant(stage_index, tf.int32)[clock]
+                    for s, pairs in stage_branches[d].items():
+                        keys = self._Writes(pairs) + [('token', d)]
+                        branch = tf.constant(index[d][s], tf.int32)[clock]
                         fns = [lambda keys=keys: self._Get(keys)] + [
                             (lambda kind=kind, s=s, keys=keys:
-                             self._Action(kind, s, m, keys))
-                            for kind, _ in _OfStage(branches[d], s)]
+                             self._Action(kind, s, m, keys)) for kind, _ in pairs]
                         results = dict(zip(keys, _AsList(tf.switch_case(branch, fns))))
                         self._Put(('token', d), results[('token', d)])
                         writes.update(results)
@@ -373,12 +374,12 @@ class LoopedSchedule:
         self._fetched = {}
 
     def _CrossReads(self, ticks) -> dict:
-        """Per TensorArray key that an action reads on a device other than the arrays' own, that
-        device and per tick the slot it reads (-1: none reads it then). Read inside the reader's
-        branch, such a read cost every tick, in every branch that reads the key, taken or not,
-        sends to the arrays' device of the branch's index, its slot and a control edge, and the
-        value back; read by the arrays' device at the tick's start (`_Fetched`), one send of
-        the value."""
+        """Per TensorArray key that an action reads on a device other than the arrays' own, (the
+        arrays' device's index, the reader's device, per tick the slot it reads: -1 where none
+        reads it then). Read inside the reader's branch, such a read cost every tick, in every
+        branch that reads the key, taken or not, sends to the arrays' device of the branch's
+        index, its slot and a control edge, and the value back; read by the arrays' device at
+        the tick's start (`_Fetched`), one send of the value."""
         tables = {}
         for t, tick in enumerate(ticks):
             for action in tick:
@@ -392,8 +393,8 @@ class LoopedSchedule:
                     owner = self._schedule.DeviceOf(self._OwnerStage(key))
                     assert self._clocks[owner] is not None, (key, owner)
                     assert key not in self._packings, key  # Residuals are read where kept.
-                    _, slots = tables.setdefault(
-                        key, (self._devices[action.stage], [-1] * len(ticks)))
+                    _, _, slots = tables.setdefault(
+                        key, (owner, self._devices[action.stage], [-1] * len(ticks)))
                     slots[t] = action.micro_batch % self._RingSize(key)
         return tables
 
@@ -637,11 +638,6 @@ def _OnInputsDevice():
         return op.device
 
     return tf.compat.v1.device(Device)
-
-
-def _OfStage(device_branches, s) -> list:
-    """The (kind, stage) pairs of `device_branches` that are stage s's."""
-    return [branch for branch in device_branches if branch[1] == s]
 
 
 def _OnDevice(x):
