@@ -58,7 +58,8 @@ def _Replay(sched, phases, loss_in_loop, sizes, eager=False, keeps=None):
             for m in range(m_count):
                 Put(('d_act', last), m)
         for tick in schedule_lib.Ticks(sched, kinds):
-            events = [_Events(a, last, loss_in_loop, keeps) for a in tick if a is not None]
+            # In the order the loop runs them: device by device, each in lane order.
+            events = [_Events(a, last, loss_in_loop, keeps) for actions in tick for a in actions]
             for reads, writes in events:
                 wrong += [(key, m, Get(key, m)) for key, m in reads if Get(key, m) != m]
                 if eager:

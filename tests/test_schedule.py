@@ -541,46 +541,67 @@ class BubbleTest(tf.test.TestCase, parameterized.TestCase):
 
 
 class TicksTest(tf.test.TestCase, parameterized.TestCase):
-    """The clock a looped executor runs: one action per device per tick."""
+    """The clock a looped executor runs: per tick and device, at most one action per lane."""
+
+    def assertTicksRunEachDevicesListInOrder(self, sched, kinds):
+        ticks = schedule.Ticks(sched, kinds)
+        tick_of = {}
+        for t, tick in enumerate(ticks):
+            self.assertLen(tick, sched.num_devices)
+            for d, actions in enumerate(tick):
+                lanes = [schedule.Lane(a) for a in actions]
+                self.assertEqual(lanes, sorted(set(lanes)), msg=f'tick {t}, device {d}')
+                for action in actions:
+                    self.assertEqual(sched.DeviceOf(action.stage), d)
+                    tick_of[action] = t
+        # Each device's list, in its order (a tick's actions in lane order).
+        ran = [[a for tick in ticks for a in tick[d]] for d in range(sched.num_devices)]
+        self.assertEqual(ran, [[a for a in device if a.kind in kinds] for device in sched.actions])
+        for action, t in tick_of.items():
+            for dep in sched.Needs(action):
+                if dep.kind in kinds:
+                    self.assertLess(tick_of[dep], t, msg=f'{action} before {dep}')
+        return ticks
 
     @parameterized.product(kind=['gpipe', '1f1b', 'zero_bubble'], k=[1, 2, 4], m=[1, 3, 8])
     def testEachDeviceRunsItsListInOrderAfterWhatEachActionNeeds(self, kind, k, m):
         sched = schedule.Make(kind, k, m)
         for kinds in (schedule.ACTION_KINDS, ('F',)):
-            ticks = schedule.Ticks(sched, kinds)
-            tick_of = {}
-            for t, tick in enumerate(ticks):
-                self.assertLen(tick, k)
-                for d, action in enumerate(tick):
-                    if action is not None:
-                        self.assertEqual(sched.DeviceOf(action.stage), d)
-                        tick_of[action] = t
-            for d, actions in enumerate(sched.actions):
-                mine = [a for a in actions if a.kind in kinds]
-                self.assertEqual(sorted(mine, key=tick_of.get), mine, msg=f'device {d}')
-            backward = 'I' if sched.splits_backward else 'B'
-            for action, t in tick_of.items():
-                for dep in schedule.Dependencies(action, sched.num_stages, backward):
-                    if dep.kind in kinds:
-                        self.assertLess(tick_of[dep], t, msg=f'{action} before {dep}')
+            self.assertTicksRunEachDevicesListInOrder(sched, kinds)
 
-    @parameterized.product(k=[1, 2, 3], m=[1, 3, 8])
-    def testZeroBubbleVTicksRunEachActionOnItsDeviceInListOrder(self, k, m):
-        sched = schedule.Make('zero_bubble_v', k, m, 2)
-        ticks = schedule.Ticks(sched)
-        ran = [[a for tick in ticks for a in [tick[d]] if a] for d in range(k)]
-        self.assertEqual(ran, [list(device) for device in sched.actions])
+    @parameterized.product(kind=['interleaved_1f1b', 'zero_bubble_v'], k=[1, 2, 3], m=[6, 12])
+    def testVirtualStagesTicksRunEachDevicesListInOrder(self, kind, k, m):
+        self.assertTicksRunEachDevicesListInOrder(schedule.Make(kind, k, m, 2),
+                                                  schedule.ACTION_KINDS)
+
+    def testOneLaneOfOneStageRunsOneActionATick(self):
+        for kind in ('gpipe', '1f1b'):
+            ticks = schedule.Ticks(schedule.Make(kind, 4, 8))
+            self.assertLen(ticks, 2 * (8 + 4 - 1))
+            self.assertTrue(all(len(actions) <= 1 for tick in ticks for actions in tick))
+
+    def testAWeightGradientSharesATickWithTheNextActionOfItsDevice(self):
+        # ZB-H1's W fills the slot its device's next F or I leaves: as many ticks as 1F1B's
+        # (one more at K=4, M=8), where one action per tick ran 3 M + bubble.
+        sched = schedule.Make('zero_bubble', 4, 8)
+        ticks = self.assertTicksRunEachDevicesListInOrder(sched, schedule.ACTION_KINDS)
+        self.assertLessEqual(len(ticks), 2 * (8 + 4 - 1) + 1)
+        shared = [actions for tick in ticks for actions in tick if len(actions) == 2]
+        self.assertTrue(shared)
+        for w, other in shared:
+            self.assertEqual(w.kind, 'W')
+            self.assertIn(other.kind, ('F', 'I'))
 
     def testGPipeForwardClockIsTheTicksOfThePaper(self):
         # At tick t, cell k works on micro-batch t - k: M + K - 1 ticks.
         ticks = schedule.Ticks(schedule.Make('gpipe', 3, 4), ('F',))
         self.assertLen(ticks, 4 + 3 - 1)
         for t, tick in enumerate(ticks):
-            for k, action in enumerate(tick):
+            for k, actions in enumerate(tick):
                 if 0 <= t - k < 4:
-                    self.assertEqual(action, schedule.Action('F', k, t - k))
+                    self.assertEqual(actions, (schedule.Action('F', k, t - k),))
                 else:
-                    self.assertIsNone(action)
+                    self.assertEqual(actions, ())
 
 
 if __name__ == '__main__':

@@ -4,12 +4,12 @@ it, do not grow with M.
 `executor.UnrolledSchedule` adds every action to the graph, K M forwards and as many backwards:
 at K=8, M=32 graph optimization of the inlined calls took minutes before the first step.
 `LoopedSchedule` puts the schedule's clock (`schedule.Ticks`) in a `tf.while_loop`: at each tick
-every device runs the action the table gives it, a `tf.switch_case` per stage it holds over
-the kinds of action of that stage, or idles. Each device counts the ticks itself and reads
-its action from a table on its own device, and what an action reads of another device's
-TensorArrays is read there at the tick's start and sent once (`_CrossReads`): a value, a
-table or a switch on another device costs a send and a receive per tick, in every branch,
-taken or not.
+every device runs the actions the tables give it, a `tf.switch_case` per lane (per stage it
+holds, zero-bubble's W apart: `schedule.Lane`) over the lane's kinds of action, or idles. Each
+device counts the ticks itself and reads its actions from tables on its own device, and what
+an action reads of another device's TensorArrays is read there at the tick's start and sent
+once (`_CrossReads`): a value, a table or a switch on another device costs a send and a
+receive per tick, in every branch, taken or not.
 Micro-batches live in TensorArrays, one per leaf of each stage boundary: outputs of every stage
 (what the next one and re-materializing backwards read) and the gradients of every boundary;
 each is a ring of as many micro-batches as the schedule has alive in it at once
@@ -284,19 +284,27 @@ class LoopedSchedule:
     def _Loop(self, kinds):
         sched = self._schedule
         ticks = schedule_lib.Ticks(sched, kinds)
+        lane_of = schedule_lib.Lane
+        # Per device, per lane it runs actions in (in the order a tick runs them), the lane's
+        # (kind, stage) pairs: one switch each.
+        lanes = [{} for _ in range(sched.num_devices)]
+        for lane, d, pair in sorted((lane_of(a), d, (a.kind, a.stage)) for tick in ticks
+                                    for d, actions in enumerate(tick) for a in actions):
+            pairs = lanes[d].setdefault(lane, [])
+            if pair not in pairs:
+                pairs.append(pair)
         # Per device, its branches: the (kind, stage) pairs it runs.
-        branches = [sorted({(a.kind, a.stage) for tick in ticks for a in [tick[d]] if a})
-                    for d in range(sched.num_devices)]
-        # Per device, per stage it holds the pairs of that stage: one switch each.
-        stage_branches = [{s: [(kind, t) for kind, t in pairs if t == s]
-                           for s in dict.fromkeys(s for _, s in pairs)} for pairs in branches]
-        # Per device and stage of it, per tick the branch of the stage's switch: 0 idles, i the
-        # i-th of the stage's pairs.
-        index = [{s: [0 if tick[d] is None or tick[d].stage != s else
-                      1 + pairs.index((tick[d].kind, s)) for tick in ticks]
-                  for s, pairs in stage_branches[d].items()}
-                 for d in range(sched.num_devices)]
-        micro_batch = [[0 if a is None else a.micro_batch for a in tick] for tick in ticks]
+        branches = [[pair for pairs in device.values() for pair in pairs] for device in lanes]
+        # Per device and lane, per tick the branch of the lane's switch (0 idles, i the i-th
+        # of the lane's pairs) and the micro-batch it runs (0 when idle).
+        index, micro_batch = [], []
+        for d, device in enumerate(lanes):
+            runs = [{lane_of(a): a for a in tick[d]} for tick in ticks]
+            index.append({lane: [1 + pairs.index((run[lane].kind, run[lane].stage))
+                                 if lane in run else 0 for run in runs]
+                          for lane, pairs in device.items()})
+            micro_batch.append({lane: [run[lane].micro_batch if lane in run else 0
+                                       for run in runs] for lane in device})
         self._InitSums(kinds)
         # Per device, a token its actions pass on: each action starts once the one before it
         # on its device is done, as the unrolled executor's control dependencies order them
@@ -343,19 +351,19 @@ class LoopedSchedule:
                     continue  # A device with no action of these kinds.
                 with tf.device(self._devices[branches[d][0][1]]), tf.name_scope(f'device_{d}'):
                     clock = self._clocks[d]
-                    m = tf.constant([row[d] for row in micro_batch], tf.int32)[clock]
                     writes[('clock', d)] = clock + 1
-                    # A switch per stage of the device (two with virtual stages), over its own
-                    # actions: a lowered switch passes every value its branches read or write
-                    # through each branch, taken or not, so one switch over the device's
+                    # A switch per lane of the device (per stage it holds, W apart), over the
+                    # lane's actions: a lowered switch passes every value its branches read or
+                    # write through each branch, taken or not, so one switch over the device's
                     # stages passed each stage's values through the other's branches too. The
-                    # device's token runs from one switch to the next.
-                    for s, pairs in stage_branches[d].items():
+                    # device's token runs from one switch to the next, in lane order.
+                    for lane, pairs in lanes[d].items():
                         keys = self._Writes(pairs) + [('token', d)]
-                        branch = tf.constant(index[d][s], tf.int32)[clock]
+                        branch = tf.constant(index[d][lane], tf.int32)[clock]
+                        m = tf.constant(micro_batch[d][lane], tf.int32)[clock]
                         fns = [lambda keys=keys: self._Get(keys)] + [
-                            (lambda kind=kind, s=s, keys=keys:
-                             self._Action(kind, s, m, keys)) for kind, _ in pairs]
+                            (lambda kind=kind, s=s, keys=keys, m=m:
+                             self._Action(kind, s, m, keys)) for kind, s in pairs]
                         results = dict(zip(keys, _AsList(tf.switch_case(branch, fns))))
                         self._Put(('token', d), results[('token', d)])
                         writes.update(results)
@@ -382,9 +390,7 @@ class LoopedSchedule:
         the tick's start (`_Fetched`), one send of the value."""
         tables = {}
         for t, tick in enumerate(ticks):
-            for action in tick:
-                if action is None:
-                    continue
+            for action in (a for actions in tick for a in actions):
                 for key in self._Access(action.kind, action.stage)[0]:
                     if (self._Owner(key) == self._devices[action.stage] or not any(
                             isinstance(x, tf.TensorArray) for x in self._Value(key))):
@@ -395,6 +401,7 @@ class LoopedSchedule:
                     assert key not in self._packings, key  # Residuals are read where kept.
                     _, _, slots = tables.setdefault(
                         key, (owner, self._devices[action.stage], [-1] * len(ticks)))
+                    assert slots[t] == -1, (key, t)  # One action a tick reads it.
                     slots[t] = action.micro_batch % self._RingSize(key)
         return tables
 

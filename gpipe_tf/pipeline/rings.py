@@ -69,10 +69,8 @@ def RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool,
         if p > 0 and not loss_in_loop:
             for m in range(m_count):
                 Write(('d_act', last), m, tick - 1)
-        for actions in schedule_lib.Ticks(sched, kinds):
-            for a in actions:
-                if a is None:
-                    continue
+        for tick_actions in schedule_lib.Ticks(sched, kinds):
+            for a in (a for actions in tick_actions for a in actions):
                 read, written = ArrayAccess(a.kind, a.stage, last, loss_in_loop,
                                              keeps[a.stage])
                 for key in read:

@@ -604,13 +604,23 @@ def BubbleFraction(num_micro_batches: int, num_cells: int) -> float:
     return IdealBubble('gpipe', num_cells, num_micro_batches)
 
 
-def Ticks(sched: Schedule, kinds=ACTION_KINDS) -> list[list[Action | None]]:
+def Lane(action: Action) -> tuple[int, bool]:
+    """The lane of a looped tick that `action` runs in (`Ticks`): per stage, its W actions in
+    one and its other actions in another, the W lane first."""
+    return action.stage, action.kind != WEIGHT_GRAD
+
+
+def Ticks(sched: Schedule, kinds=ACTION_KINDS) -> list[list[tuple[Action, ...]]]:
     """The schedule's actions of `kinds` on a clock: at each tick every device runs its next
-    action if what it needs finished at an earlier tick (actions of other kinds count as done),
-    else idles (None). A looped executor runs one tick per iteration.
+    actions, in its list's order, while each needs only what finished at earlier ticks (actions
+    of other kinds count as done) and runs in a lane (`Lane`) after the lanes of the actions
+    before it in the tick; a device with none ready idles. A looped executor runs one tick per
+    iteration, a switch per lane of each device. Zero-bubble's W runs in the tick of the next
+    forward or input gradient of its device, where one lane per device gave each W a tick of
+    its own: ZB-H1 at K=32, M=128 runs 319 ticks instead of 415 (fill-drain: 318).
 
     Returns:
-      Per tick, per device, the Action it runs or None.
+      Per tick, per device, the actions it runs (none, or one per lane, in lane order).
     """
     lists = [[a for a in device if a.kind in kinds] for device in sched.actions]
     position = [0] * sched.num_devices
@@ -619,18 +629,18 @@ def Ticks(sched: Schedule, kinds=ACTION_KINDS) -> list[list[Action | None]]:
     while any(position[d] < len(lists[d]) for d in range(sched.num_devices)):
         tick = []
         for d, actions in enumerate(lists):
-            action = actions[position[d]] if position[d] < len(actions) else None
-            if action is not None and not all(
-                    dep in finished or dep.kind not in kinds
-                    for dep in sched.Needs(action)):
-                action = None
-            tick.append(action)
+            taken = []
+            while position[d] < len(actions):
+                action = actions[position[d]]
+                if taken and Lane(action) <= Lane(taken[-1]) or not all(
+                        dep in finished or dep.kind not in kinds for dep in sched.Needs(action)):
+                    break
+                taken.append(action)
+                position[d] += 1
+            tick.append(tuple(taken))
         if not any(tick):
             raise ScheduleError(f'the {kinds} actions of the schedule cannot all run.')
-        for d, action in enumerate(tick):
-            if action is not None:
-                position[d] += 1
-        finished.update(a for a in tick if a is not None)
+        finished.update(a for actions in tick for a in actions)
         ticks.append(tick)
     return ticks
 
