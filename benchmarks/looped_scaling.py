@@ -5,11 +5,16 @@ A dense stack of 2K layers of 64 (tanh; --width), M = 4K micro-batches of 8 exam
 virtual CPU devices (2K cells, two per device, for interleaved_1f1b and zero_bubble_v), run as
 a loop (unroll=False). TensorFlow's default threads: the devices share this machine's cores, so
 a step's time is its total work plus the loop's own cost, and the schedules, doing the same
-arithmetic, should take the same time. Per (K, schedule):
+arithmetic, should take the same time. gpipe runs as the reference at each K, and again with
+two cells per device (v=2, the cells of interleaved_1f1b and zero_bubble_v): twice the actions
+of half the work, which separates what a schedule costs from what its smaller cells cost. Per
+(K, schedule):
 
   first_step_s   building the step and running it once
   step_ms        median of 5 train steps (loss per micro-batch via FPropLoss, SGD update)
-  over_gpipe     step_ms over looped gpipe's at the same K
+  v              cells per device
+  over_gpipe     step_ms over looped gpipe's at the same K (v=1)
+  over_same_cells  step_ms over looped gpipe's at the same K and v
   ticks          the schedule's ticks (iterations of the loop)
   body_nodes     (--count_nodes) nodes of the loop body in the step's partition graphs, after
                  grappler: each runs once per tick, in the branches not taken too (a lowered
@@ -39,11 +44,9 @@ from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-t
 
 
 
-def Build(kind, k, devices, recompute, width, micro_batch):
+def Build(kind, k, devices, recompute, width, micro_batch, virtual):
     from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
     from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
-    from gpipe_tf.pipeline import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
-    virtual = schedule_lib.Kind(kind).searched_virtual_stages
     m = 4 * k
     layers = [basic.DenseLayer.Params().Set(name=f'dense_{i}', input_dim=width,
                                             output_dim=width, activation='tanh')
@@ -71,10 +74,10 @@ def MakeStep(layer):
     return Step
 
 
-def BodyNodes(kind, k, devices, recompute, width, micro_batch) -> int:
+def BodyNodes(kind, k, devices, recompute, width, micro_batch, virtual) -> int:
     """Nodes of the while loops' bodies in the partition graphs of a step built afresh (a
     function's partition graphs are reported when it first runs)."""
-    step = MakeStep(Build(kind, k, devices, recompute, width, micro_batch))
+    step = MakeStep(Build(kind, k, devices, recompute, width, micro_batch, virtual))
     x = tf.random.stateless_normal([micro_batch * 4 * k, width], [1, 2])
     context.enable_run_metadata()
     try:
@@ -92,9 +95,10 @@ def BodyNodes(kind, k, devices, recompute, width, micro_batch) -> int:
                 if in_loop.search(node.name) and node.op not in ('Enter', 'Exit')})
 
 
-def Measure(kind, k, devices, recompute, width, micro_batch, count_nodes=False) -> dict:
+def Measure(kind, k, devices, recompute, width, micro_batch, virtual,
+            count_nodes=False) -> dict:
     from gpipe_tf.pipeline import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
-    layer = Build(kind, k, devices, recompute, width, micro_batch)
+    layer = Build(kind, k, devices, recompute, width, micro_batch, virtual)
     assert layer.plan.Loops(layer.plan.num_micro_batches), 'the benchmark measures the loop'
     step = MakeStep(layer)
     x = tf.random.stateless_normal([micro_batch * 4 * k, width], [1, 2])
@@ -110,9 +114,9 @@ def Measure(kind, k, devices, recompute, width, micro_batch, count_nodes=False) 
         times.append(time.perf_counter() - begin)
     counts = {}
     if count_nodes:
-        nodes = BodyNodes(kind, k, devices, recompute, width, micro_batch)
+        nodes = BodyNodes(kind, k, devices, recompute, width, micro_batch, virtual)
         counts = dict(body_nodes=nodes, node_visits=nodes * ticks)
-    return dict(schedule=kind, k=k, m=4 * k, layers=2 * k, width=width,
+    return dict(schedule=kind, k=k, v=virtual, m=4 * k, layers=2 * k, width=width,
                 micro_batch=micro_batch, recompute=recompute,
                 first_step_s=first, step_ms=1e3 * statistics.median(times), ticks=ticks,
                 **counts)
@@ -138,22 +142,30 @@ def Main() -> None:
     from gpipe_tf.pipeline import schedule  # pylint: disable=g-import-not-at-top
     devices = test_utils.ConfigureVirtualCpus(max(ks))
     kinds = args.schedules.split(',') if args.schedules else list(schedule.KINDS)
-    kinds = ['gpipe'] + [kind for kind in kinds if kind != 'gpipe']
+    # gpipe first, at v=1 and at each v another kind runs with: the references.
+    runs = [('gpipe', 1)] + sorted(
+        {('gpipe', schedule.Kind(kind).searched_virtual_stages) for kind in kinds} - {
+            ('gpipe', 1)}) + [(kind, schedule.Kind(kind).searched_virtual_stages)
+                              for kind in kinds if kind != 'gpipe']
     print(f'TensorFlow {tf.__version__}, {os.cpu_count()} CPU cores; 2K dense layers of {args.width}, '
           f'M=4K micro-batches of {args.micro_batch}, looped, recompute {args.recompute}')
-    print(f'{"schedule":17s} {"K":>3s} {"M":>4s} {"first step s":>12s} {"step ms":>8s} '
-          f'{"/gpipe":>7s} {"ticks":>6s} {"node visits":>12s}', flush=True)
+    print(f'{"schedule":17s} {"v":>2s} {"K":>3s} {"M":>4s} {"first step s":>12s} '
+          f'{"step ms":>8s} {"/gpipe":>7s} {"/same cells":>11s} {"ticks":>6s} '
+          f'{"node visits":>12s}', flush=True)
     rows = []
     for k in ks:
-        reference = None
-        for kind in kinds:
-            row = Measure(kind, k, devices, args.recompute, args.width, args.micro_batch,
+        references = {}  # v -> gpipe's step with v cells per device
+        for kind, v in runs:
+            row = Measure(kind, k, devices, args.recompute, args.width, args.micro_batch, v,
                           args.count_nodes)
-            reference = reference or row['step_ms']
-            row['over_gpipe'] = row['step_ms'] / reference
+            if kind == 'gpipe':
+                references[v] = row['step_ms']
+            row['over_gpipe'] = row['step_ms'] / references[1]
+            row['over_same_cells'] = row['step_ms'] / references[v]
             rows.append(row)
-            print(f'{kind:17s} {k:3d} {4 * k:4d} {row["first_step_s"]:12.1f} '
-                  f'{row["step_ms"]:8.1f} {row["over_gpipe"]:7.2f} {row["ticks"]:6d} '
+            print(f'{kind:17s} {v:2d} {k:3d} {4 * k:4d} {row["first_step_s"]:12.1f} '
+                  f'{row["step_ms"]:8.1f} {row["over_gpipe"]:7.2f} '
+                  f'{row["over_same_cells"]:11.2f} {row["ticks"]:6d} '
                   f'{row.get("node_visits", ""):>12}', flush=True)
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, 'w', encoding='utf-8') as f:  # After every row: nothing lost.
