@@ -615,9 +615,9 @@ def Ticks(sched: Schedule, kinds=ACTION_KINDS) -> list[list[tuple[Action, ...]]]
     actions, in its list's order, while each needs only what finished at earlier ticks (actions
     of other kinds count as done) and runs in a lane (`Lane`) after the lanes of the actions
     before it in the tick; a device with none ready idles. A looped executor runs one tick per
-    iteration, a switch per lane of each device. Zero-bubble's W runs in the tick of the next
-    forward or input gradient of its device, where one lane per device gave each W a tick of
-    its own: ZB-H1 at K=32, M=128 runs 319 ticks instead of 415 (fill-drain: 318).
+    iteration, a switch per lane of each device. A zero-bubble W and the forward or input
+    gradient listed after it share a tick where both are ready: ZB-H1 at K=32, M=128 runs 319
+    ticks, where one action per device and tick ran 415 (fill-drain: 318).
 
     Returns:
       Per tick, per device, the actions it runs (none, or one per lane, in lane order).
