@@ -11,6 +11,7 @@ the process's environment (TMPDIR)."""
 
 import contextlib
 import glob
+import inspect
 import io
 import re
 import os
@@ -28,6 +29,7 @@ from absl.testing import parameterized
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.training import py_checkpoint_reader  # pylint: disable=g-direct-tensorflow-import
 
 from gpipe_tf import model_registry
 from gpipe_tf import test_utils
@@ -225,6 +227,30 @@ class TrainAndResumeTest(ReferenceRunTestCase):
         with mock.patch.object(program, '_RestoreMatched', DeletedWhileRead):
             output = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--mode=eval').stdout
         self.assertEqual([os.path.basename(path) for path in paths], ['ckpt-24', 'ckpt-20'])
+        self.assertRegex(output, r'eval Test at step 20: accuracy 0\.\d+')
+
+    def testEvalLooksAgainWhenACheckpointIsDeletedAfterItsObjectsAreRead(self):
+        # The trainer's deletion lands after TF read the checkpoint's object graph, as it
+        # restores the values: a restore that fails then has queued restorations of objects
+        # made later (the save counter), which would read the deleted checkpoint during the
+        # next attempt's restore.
+        logdir = self.LogDir()
+        shutil.copytree(self.reference_dir, logdir, dirs_exist_ok=True)
+        latest = os.path.join(logdir, 'train', 'ckpt-24')
+        read = py_checkpoint_reader.NewCheckpointReader
+
+        def DeletedWhileRestored(path):
+            path_string = path.decode() if isinstance(path, bytes) else path
+            if path_string == latest and any(frame.function == 'restore_saveables'
+                                             for frame in inspect.stack()):
+                for name in glob.glob(latest + '.*'):
+                    os.remove(name)
+            return read(path)
+
+        with mock.patch.object(py_checkpoint_reader, 'NewCheckpointReader',
+                               DeletedWhileRestored):
+            output = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--mode=eval').stdout
+        self.assertFalse(glob.glob(latest + '.*'))  # The deletion happened.
         self.assertRegex(output, r'eval Test at step 20: accuracy 0\.\d+')
 
     def testSeedFlagChangesInitialisationAndDataOrder(self):

@@ -222,8 +222,11 @@ def _RestoredProgram(config, target: setup.Target, p, plan, logdir: str):
     if found.path is None:
         raise errors.UserError(f'{config.mode}: no checkpoint under {directory}; train first '
                                '(--mode=train).')
-    prog = setup.Program(config, target, p, plan, logdir)
     for attempt in range(_RESTORE_ATTEMPTS):
+        # A program of its own per attempt: a restore that failed part-way leaves restorations
+        # queued on the objects it had not made yet (the checkpoint's save counter), which the
+        # next attempt's restore would run, reading the deleted checkpoint again.
+        prog = setup.Program(config, target, p, plan, logdir)
         try:
             return prog, prog.Restore(training=False, path=found.path)
         except (tf.errors.OpError, program.CheckpointMismatchError):
