@@ -143,10 +143,9 @@ def Main() -> None:
     devices = test_utils.ConfigureVirtualCpus(max(ks))
     kinds = args.schedules.split(',') if args.schedules else list(schedule.KINDS)
     # gpipe first, at v=1 and at each v another kind runs with: the references.
-    runs = [('gpipe', 1)] + sorted(
-        {('gpipe', schedule.Kind(kind).searched_virtual_stages) for kind in kinds} - {
-            ('gpipe', 1)}) + [(kind, schedule.Kind(kind).searched_virtual_stages)
-                              for kind in kinds if kind != 'gpipe']
+    virtual = {kind: schedule.Kind(kind).searched_virtual_stages for kind in kinds}
+    runs = [('gpipe', v) for v in sorted({1, *virtual.values()})] + [
+        (kind, v) for kind, v in virtual.items() if kind != 'gpipe']
     print(f'TensorFlow {tf.__version__}, {os.cpu_count()} CPU cores; 2K dense layers of {args.width}, '
           f'M=4K micro-batches of {args.micro_batch}, looped, recompute {args.recompute}')
     print(f'{"schedule":17s} {"v":>2s} {"K":>3s} {"M":>4s} {"first step s":>12s} '

@@ -557,8 +557,11 @@ class TicksTest(tf.test.TestCase, parameterized.TestCase):
         # Each device's list, in its order (a tick's actions in lane order).
         ran = [[a for tick in ticks for a in tick[d]] for d in range(sched.num_devices)]
         self.assertEqual(ran, [[a for a in device if a.kind in kinds] for device in sched.actions])
+        # What each action needs, stated from `Dependencies` (not the schedule's `Needs`, which
+        # `Ticks` itself walks).
+        backward = 'I' if sched.splits_backward else 'B'
         for action, t in tick_of.items():
-            for dep in sched.Needs(action):
+            for dep in schedule.Dependencies(action, sched.num_stages, backward):
                 if dep.kind in kinds:
                     self.assertLess(tick_of[dep], t, msg=f'{action} before {dep}')
         return ticks
