@@ -14,6 +14,7 @@ from gpipe_tf.layers import basic
 from gpipe_tf.perf import memory
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
+from gpipe_tf.pipeline import schedule
 
 pytestmark = pytest.mark.unit
 
@@ -193,6 +194,15 @@ class MakePlanTest(parameterized.TestCase):
         # Keeping the activations, its split backward differentiates the forward's own ops.
         self.assertEqual(plan_lib.MakePlan(p.Copy().Set(recompute='never')).recompute,
                          [False] * 4)
+
+    @parameterized.parameters(('always', [True] * 8), ('never', [False] * 8),
+                              ('except_last', [True] * 7 + [False]))
+    def testTheScheduleIsOrderedForTheRecomputeModesCosts(self, mode, flags):
+        p = _Params(num_layers=8, num_cells=4, virtual_stages=2, schedule='zero_bubble_v',
+                    num_micro_batches=16, recompute=mode)
+        made = plan_lib.MakePlan(p, place=False).Schedule(16)
+        self.assertEqual(made.actions,
+                         schedule.Make('zero_bubble_v', 4, 16, 2, recomputes=flags).actions)
 
     def testIsPipeline(self):
         self.assertTrue(plan_lib.IsPipeline(_Params()))

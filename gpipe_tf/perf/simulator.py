@@ -143,7 +143,8 @@ def IdealUtilisation(num_micro_batches: int, num_devices: int, kind: str = 'gpip
     if schedule_lib.Kind(kind).ideal_bubble is not None:
         return 1.0 - schedule_lib.IdealBubble(kind, num_devices, num_micro_batches,
                                               virtual_stages)
-    sched = schedule_lib.Make(kind, num_devices, num_micro_batches, virtual_stages)
+    sched = schedule_lib.Make(kind, num_devices, num_micro_batches, virtual_stages,
+                              recomputes=[False] * (num_devices * virtual_stages))
     # A device's share of the layers, split over its v stages.
     share = 1.0 / sched.virtual_stages
     costs = CellCosts(forward=[share] * sched.num_stages,

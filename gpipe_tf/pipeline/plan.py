@@ -248,14 +248,16 @@ def _SamePlanned(a, b) -> bool:
 
 def MakeSchedule(p, num_devices: int, num_micro_batches: int,
                  training: bool = True) -> schedule_lib.Schedule:
-    """`p.schedule` for K = `num_devices` and M = `num_micro_batches`, v = p.virtual_stages.
+    """`p.schedule` for K = `num_devices` and M = `num_micro_batches`, v = p.virtual_stages,
+    its actions ordered for `p.recompute`'s costs.
 
     Raises:
       errors.ConfigError: if the kind cannot schedule these counts.
     """
+    recomputes = RecomputeFlags(p.recompute, num_devices * p.virtual_stages)
     try:
         return schedule_lib.Make(p.schedule, num_devices, num_micro_batches, p.virtual_stages,
-                                 training=training)
+                                 training=training, recomputes=recomputes)
     except schedule_lib.ScheduleError as error:
         raise errors.ConfigError(f'{p.name}: {error}') from None
 

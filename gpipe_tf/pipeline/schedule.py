@@ -26,10 +26,12 @@ instead of comparing names. The kinds:
                     about a third of its bubble when F, I and W cost the same.
   zero_bubble_v     ZB-V (Qi et al. 2024): two stages per device in a V (device d runs
                     stages d and 2K-1-d, so the first device also runs the last stage), the
-                    backward split into I and W, ordered for the executor's costs (I and W
-                    re-run the forward: two forwards each); a device starts a micro-batch
-                    only while fewer than 2K await their first stage's W. With those costs
-                    and M >= K it idles no more than ZB-H1, at M = 32 about a quarter of it.
+                    backward split into I and W, ordered for the executor's costs (an I
+                    of a re-materializing stage re-runs its forward: two forwards, else one;
+                    a W one); a device starts a micro-batch only while fewer than 2K await
+                    their first stage's W. With those costs it idles less than 1F1B, and
+                    for M >= K about half of ZB-H1's idle time without re-materialization
+                    and a quarter with it (up to 11% more at a few M near 2K: K=7, M=16).
 
 A validator (`Validate`) rejects lists that miss or repeat an action, put a stage on the wrong
 device, or deadlock (a device waiting on an action another device can only run later), naming
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 # How stages are placed on devices: round (stage s on device s % K) or a V (zero_bubble_v).
 PLACEMENTS = ('round', 'v')
@@ -243,21 +245,28 @@ def _ZeroBubbleH1(k_count: int, m_count: int) -> list[list[Action]]:
     return lists
 
 
-# The costs zero_bubble_v's walk assumes, in forwards: the executor's split backward re-runs the
-# cell's forward in I (re-materialization) and each layer's forward in W, and splits a backward
-# of twice the forward in halves, so I and W each cost two forwards.
-_SPLIT_COSTS = {FORWARD: 1, INPUT_GRAD: 2, WEIGHT_GRAD: 2}
+def _SplitCosts(recomputes) -> Callable[[Action], int]:
+    """An action's cost in forwards as the executor runs a split backward: a backward of twice
+    the forward split into halves, I and W, and a re-materializing stage's I running its
+    forward again first (`looped`, `residuals.SplitCell`); W runs no forward."""
+    def Cost(action):
+        if action.kind == INPUT_GRAD and recomputes[action.stage]:
+            return 2
+        return 1
+    return Cost
 
 
-def _ZeroBubbleV(k_count: int, m_count: int) -> list[list[Action]]:
-    """ZB-V's lists, made by a walk with the executor's costs (`_SPLIT_COSTS`): device d runs
-    stages d (the V's first arm) and 2K-1-d (its second). When free, a device runs the first
-    that is ready of: an I (the oldest micro-batch's; of the earlier stage on a tie), a forward
-    of its second-arm stage, a forward of its first-arm stage while fewer than 2K micro-batches
-    await that stage's W, else its oldest pending W. (With unit costs and a limit of K, the
-    walk halves ZB-H1's unit-cost bubble but leaves 8-10% of a step idle under the executor's
-    costs at M=32.)"""
+def _ZeroBubbleV(k_count: int, m_count: int, recomputes) -> list[list[Action]]:
+    """ZB-V's lists, made by a walk with the executor's costs (`_SplitCosts`: per stage,
+    `recomputes` says whether it re-materializes): device d runs stages d (the V's first arm)
+    and 2K-1-d (its second). When free, a device runs the first that is ready of: an I (the
+    oldest micro-batch's; of the earlier stage on a tie), a forward of its second-arm stage, a
+    forward of its first-arm stage while fewer than 2K micro-batches await that stage's W,
+    else its oldest pending W. (A list made for one mode's costs idles more under the other's:
+    at K=8, M=32 the list made for re-materializing stages idles 4.5% of the step without
+    re-materialization, where the one made for that idles 3.5%, and 27% with it.)"""
     num_stages = 2 * k_count
+    cost = _SplitCosts(recomputes)
     limit = 2 * k_count
     done_at = {}  # Action -> the time step it finishes.
     lists = [[] for _ in range(k_count)]
@@ -294,7 +303,7 @@ def _ZeroBubbleV(k_count: int, m_count: int) -> list[list[Action]]:
                                f'(K={k_count}, M={m_count}).')  # A bug of ours.
         for d, action in started:
             lists[d].append(action)
-            done_at[action] = time + _SPLIT_COSTS[action.kind]
+            done_at[action] = time + cost(action)
             if action.kind == WEIGHT_GRAD:
                 pending[d].remove(action)
             else:
@@ -319,7 +328,9 @@ class ScheduleKind:
       name: the kind's name, as Params (`PipeliningLayer.Params().schedule`) and the trainer's
         --schedule give it.
       summary: one line for help texts.
-      make: (K, M, v) -> per device, its training action list (what `Make` validates).
+      make: (K, M, v, recomputes) -> per device, its training action list (what `Make`
+        validates); `recomputes` says per stage whether it re-materializes, for a kind that
+        orders its actions by what they cost.
       loss_inside_pipeline: whether a device starts backwards before its last forward, so the
         loss must be computed per micro-batch on the last stage as its forward ends
         (`PipeliningLayer.FPropLoss`; tasks do this); else it may follow the pipeline, on the
@@ -335,7 +346,7 @@ class ScheduleKind:
     """
     name: str
     summary: str
-    make: Callable[[int, int, int], list[list[Action]]]
+    make: Callable[[int, int, int, tuple], list[list[Action]]]
     loss_inside_pipeline: bool
     splits_backward: bool = False
     placement: str = 'round'
@@ -371,25 +382,26 @@ def _InterleavedBubble(k_count: int, m_count: int, v: int) -> float:
 SCHEDULE_KINDS: dict[str, ScheduleKind] = {kind.name: kind for kind in (
     ScheduleKind(
         'gpipe', 'GPipe\'s fill-drain, every forward then every backward, all M micro-batches\' '
-        'activations stored', _GPipe, loss_inside_pipeline=False, virtual_stages=None,
-        ideal_bubble=_FillDrainBubble),
+        'activations stored', lambda k, m, v, r: _GPipe(k, m, v), loss_inside_pipeline=False,
+        virtual_stages=None, ideal_bubble=_FillDrainBubble),
     ScheduleKind(
         '1f1b', 'PipeDream-flush, one forward and one backward in turn, the same bubble with at '
-        'most K micro-batches stored', lambda k, m, v: _OneFOneB(k, m),
+        'most K micro-batches stored', lambda k, m, v, r: _OneFOneB(k, m),
         loss_inside_pipeline=True, ideal_bubble=_FillDrainBubble),
     ScheduleKind(
         'interleaved_1f1b', 'Megatron\'s interleaved 1F1B, virtual_stages cells per device for '
-        'a smaller bubble', _Interleaved, loss_inside_pipeline=True, virtual_stages=None,
-        searched_virtual_stages=2, ideal_bubble=_InterleavedBubble),
+        'a smaller bubble', lambda k, m, v, r: _Interleaved(k, m, v), loss_inside_pipeline=True,
+        virtual_stages=None, searched_virtual_stages=2, ideal_bubble=_InterleavedBubble),
     ScheduleKind(
         'zero_bubble', 'ZB-H1, 1f1b with the backward split into input and weight gradients, '
         'the weight gradients filling the drain, about a third of 1f1b\'s bubble',
-        lambda k, m, v: _ZeroBubbleH1(k, m), loss_inside_pipeline=True, splits_backward=True),
+        lambda k, m, v, r: _ZeroBubbleH1(k, m), loss_inside_pipeline=True, splits_backward=True),
     ScheduleKind(
         'zero_bubble_v', 'ZB-V, virtual_stages=2 cells per device in a V, cell s on device s '
-        'for s < K, else on 2K-1-s, the backward split, at M >= K idling no more than '
-        'zero_bubble', lambda k, m, v: _ZeroBubbleV(k, m), loss_inside_pipeline=True,
-        splits_backward=True, placement='v', virtual_stages=2, searched_virtual_stages=2),
+        'for s < K, else on 2K-1-s, the backward split, at M >= K idling about a quarter '
+        '(re-materializing) to a half of zero_bubble\'s time',
+        lambda k, m, v, r: _ZeroBubbleV(k, m, r), loss_inside_pipeline=True, splits_backward=True,
+        placement='v', virtual_stages=2, searched_virtual_stages=2),
 )}
 KINDS = tuple(SCHEDULE_KINDS)
 # The kind Params give unless told (`PipeliningLayer.Params().schedule`): the paper's.
@@ -414,7 +426,7 @@ def KindsHelp() -> str:
 
 
 def Make(kind: str, num_devices: int, num_micro_batches: int, virtual_stages: int = 1,
-         training: bool = True) -> Schedule:
+         training: bool = True, recomputes: Sequence[bool] | None = None) -> Schedule:
     """The validated schedule `kind` for K devices, M micro-batches and v stages per device.
 
     Args:
@@ -423,14 +435,23 @@ def Make(kind: str, num_devices: int, num_micro_batches: int, virtual_stages: in
         `ScheduleKind.virtual_stages`; gpipe runs a device's stages in turn).
       training: False gives the forward-only schedule (inference): every device runs its
         forwards in the training schedule's order, no backward.
+      recomputes: per stage (S = v K of them), whether it re-materializes (recompute mode
+        'always': all of them, the default; `plan.RecomputeFlags`). zero_bubble_v orders
+        its actions by their costs, which this changes (`_SplitCosts`).
 
     Raises:
-      ScheduleError: for an unknown kind or counts the kind cannot schedule.
+      ScheduleError: for an unknown kind, counts the kind cannot schedule, or `recomputes`
+        not of S flags.
     """
     _CheckCounts(num_devices, num_micro_batches, virtual_stages)
     found = Kind(kind)
     found.CheckVirtualStages(virtual_stages)
-    lists = found.make(num_devices, num_micro_batches, virtual_stages)
+    num_stages = num_devices * virtual_stages
+    recomputes = (True,) * num_stages if recomputes is None else tuple(recomputes)
+    if len(recomputes) != num_stages:
+        raise ScheduleError(f'recomputes must give one flag per stage, {num_stages} '
+                            f'(K={num_devices} x v={virtual_stages}), got {len(recomputes)}.')
+    lists = found.make(num_devices, num_micro_batches, virtual_stages, recomputes)
     if not training:
         lists = [[a for a in device if a.kind == FORWARD] for device in lists]
     return FromLists(lists, num_micro_batches, virtual_stages, kind=kind,
