@@ -97,7 +97,7 @@ def BodyNodes(kind, k, devices, recompute, width, micro_batch, virtual) -> int:
 
 def Measure(kind, k, devices, recompute, width, micro_batch, virtual,
             count_nodes=False) -> dict:
-    from gpipe_tf.pipeline import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.pipeline import ticks as ticks_lib  # pylint: disable=g-import-not-at-top
     layer = Build(kind, k, devices, recompute, width, micro_batch, virtual)
     assert layer.plan.Loops(layer.plan.num_micro_batches), 'the benchmark measures the loop'
     step = MakeStep(layer)
@@ -105,7 +105,7 @@ def Measure(kind, k, devices, recompute, width, micro_batch, virtual,
     start = time.perf_counter()
     step(x).numpy()
     first = time.perf_counter() - start
-    ticks = len(schedule_lib.Ticks(layer.plan.schedule))
+    ticks = len(ticks_lib.Ticks(layer.plan.schedule))
     step(x).numpy()
     times = []
     for _ in range(5):

@@ -10,6 +10,7 @@ from absl.testing import parameterized
 
 from gpipe_tf.pipeline import rings
 from gpipe_tf.pipeline import schedule as schedule_lib
+from gpipe_tf.pipeline import ticks as ticks_lib
 
 pytestmark = pytest.mark.unit
 
@@ -57,7 +58,7 @@ def _Replay(sched, phases, loss_in_loop, sizes, eager=False, keeps=None):
         if p > 0 and not loss_in_loop:
             for m in range(m_count):
                 Put(('d_act', last), m)
-        for tick in schedule_lib.Ticks(sched, kinds):
+        for tick in ticks_lib.Ticks(sched, kinds):
             # In the order the loop runs them: device by device, each in lane order.
             events = [_Events(a, last, loss_in_loop, keeps) for actions in tick for a in actions]
             for reads, writes in events:

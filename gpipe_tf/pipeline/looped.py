@@ -3,9 +3,9 @@ it, do not grow with M.
 
 `executor.UnrolledSchedule` adds every action to the graph, K M forwards and as many backwards:
 at K=8, M=32 graph optimization of the inlined calls took minutes before the first step.
-`LoopedSchedule` puts the schedule's clock (`schedule.Ticks`) in a `tf.while_loop`: at each tick
+`LoopedSchedule` puts the schedule's clock (`ticks.Ticks`) in a `tf.while_loop`: at each tick
 every device runs the actions the tables give it, a `tf.switch_case` per lane (per stage it
-holds, zero-bubble's W apart: `schedule.Lane`) over the lane's kinds of action, or idles. Each
+holds, zero-bubble's W apart: `ticks.Lane`) over the lane's kinds of action, or idles. Each
 device counts the ticks itself and reads its actions from tables on its own device, and what
 an action reads of another device's TensorArrays is read there at the tick's start and sent
 once (`_CrossReads`): a value, a table or a switch on another device costs a send and a
@@ -47,6 +47,7 @@ from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import rings
 from gpipe_tf.pipeline import schedule as schedule_lib
+from gpipe_tf.pipeline import ticks as ticks_lib
 from gpipe_tf.pipeline import unfolded
 
 F, B = schedule_lib.FORWARD, schedule_lib.BACKWARD
@@ -283,28 +284,12 @@ class LoopedSchedule:
     # ---- the loop ---------------------------------------------------------------------------
     def _Loop(self, kinds):
         sched = self._schedule
-        ticks = schedule_lib.Ticks(sched, kinds)
-        lane_of = schedule_lib.Lane
-        # Per device, per lane it runs actions in (in the order a tick runs them), the lane's
-        # (kind, stage) pairs: one switch each.
-        lanes = [{} for _ in range(sched.num_devices)]
-        for lane, d, pair in sorted((lane_of(a), d, (a.kind, a.stage)) for tick in ticks
-                                    for d, actions in enumerate(tick) for a in actions):
-            pairs = lanes[d].setdefault(lane, [])
-            if pair not in pairs:
-                pairs.append(pair)
-        # Per device, its branches: the (kind, stage) pairs it runs.
-        branches = [[pair for pairs in device.values() for pair in pairs] for device in lanes]
-        # Per device and lane, per tick the branch of the lane's switch (0 idles, i the i-th
-        # of the lane's pairs) and the micro-batch it runs (0 when idle).
-        index, micro_batch = [], []
-        for d, device in enumerate(lanes):
-            runs = [{lane_of(a): a for a in tick[d]} for tick in ticks]
-            index.append({lane: [1 + pairs.index((run[lane].kind, run[lane].stage))
-                                 if lane in run else 0 for run in runs]
-                          for lane, pairs in device.items()})
-            micro_batch.append({lane: [run[lane].micro_batch if lane in run else 0
-                                       for run in runs] for lane in device})
+        ticks = ticks_lib.Ticks(sched, kinds)
+        # Per device, a switch per lane (`ticks_lib.Switches`), and the (kind, stage) pairs of
+        # all its switches' branches.
+        switches = ticks_lib.Switches(ticks, sched.num_devices)
+        branches = [[pair for switch in device for pair in switch.branches]
+                    for device in switches]
         self._InitSums(kinds)
         # Per device, a token its actions pass on: each action starts once the one before it
         # on its device is done, as the unrolled executor's control dependencies order them
@@ -357,13 +342,13 @@ class LoopedSchedule:
                     # write through each branch, taken or not, so one switch over the device's
                     # stages passed each stage's values through the other's branches too. The
                     # device's token runs from one switch to the next, in lane order.
-                    for lane, pairs in lanes[d].items():
-                        keys = self._Writes(pairs) + [('token', d)]
-                        branch = tf.constant(index[d][lane], tf.int32)[clock]
-                        m = tf.constant(micro_batch[d][lane], tf.int32)[clock]
+                    for switch in switches[d]:
+                        keys = self._Writes(switch.branches) + [('token', d)]
+                        branch = tf.constant(switch.index, tf.int32)[clock]
+                        m = tf.constant(switch.micro_batches, tf.int32)[clock]
                         fns = [lambda keys=keys: self._Get(keys)] + [
                             (lambda kind=kind, s=s, keys=keys, m=m:
-                             self._Action(kind, s, m, keys)) for kind, s in pairs]
+                             self._Action(kind, s, m, keys)) for kind, s in switch.branches]
                         results = dict(zip(keys, _AsList(tf.switch_case(branch, fns))))
                         self._Put(('token', d), results[('token', d)])
                         writes.update(results)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from gpipe_tf.pipeline import schedule as schedule_lib
+from gpipe_tf.pipeline import ticks as ticks_lib
 
 F = schedule_lib.FORWARD
 I, W = schedule_lib.INPUT_GRAD, schedule_lib.WEIGHT_GRAD
@@ -69,7 +70,7 @@ def RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool,
         if p > 0 and not loss_in_loop:
             for m in range(m_count):
                 Write(('d_act', last), m, tick - 1)
-        for tick_actions in schedule_lib.Ticks(sched, kinds):
+        for tick_actions in ticks_lib.Ticks(sched, kinds):
             for a in (a for actions in tick_actions for a in actions):
                 read, written = ArrayAccess(a.kind, a.stage, last, loss_in_loop,
                                              keeps[a.stage])

@@ -625,47 +625,6 @@ def BubbleFraction(num_micro_batches: int, num_cells: int) -> float:
     return IdealBubble('gpipe', num_cells, num_micro_batches)
 
 
-def Lane(action: Action) -> tuple[int, bool]:
-    """The lane of a looped tick that `action` runs in (`Ticks`): per stage, its W actions in
-    one and its other actions in another, the W lane first."""
-    return action.stage, action.kind != WEIGHT_GRAD
-
-
-def Ticks(sched: Schedule, kinds=ACTION_KINDS) -> list[list[tuple[Action, ...]]]:
-    """The schedule's actions of `kinds` on a clock: at each tick every device runs its next
-    actions, in its list's order, while each needs only what finished at earlier ticks (actions
-    of other kinds count as done) and runs in a lane (`Lane`) after the lanes of the actions
-    before it in the tick; a device with none ready idles. A looped executor runs one tick per
-    iteration, a switch per lane of each device. A zero-bubble W and the forward or input
-    gradient listed after it share a tick where both are ready: ZB-H1 at K=32, M=128 runs 319
-    ticks, where one action per device and tick ran 415 (fill-drain: 318).
-
-    Returns:
-      Per tick, per device, the actions it runs (none, or one per lane, in lane order).
-    """
-    lists = [[a for a in device if a.kind in kinds] for device in sched.actions]
-    position = [0] * sched.num_devices
-    finished = set()
-    ticks = []
-    while any(position[d] < len(lists[d]) for d in range(sched.num_devices)):
-        tick = []
-        for d, actions in enumerate(lists):
-            taken = []
-            while position[d] < len(actions):
-                action = actions[position[d]]
-                if taken and Lane(action) <= Lane(taken[-1]) or not all(
-                        dep in finished or dep.kind not in kinds for dep in sched.Needs(action)):
-                    break
-                taken.append(action)
-                position[d] += 1
-            tick.append(tuple(taken))
-        if not any(tick):
-            raise ScheduleError(f'the {kinds} actions of the schedule cannot all run.')
-        finished.update(a for actions in tick for a in actions)
-        ticks.append(tick)
-    return ticks
-
-
 def _Needs(action: Action, num_stages: int, split) -> list[Action]:
     """`Dependencies`, with the next stage's backward an I where (stage + 1, micro-batch) is in
     `split`, else a B."""
