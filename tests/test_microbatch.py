@@ -203,6 +203,43 @@ class SplitTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllEqual(got, want)
 
 
+class InPlaceTest(tf.test.TestCase, parameterized.TestCase):
+    """Micro-batches read in place, against numpy's split (even) and array_split (uneven)."""
+
+    @parameterized.parameters((0, 2), (0, 3), (1, 2), (2, 4))
+    def testAStaticBatchsMicroBatchesEqualNumpySplit(self, batch_dim, m):
+        x = Arange([12, 8, 4])
+        batch = microbatch.InPlace(tf.constant(x), m, batch_dim)
+        view = batch.View(tf.constant(x))
+        size = x.shape[batch_dim] // m
+        for i, expected in enumerate(np.split(x, m, axis=batch_dim)):
+            self.assertAllEqual(batch.Slice(view, i), expected)
+            self.assertEqual(int(batch.Start(i)), i * size)
+        self.assertIsNone(batch.sizes)
+
+    @parameterized.parameters((7, 3), (2, 4), (8, 4))
+    def testABatchKnownWhenTheStepRunsSplitsAsNumpyArraySplit(self, n, m):
+        x = Arange([n, 3])
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float64)])
+        def Parts(x):
+            batch = microbatch.InPlace(x, m, 0)
+            view = batch.View(x)
+            return ([batch.Slice(view, tf.constant(i)) for i in range(m)],
+                    [batch.Start(tf.constant(i)) for i in range(m)], batch.sizes)
+
+        parts, starts, sizes = Parts(x)
+        expected = np.array_split(x, m)
+        for got, want in zip(parts, expected):
+            self.assertAllEqual(got, want)
+        self.assertAllEqual(sizes, [len(e) for e in expected])
+        self.assertAllEqual(starts, np.cumsum([0] + [len(e) for e in expected])[:-1])
+
+    def testAStaticBatchMDoesNotDivideIsRefusedWithTheCounts(self):
+        with self.assertRaisesRegex(ValueError, 'a batch of 7 examples does not split into 2'):
+            microbatch.InPlace(tf.zeros([7, 3]), 2, 0)
+
+
 class ConcatTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.parameters(0, 1, 2)

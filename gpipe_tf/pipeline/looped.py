@@ -94,7 +94,7 @@ class LoopedSchedule:
             executor.CheckForwardFirst(self._schedule)
         else:
             # The loop splits a static batch into equal micro-batches only
-            # (`_CheckStaticBatch`); in inference, padding the batch to a multiple of M changes
+            # (`microbatch.InPlace`); in inference, padding the batch to a multiple of M changes
             # no real example's output.
             inputs, batch_size = microbatch.Padded(inputs, self._num_micro_batches,
                                                    self._batch_dim)
@@ -111,7 +111,7 @@ class LoopedSchedule:
     def Backward(self, d_outputs):
         """As `UnrolledSchedule.Backward`: (per cell its flat weight gradients, d_inputs)."""
         with tf.device(self._devices[-1]):
-            self._d_acts[-1] = [self._InPlace(x) for x in leaves.FloatLeaves(d_outputs)]
+            self._d_acts[-1] = [self._batch.View(x) for x in leaves.FloatLeaves(d_outputs)]
         self._Loop((B,))
         return self._Gradients()
 
@@ -124,7 +124,7 @@ class LoopedSchedule:
         with tf.device(self._devices[-1]):
             # Read in place, as the inputs: a micro-batch's by its index in the loop.
             self._loss_inputs = tf.nest.map_structure(
-                lambda x: None if x is None else self._InPlace(tf.convert_to_tensor(x)),
+                lambda x: None if x is None else self._batch.View(tf.convert_to_tensor(x)),
                 loss_inputs)
             self._loss = [tf.zeros([]), tf.zeros([])]
             # The outputs' gradients come from the loss, written as each forward ends.
@@ -157,20 +157,11 @@ class LoopedSchedule:
         self._loss_scale = None
         self._loss = None  # ForwardBackward's [sum of value * weight, sum of weight].
         with tf.device(self._devices[0]):
-            batch_size = microbatch.RunBatchSize(inputs, batch_dim)
-            if isinstance(batch_size, int):
-                _CheckStaticBatch(batch_size, m_count)
-                self._sizes = self._starts = None
-            else:
-                # Per micro-batch, its examples and the index of its first (int64 [M]).
-                self._sizes = microbatch.Sizes(batch_size, m_count)
-                self._starts = tf.cumsum(self._sizes, exclusive=True)
             # The mini-batch, read in place (along batch_dim 0, no copy).
-            first = [None if x is None else self._InPlace(x) for x in tf.nest.flatten(inputs)]
+            self._batch = microbatch.InPlace(inputs, m_count, batch_dim)
+            first = [None if x is None else self._batch.View(x) for x in tf.nest.flatten(inputs)]
             self._input_structure = tf.nest.pack_sequence_as(
-                inputs, [None if x is None else self._MicroBatch(x, 0) for x in first])
-            self._micro_batch_size = (None if self._sizes is not None else tf.cast(
-                executor.MicroBatchSize(self._input_structure, batch_dim), tf.int64))
+                inputs, [None if x is None else self._batch.Slice(x, 0) for x in first])
         # acts[b]: the TensorArrays of boundary b (b = 0 the input, b = S the output), one per
         # leaf; d_acts[b]: those of its float leaves' gradients.
         self._structures = [self._input_structure]
@@ -240,30 +231,10 @@ class LoopedSchedule:
         the boundaries' gradients in inference)."""
         return self._ring.get(key, 1)
 
-    def _InPlace(self, x):
-        """Mini-batch tensor `x` as the loop reads it in place (`_MicroBatch`): stacked,
-        [M, micro-batch...] (`_Stacked`), for a batch M divides statically; else `x` itself."""
-        return x if self._sizes is not None else _Stacked(x, self._num_micro_batches,
-                                                           self._batch_dim)
-
-    def _MicroBatch(self, x, m):
-        """Micro-batch m (an int, or a loop's int32 scalar) of `x`, a mini-batch tensor read
-        in place (`_InPlace`): the stacked view's element m, or, for a batch known only when
-        the step runs, its examples [start_m, start_m + size_m) along batch_dim."""
-        if self._sizes is None:
-            return x[m]
-        start = self._starts[m]
-        index = [slice(None)] * x.shape.rank
-        index[self._batch_dim] = slice(start, start + self._sizes[m])
-        return x[tuple(index)]
-
     def _FirstExample(self, m):
         """The index in the mini-batch of micro-batch m's first example (int64), from which
         the layers draw their randomness per example."""
-        first = tf.cast(self._first_example, tf.int64)
-        if self._starts is None:
-            return first + tf.cast(m, tf.int64) * self._micro_batch_size
-        return first + self._starts[m]
+        return tf.cast(self._first_example, tf.int64) + self._batch.Start(m)
 
     def _Added(self, m, sums, add):
         """`add()`: `sums` (a nest) with micro-batch m's contribution added; for an empty
@@ -272,9 +243,9 @@ class LoopedSchedule:
         can be NaN where the layer multiplies it by another (batch norm's scale gradient: the
         sum of nothing times 1 / sqrt(variance of nothing)), and no weighting by its 0
         examples takes a NaN back out. (Its loss has weight 0: `MicroBatchLoss`.)"""
-        if self._sizes is None:
+        if self._batch.sizes is None:
             return add()
-        return tf.cond(self._sizes[m] > 0, add, lambda: sums)
+        return tf.cond(self._batch.sizes[m] > 0, add, lambda: sums)
 
     def _Slot(self, key, m):
         """Micro-batch m's index in `key`'s TensorArrays: m modulo its ring's size."""
@@ -496,7 +467,7 @@ class LoopedSchedule:
                 else:
                     flat = [store.read(slot) for store in stores]
         else:  # The inputs, or the outputs' gradients when given: read in place.
-            flat = [self._MicroBatch(store, m) for store in stores]
+            flat = [self._batch.Slice(store, m) for store in stores]
         return flat if structure is None else tf.nest.pack_sequence_as(structure, flat)
 
     def _Write(self, values, key, m, flat):
@@ -575,7 +546,7 @@ class LoopedSchedule:
 
     def _Loss(self, outputs, m):
         loss_inputs = tf.nest.map_structure(
-            lambda x: None if x is None else self._MicroBatch(x, m), self._loss_inputs)
+            lambda x: None if x is None else self._batch.Slice(x, m), self._loss_inputs)
         total, weight, d_y = executor.MicroBatchLoss(self._loss_fn, outputs, loss_inputs,
                                                      self._loss_scale)
         return tf.cast(total, tf.float32), tf.cast(weight, tf.float32), d_y
@@ -586,7 +557,7 @@ class LoopedSchedule:
         (along 0, one copy; `concat` takes micro-batches of different sizes)."""
         if self._batch_dim == 0:
             return array.concat()
-        if self._sizes is not None:  # Of different sizes: stack needs them equal.
+        if self._batch.sizes is not None:  # Of different sizes: stack needs them equal.
             parts = [array.read(m) for m in range(self._num_micro_batches)]
         else:
             parts = tf.unstack(array.stack())
@@ -662,30 +633,6 @@ def _Fetched(stores, slot) -> list:
         for value, store in zip(values, stores):
             value.set_shape(store.element_shape)
     return values
-
-
-def _CheckStaticBatch(batch_size: int, num_micro_batches: int) -> None:
-    """Raises ValueError for a static batch that M does not divide: the loop reads such a batch
-    as M equal parts (`_Stacked`). (`PipeliningLayer` unrolls such a training step instead;
-    a batch known only when the step runs splits into uneven micro-batches, `_MicroBatch`.)"""
-    if batch_size % num_micro_batches:
-        raise ValueError(f'The looped schedule splits a static batch into micro-batches of one '
-                         f'shape: a batch of {batch_size} examples does not split into '
-                         f'{num_micro_batches}.')
-
-
-def _Stacked(x, num_micro_batches, batch_dim):
-    """`x`'s micro-batches stacked, [M, micro-batch...]. Along batch_dim 0 a reshape: a view
-    that shares the mini-batch's buffer, whose elements share it too."""
-    if batch_dim % x.shape.rank:
-        return tf.stack(tf.split(x, num_micro_batches, axis=batch_dim))
-    shape = tf.shape(x)
-    stacked = tf.reshape(x, tf.concat(
-        [[num_micro_batches, shape[0] // num_micro_batches], shape[1:]], axis=0))
-    size = x.shape[0]
-    stacked.set_shape([num_micro_batches, None if size is None else size // num_micro_batches] +
-                      x.shape[1:])
-    return stacked
 
 
 def _Add(sums: list, grads: list) -> list:

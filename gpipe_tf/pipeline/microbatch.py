@@ -85,6 +85,71 @@ def Starts(batch_size, num_micro_batches: int) -> list:
             for m in range(num_micro_batches)]
 
 
+class InPlace:
+    """A mini-batch whose micro-batches are read where they lie, by index (an int, or a loop's
+    int32 scalar), as a looped schedule reads them: no split into M tensors up front.
+
+    For a batch M divides statically, each tensor is viewed stacked, [M, micro-batch...]
+    (`View`; along batch_dim 0 a reshape, which shares the mini-batch's buffer), and micro-batch
+    m is the view's element m. For a batch known only when the step runs, micro-batch m is the
+    examples [start_m, start_m + size_m) along batch_dim, of `Sizes`' sizes (the first N mod M
+    one larger, the last ones empty when N < M).
+
+    Args:
+      inputs: the mini-batch (any nest; None leaves allowed), whose batch this reads.
+      num_micro_batches: M.
+      batch_dim: the batch dimension of every tensor.
+
+    Raises:
+      ValueError: for a static batch M does not divide (the loop's micro-batches are then of
+        one shape; `PipeliningLayer` unrolls such a training step instead).
+    """
+
+    def __init__(self, inputs, num_micro_batches: int, batch_dim: int):
+        self._num_micro_batches = num_micro_batches
+        self._batch_dim = batch_dim
+        batch_size = RunBatchSize(inputs, batch_dim)
+        if isinstance(batch_size, int):
+            if batch_size % num_micro_batches:
+                raise ValueError(f'The looped schedule splits a static batch into micro-batches '
+                                 f'of one shape: a batch of {batch_size} examples does not split '
+                                 f'into {num_micro_batches}.')
+            self.sizes = self._starts = None
+            self._size = batch_size // num_micro_batches
+        else:
+            # Per micro-batch, its examples and the index of its first (int64 [M]).
+            self.sizes = Sizes(batch_size, num_micro_batches)
+            self._starts = tf.cumsum(self.sizes, exclusive=True)
+
+    def View(self, x):
+        """Mini-batch tensor `x` as `Slice` reads it: stacked for a static batch, else `x`."""
+        if self.sizes is not None:
+            return x
+        m_count, batch_dim = self._num_micro_batches, self._batch_dim
+        if batch_dim % x.shape.rank:
+            return tf.stack(tf.split(x, m_count, axis=batch_dim))
+        shape = tf.shape(x)
+        stacked = tf.reshape(x, tf.concat([[m_count, shape[0] // m_count], shape[1:]], axis=0))
+        size = x.shape[0]
+        stacked.set_shape([m_count, None if size is None else size // m_count] + x.shape[1:])
+        return stacked
+
+    def Slice(self, x, m):
+        """Micro-batch m of `x`, a tensor as `View` gives it."""
+        if self.sizes is None:
+            return x[m]
+        start = self._starts[m]
+        index = [slice(None)] * x.shape.rank
+        index[self._batch_dim] = slice(start, start + self.sizes[m])
+        return x[tuple(index)]
+
+    def Start(self, m):
+        """The index in the mini-batch of micro-batch m's first example (int64)."""
+        if self._starts is None:
+            return tf.cast(m, tf.int64) * self._size
+        return self._starts[m]
+
+
 def Split(inputs, num_micro_batches: int, batch_dim: int = 0) -> list:
     """Splits every tensor of `inputs` (any nest) into `num_micro_batches` parts along
     `batch_dim`: equal parts where M divides the batch, else the sizes of `Sizes` (the batch
