@@ -255,3 +255,16 @@ class CountsPeakBytesTest(tf.test.TestCase):
             self.assertTrue(measured_costs.CountsPeakBytes('/device:GPU:0'))
         with mock.patch.dict(os.environ, clear=True):
             self.assertFalse(measured_costs.CountsPeakBytes('CPU:0'))
+
+    def testPeakBytesOfIsWhatTheRunAllocatedAboveItsStartOrNoneWhereNotCounted(self):
+        ran = []
+
+        def Run():  # A 4 MiB tensor alive while it runs.
+            x = tf.random.uniform([1 << 20])
+            ran.append(float(tf.reduce_sum(x)))
+
+        with mock.patch.object(measured_costs, 'CountsPeakBytes', return_value=False):
+            self.assertIsNone(measured_costs.PeakBytesOf('CPU:0', Run))
+        with mock.patch.object(measured_costs, 'CountsPeakBytes', return_value=True):
+            self.assertBetween(measured_costs.PeakBytesOf('CPU:0', Run), 4 << 20, 5 << 20)
+        self.assertLen(ran, 2)  # Run either way.

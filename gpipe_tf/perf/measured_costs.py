@@ -316,18 +316,32 @@ def CountsPeakBytes(device: str | None) -> bool:
     return os.environ.get('TF_CPU_ALLOCATOR_USE_BFC', '').strip().lower() in ('true', '1')
 
 
+def PeakBytesOf(device: str, run: Callable[[], None]) -> int | None:
+    """Calls `run()`; the peak bytes allocated on `device` while it ran, above those in use
+    when it started, or None where the device's allocator keeps no statistics or does not
+    count its peak (`CountsPeakBytes`)."""
+    before = None
+    if CountsPeakBytes(device):
+        try:
+            tf.config.experimental.reset_memory_stats(device)
+            before = tf.config.experimental.get_memory_info(device)['current']
+        except (ValueError, tf.errors.OpError):
+            pass
+    run()
+    if before is None:
+        return None
+    return max(tf.config.experimental.get_memory_info(device)['peak'] - before, 0)
+
+
 def _WorkingBytes(device, fn, args) -> int:
-    """Peak bytes above what was in use during one forward and backward; 0 where the device's
-    allocator keeps no statistics or does not count its peak (`CountsPeakBytes`)."""
+    """Peak bytes above what was in use during one forward and backward (after one to warm
+    up); 0 where `PeakBytesOf` has none."""
     name = device or 'CPU:0'
     if not CountsPeakBytes(name):
         return 0
     try:
         _Sync(fn(args))
-        tf.config.experimental.reset_memory_stats(name)
-        before = tf.config.experimental.get_memory_info(name)['current']
-        _Sync(fn(args))
-        return max(tf.config.experimental.get_memory_info(name)['peak'] - before, 0)
+        return PeakBytesOf(name, lambda: _Sync(fn(args))) or 0
     except (ValueError, tf.errors.OpError):
         return 0
 

@@ -81,7 +81,7 @@ def MeasurePick(task_params, candidate: tuner.Candidate, steps: int) -> tuple[fl
     """Trains `candidate` for 1 + `steps` steps in a scratch logdir; (the median step after the
     first, in seconds; the peak bytes a step allocated above what was in use before it, on the
     first cell's device, or None where its allocator keeps no statistics or does not count its
-    peak: `measured_costs.CountsPeakBytes`)."""
+    peak: `measured_costs.PeakBytesOf`)."""
     from gpipe_tf.train import program  # pylint: disable=g-import-not-at-top
     task = task_params.Copy()
     task.model = candidate.params.Copy()
@@ -91,21 +91,15 @@ def MeasurePick(task_params, candidate: tuner.Candidate, steps: int) -> tuple[fl
         prog.Restore()
         prog.Step()  # The trace, and the optimizer's slots.
         device = measured_costs.FirstDevice(candidate.params) or 'CPU:0'
-        before = None
-        if measured_costs.CountsPeakBytes(device):
-            try:
-                tf.config.experimental.reset_memory_stats(device)
-                before = tf.config.experimental.get_memory_info(device)['current']
-            except (ValueError, tf.errors.OpError):
-                pass
         times = []
-        for _ in range(steps):
-            started = time.perf_counter()
-            prog.Step()
-            times.append(time.perf_counter() - started)
-        peak = None
-        if before is not None:
-            peak = tf.config.experimental.get_memory_info(device)['peak'] - before
+
+        def Steps():
+            for _ in range(steps):
+                started = time.perf_counter()
+                prog.Step()
+                times.append(time.perf_counter() - started)
+
+        peak = measured_costs.PeakBytesOf(device, Steps)
         return statistics.median(times), peak
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
