@@ -334,23 +334,6 @@ class KindTableTest(tf.test.TestCase, parameterized.TestCase):
             self.assertIn(f'{kind} (', text)
 
 
-class DependenciesTest(tf.test.TestCase):
-
-    def testAForwardNeedsThePreviousStagesForward(self):
-        self.assertEqual(schedule.Dependencies(Action('F', 0, 3), 4), [])
-        self.assertEqual(schedule.Dependencies(Action('F', 2, 3), 4), [Action('F', 1, 3)])
-
-    def testABackwardNeedsItsForwardAndTheNextStagesBackward(self):
-        self.assertEqual(schedule.Dependencies(Action('B', 1, 3), 4),
-                         [Action('F', 1, 3), Action('B', 2, 3)])
-        self.assertEqual(schedule.Dependencies(Action('B', 3, 3), 4), [Action('F', 3, 3)])
-        self.assertEqual(schedule.Dependencies(Action('I', 1, 3), 4, backward_kind='I'),
-                         [Action('F', 1, 3), Action('I', 2, 3)])
-
-    def testAWeightGradientNeedsOnlyItsInputGradient(self):
-        self.assertEqual(schedule.Dependencies(Action('W', 1, 3), 4), [Action('I', 1, 3)])
-
-
 class ValidateTest(tf.test.TestCase, parameterized.TestCase):
     """`FromLists` rejects what cannot run, naming the action."""
 

@@ -1,17 +1,16 @@
 """Pipeline schedules as data: per device, the ordered list of actions it runs in one step.
 
-An action is a forward `F`, a backward `B` (input and weight gradients together, with the
-recompute of a re-materializing cell), or the backward split in two: `I`, the input gradient
-(what the previous stage waits for), and `W`, the weight gradient (which nothing downstream
-waits for, so it can fill a bubble). Each names a stage (a cell of the pipeline) and a
-micro-batch. With v virtual stages per device there are S = v K stages, stage s on device s % K
-(zero_bubble_v places its two stages per device in a V: stage s on device s for s < K, else on
-device 2K - 1 - s).
+An action (`actions.Action`) is a forward `F`, a backward `B`, or the backward split in two:
+`I`, the input gradient, and `W`, the weight gradient (which nothing downstream waits for, so
+it can fill a bubble), of a stage (a cell of the pipeline) on a micro-batch. Each kind's lists
+come from `orders`. With v virtual stages per device there are S = v K stages, stage s on
+device s % K (zero_bubble_v places its two stages per device in a V: stage s on device s for
+s < K, else on device 2K - 1 - s).
 
 `Make(kind, K, M, v)` returns a validated `Schedule`; the executor compiles its lists into the
 graph, and the simulator and the memory planner walk the same lists, so what is predicted and
 drawn is what is built. What each kind implies (the loss inside the pipeline, a split backward,
-its placement, the virtual stages it takes, its list-making function) is one `ScheduleKind` in
+its placement, the virtual stages it takes, its function in `orders`) is one `ScheduleKind` in
 one table (`Kind(name)`, as PyTorch's `get_schedule_class`), read wherever a kind is acted on
 instead of comparing names. The kinds:
 
@@ -42,26 +41,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
+
+from gpipe_tf.pipeline import orders
+from gpipe_tf.pipeline.actions import (  # Also read from here by a schedule's users.
+    ACTION_KINDS, BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Dependencies, ScheduleError)
 
 # How stages are placed on devices: round (stage s on device s % K) or a V (zero_bubble_v).
 PLACEMENTS = ('round', 'v')
-FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 'F', 'B', 'I', 'W'
-ACTION_KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run: a bad (K, M, v) for its kind, or an invalid action list."""
-
-
-class Action(NamedTuple):
-    """One piece of work: `kind` (F, B, I or W) of `stage` on `micro_batch`."""
-    kind: str
-    stage: int
-    micro_batch: int
-
-    def __str__(self) -> str:
-        return f'{self.kind}(stage {self.stage}, micro-batch {self.micro_batch})'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,174 +138,6 @@ def _CheckCounts(num_devices: int, num_micro_batches: int, virtual_stages: int) 
                             f'got {num_devices}, {num_micro_batches} and {virtual_stages}.')
 
 
-# ---- the schedules ------------------------------------------------------------------------------
-def _GPipe(k_count: int, m_count: int, v: int) -> list[list[Action]]:
-    """Fill-drain: each device runs its stages' forwards in stage order per micro-batch, then
-    the backwards (the last stage's first)."""
-    lists = []
-    for d in range(k_count):
-        stages = range(d, v * k_count, k_count)
-        lists.append([Action(FORWARD, s, m) for s in stages for m in range(m_count)] +
-                     [Action(BACKWARD, s, m) for s in reversed(stages) for m in range(m_count)])
-    return lists
-
-
-def _OneFOneB(k_count: int, m_count: int) -> list[list[Action]]:
-    lists = []
-    for d in range(k_count):
-        warm_up = min(k_count - 1 - d, m_count)
-        actions = [Action(FORWARD, d, m) for m in range(warm_up)]
-        for i in range(m_count - warm_up):
-            actions += [Action(FORWARD, d, warm_up + i), Action(BACKWARD, d, i)]
-        actions += [Action(BACKWARD, d, m) for m in range(m_count - warm_up, m_count)]
-        lists.append(actions)
-    return lists
-
-
-def _Interleaved(k_count: int, m_count: int, v: int) -> list[list[Action]]:
-    """Megatron-LM's interleaved 1F1B: micro-batches go through a device's v stages in groups of
-    K; device d warms up with 2 (K - 1 - d) + (v - 1) K forwards."""
-    if v == 1:
-        return _OneFOneB(k_count, m_count)
-    if m_count % k_count:
-        raise ScheduleError(f'interleaved_1f1b sends micro-batches round in groups of K: M '
-                            f'({m_count}) must be a multiple of K ({k_count}).')
-    total = m_count * v
-
-    def Chunk(i, backward):
-        chunk = (i // k_count) % v
-        return (v - 1 - chunk if backward else chunk), (i // (k_count * v)) * k_count + i % k_count
-
-    lists = []
-    for d in range(k_count):
-        def Make(kind, i):
-            chunk, m = Chunk(i, kind == BACKWARD)
-            return Action(kind, chunk * k_count + d, m)
-
-        warm_up = min(2 * (k_count - 1 - d) + (v - 1) * k_count, total)
-        actions = [Make(FORWARD, i) for i in range(warm_up)]
-        for i in range(total - warm_up):
-            actions += [Make(FORWARD, warm_up + i), Make(BACKWARD, i)]
-        actions += [Make(BACKWARD, i) for i in range(total - warm_up, total)]
-        lists.append(actions)
-    return lists
-
-
-def _ZeroBubbleH1(k_count: int, m_count: int) -> list[list[Action]]:
-    """ZB-H1: 1F1B's order of forwards and input gradients (I in place of B), with each weight
-    gradient W deferred to where the device would otherwise wait, made by a walk with unit
-    costs. A device runs its next F or I when it is ready (an F only while fewer than K
-    micro-batches await their W, the first stage's limit under 1F1B), else its oldest pending
-    W; the W left at the end fill the drain."""
-    main = [[Action(INPUT_GRAD if a.kind == BACKWARD else a.kind, a.stage, a.micro_batch)
-             for a in device] for device in _OneFOneB(k_count, m_count)]
-    done_at = {}  # Action -> the time step it finishes.
-    lists = [[] for _ in range(k_count)]
-    position = [0] * k_count
-    pending = [[] for _ in range(k_count)]  # Per device, W actions not yet run, oldest first.
-    time = 0
-    while any(len(a) < 3 * m_count for a in lists):
-        started = []
-        for d in range(k_count):
-            if lists[d] and done_at[lists[d][-1]] > time:
-                continue  # Busy.
-            action = main[d][position[d]] if position[d] < m_count * 2 else None
-            awaiting_w = sum(1 for a in lists[d] if a.kind == FORWARD) - sum(
-                1 for a in lists[d] if a.kind == WEIGHT_GRAD)
-            if action is not None and (not _Ready(action, k_count, done_at, time) or (
-                    action.kind == FORWARD and awaiting_w >= k_count)):
-                action = None
-            if action is None and pending[d]:
-                action = pending[d][0]
-            if action is not None:
-                started.append((d, action))
-        for d, action in started:
-            lists[d].append(action)
-            done_at[action] = time + 1
-            if action.kind == WEIGHT_GRAD:
-                pending[d].pop(0)
-            else:
-                position[d] += 1
-                if action.kind == INPUT_GRAD:
-                    pending[d].append(Action(WEIGHT_GRAD, d, action.micro_batch))
-        time += 1
-    return lists
-
-
-def _SplitCosts(recomputes) -> Callable[[Action], int]:
-    """An action's cost in forwards as the executor runs a split backward: a backward of twice
-    the forward split into halves, I and W, and a re-materializing stage's I running its
-    forward again first (`looped`, `residuals.SplitCell`); W runs no forward."""
-    def Cost(action):
-        if action.kind == INPUT_GRAD and recomputes[action.stage]:
-            return 2
-        return 1
-    return Cost
-
-
-def _ZeroBubbleV(k_count: int, m_count: int, recomputes) -> list[list[Action]]:
-    """ZB-V's lists, made by a walk with the executor's costs (`_SplitCosts`: per stage,
-    `recomputes` says whether it re-materializes): device d runs stages d (the V's first arm)
-    and 2K-1-d (its second). When free, a device runs the first that is ready of: an I (the
-    oldest micro-batch's; of the earlier stage on a tie), a forward of its second-arm stage, a
-    forward of its first-arm stage while fewer than 2K micro-batches await that stage's W,
-    else its oldest pending W. (A list made for one mode's costs idles more under the other's:
-    at K=8, M=32 the list made for re-materializing stages idles 4.5% of the step without
-    re-materialization, where the one made for that idles 3.5%, and 27% with it.)"""
-    num_stages = 2 * k_count
-    cost = _SplitCosts(recomputes)
-    limit = 2 * k_count
-    done_at = {}  # Action -> the time step it finishes.
-    lists = [[] for _ in range(k_count)]
-    next_m = {(kind, s): 0 for kind in (FORWARD, INPUT_GRAD) for s in range(num_stages)}
-    pending = [[] for _ in range(k_count)]  # Per device, W actions not yet run, oldest first.
-    time = 0
-
-    def Next(kind, s):
-        """Stage s's next action of `kind` if it can start at `time`, else None."""
-        m = next_m[kind, s]
-        action = Action(kind, s, m) if m < m_count else None
-        return action if action and _Ready(action, num_stages, done_at, time) else None
-
-    while any(len(a) < 6 * m_count for a in lists):
-        started = []
-        for d in range(k_count):
-            if lists[d] and done_at[lists[d][-1]] > time:
-                continue  # Busy.
-            first, second = d, num_stages - 1 - d
-            backwards = [a for a in (Next(INPUT_GRAD, first), Next(INPUT_GRAD, second)) if a]
-            candidates = sorted(backwards, key=lambda a: (a.micro_batch, a.stage))
-            candidates.append(Next(FORWARD, second))
-            awaiting_w = next_m[FORWARD, first] - sum(
-                1 for a in lists[d] if a.kind == WEIGHT_GRAD and a.stage == first)
-            if awaiting_w < limit:
-                candidates.append(Next(FORWARD, first))
-            candidates += pending[d][:1]
-            action = next((a for a in candidates if a), None)
-            if action is not None:
-                started.append((d, action))
-        if not started and all(not lists[d] or done_at[lists[d][-1]] <= time
-                               for d in range(k_count)):
-            raise RuntimeError(f'zero_bubble_v: no device can start at time {time} '
-                               f'(K={k_count}, M={m_count}).')  # A bug of ours.
-        for d, action in started:
-            lists[d].append(action)
-            done_at[action] = time + cost(action)
-            if action.kind == WEIGHT_GRAD:
-                pending[d].remove(action)
-            else:
-                next_m[action.kind, action.stage] += 1
-                if action.kind == INPUT_GRAD:
-                    pending[d].append(Action(WEIGHT_GRAD, action.stage, action.micro_batch))
-        time += 1
-    return lists
-
-
-def _Ready(action: Action, num_stages: int, done_at: dict, time: int) -> bool:
-    return all(done_at.get(dep, time + 1) <= time
-               for dep in Dependencies(action, num_stages, backward_kind=INPUT_GRAD))
-
-
 # ---- the kinds ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ScheduleKind:
@@ -382,26 +201,28 @@ def _InterleavedBubble(k_count: int, m_count: int, v: int) -> float:
 SCHEDULE_KINDS: dict[str, ScheduleKind] = {kind.name: kind for kind in (
     ScheduleKind(
         'gpipe', 'GPipe\'s fill-drain, every forward then every backward, all M micro-batches\' '
-        'activations stored', lambda k, m, v, r: _GPipe(k, m, v), loss_inside_pipeline=False,
-        virtual_stages=None, ideal_bubble=_FillDrainBubble),
+        'activations stored', lambda k, m, v, r: orders.FillDrain(k, m, v),
+        loss_inside_pipeline=False, virtual_stages=None, ideal_bubble=_FillDrainBubble),
     ScheduleKind(
         '1f1b', 'PipeDream-flush, one forward and one backward in turn, the same bubble with at '
-        'most K micro-batches stored', lambda k, m, v, r: _OneFOneB(k, m),
+        'most K micro-batches stored', lambda k, m, v, r: orders.OneFOneB(k, m),
         loss_inside_pipeline=True, ideal_bubble=_FillDrainBubble),
     ScheduleKind(
         'interleaved_1f1b', 'Megatron\'s interleaved 1F1B, virtual_stages cells per device for '
-        'a smaller bubble', lambda k, m, v, r: _Interleaved(k, m, v), loss_inside_pipeline=True,
-        virtual_stages=None, searched_virtual_stages=2, ideal_bubble=_InterleavedBubble),
+        'a smaller bubble', lambda k, m, v, r: orders.Interleaved(k, m, v),
+        loss_inside_pipeline=True, virtual_stages=None, searched_virtual_stages=2,
+        ideal_bubble=_InterleavedBubble),
     ScheduleKind(
         'zero_bubble', 'ZB-H1, 1f1b with the backward split into input and weight gradients, '
         'the weight gradients filling the drain, about a third of 1f1b\'s bubble',
-        lambda k, m, v, r: _ZeroBubbleH1(k, m), loss_inside_pipeline=True, splits_backward=True),
+        lambda k, m, v, r: orders.ZeroBubbleH1(k, m), loss_inside_pipeline=True,
+        splits_backward=True),
     ScheduleKind(
         'zero_bubble_v', 'ZB-V, virtual_stages=2 cells per device in a V, cell s on device s '
         'for s < K, else on 2K-1-s, the backward split, at M >= K idling about a quarter '
         '(re-materializing) to a half of zero_bubble\'s time',
-        lambda k, m, v, r: _ZeroBubbleV(k, m, r), loss_inside_pipeline=True, splits_backward=True,
-        placement='v', virtual_stages=2, searched_virtual_stages=2),
+        lambda k, m, v, r: orders.ZeroBubbleV(k, m, r), loss_inside_pipeline=True,
+        splits_backward=True, placement='v', virtual_stages=2, searched_virtual_stages=2),
 )}
 KINDS = tuple(SCHEDULE_KINDS)
 # The kind Params give unless told (`PipeliningLayer.Params().schedule`): the paper's.
@@ -437,7 +258,7 @@ def Make(kind: str, num_devices: int, num_micro_batches: int, virtual_stages: in
         forwards in the training schedule's order, no backward.
       recomputes: per stage (S = v K of them), whether it re-materializes (recompute mode
         'always': all of them, the default; `plan.RecomputeFlags`). zero_bubble_v orders
-        its actions by their costs, which this changes (`_SplitCosts`).
+        its actions by their costs, which this changes (`orders.ZeroBubbleV`).
 
     Raises:
       ScheduleError: for an unknown kind, counts the kind cannot schedule, or `recomputes`
@@ -474,25 +295,7 @@ def FromLists(lists, num_micro_batches: int, virtual_stages: int = 1,
                     placement=placement)
 
 
-# ---- dependencies and validation ----------------------------------------------------------------
-def Dependencies(action: Action, num_stages: int, backward_kind: str = BACKWARD) -> list[Action]:
-    """The actions `action` needs the results of.
-
-    F(s, m) needs F(s-1, m); a backward B or I of (s, m) needs F(s, m) and the backward of
-    (s+1, m) (whose kind is `backward_kind`, B or I: the one that produces the input gradient);
-    W(s, m) needs I(s, m).
-    """
-    kind, s, m = action
-    if kind == FORWARD:
-        return [Action(FORWARD, s - 1, m)] if s else []
-    if kind == WEIGHT_GRAD:
-        return [Action(INPUT_GRAD, s, m)]
-    deps = [Action(FORWARD, s, m)]
-    if s + 1 < num_stages:
-        deps.append(Action(backward_kind, s + 1, m))
-    return deps
-
-
+# ---- validation ---------------------------------------------------------------------------------
 def Validate(lists, num_micro_batches: int, virtual_stages: int = 1,
              placement: str = 'round') -> list[Action]:
     """Checks per-device action lists and returns an order to build them in.
