@@ -7,7 +7,7 @@ the kinds and validates what these return).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from gpipe_tf.pipeline.actions import (BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action,
                                        Dependencies, ScheduleError)
@@ -25,6 +25,8 @@ def FillDrain(k_count: int, m_count: int, v: int) -> list[list[Action]]:
 
 
 def OneFOneB(k_count: int, m_count: int) -> list[list[Action]]:
+    """PipeDream-flush: device d warms up with K-1-d forwards, then runs one forward and one
+    backward in turn, then the backwards left."""
     lists = []
     for d in range(k_count):
         warm_up = min(k_count - 1 - d, m_count)
@@ -106,7 +108,7 @@ def ZeroBubbleH1(k_count: int, m_count: int) -> list[list[Action]]:
     return lists
 
 
-def _SplitCosts(recomputes) -> Callable[[Action], int]:
+def _SplitCosts(recomputes: Sequence[bool]) -> Callable[[Action], int]:
     """An action's cost in forwards as the executor runs a split backward: a backward of twice
     the forward split into halves, I and W, and a re-materializing stage's I running its
     forward again first (`looped`, `residuals.SplitCell`); W runs no forward."""
@@ -117,7 +119,7 @@ def _SplitCosts(recomputes) -> Callable[[Action], int]:
     return Cost
 
 
-def ZeroBubbleV(k_count: int, m_count: int, recomputes) -> list[list[Action]]:
+def ZeroBubbleV(k_count: int, m_count: int, recomputes: Sequence[bool]) -> list[list[Action]]:
     """ZB-V's lists, made by a walk with the executor's costs (`_SplitCosts`: per stage,
     `recomputes` says whether it re-materializes): device d runs stages d (the V's first arm)
     and 2K-1-d (its second). When free, a device runs the first that is ready of: an I (the
