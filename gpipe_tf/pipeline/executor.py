@@ -70,14 +70,6 @@ def CheckForwardFirst(sched: schedule_lib.Schedule) -> None:
                          '(ForwardBackward).')
 
 
-def MicroBatchSize(micro_batch, batch_dim: int):
-    """The examples of a micro-batch: an int where known statically, else an int64 tensor."""
-    size = microbatch.BatchSize(micro_batch, batch_dim)
-    if size is None:
-        size = tf.shape(tf.nest.flatten(micro_batch)[0], out_type=tf.int64)[batch_dim]
-    return size
-
-
 def MicroBatchLoss(loss_fn, outputs, loss_inputs, loss_scale=None):
     """The loss of one micro-batch inside the pipeline.
 
