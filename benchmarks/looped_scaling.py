@@ -20,6 +20,11 @@ of half the work, which separates what a schedule costs from what its smaller ce
                  grappler: each runs once per tick, in the branches not taken too (a lowered
                  switch_case passes dead values through them)
   node_visits    body_nodes x ticks: the executor's work per step, independent of the load
+  nodes_per_device  (--count_nodes) body_nodes / K by part: 'loop' (the while loop's own
+                 nodes, the tables' reads, the cross-device fetches), 'switches' (each
+                 switch_case's own: a _SwitchN per value it passes, a Merge per value it
+                 returns), 'idle' (the branches that run no action) and, per kind of action
+                 (F, B, I, W), the nodes of its branches
 
     python benchmarks/looped_scaling.py [--ks=8,16,32] [--recompute=always] [--schedules=...]
         [--width=64] [--micro_batch=8] [--count_nodes]
@@ -74,9 +79,14 @@ def MakeStep(layer):
     return Step
 
 
-def BodyNodes(kind, k, devices, recompute, width, micro_batch, virtual) -> int:
+# A branch's ops are named in its action's scope (`looped._SCOPES`).
+_KIND_SCOPES = {'fwd': 'F', 'bwd': 'B', 'bwd_input': 'I', 'bwd_weight': 'W'}
+
+
+def BodyNodes(kind, k, devices, recompute, width, micro_batch, virtual) -> tuple[int, dict]:
     """Nodes of the while loops' bodies in the partition graphs of a step built afresh (a
-    function's partition graphs are reported when it first runs)."""
+    function's partition graphs are reported when it first runs), and per part of the body
+    (see nodes_per_device above) their number per device."""
     step = MakeStep(Build(kind, k, devices, recompute, width, micro_batch, virtual))
     x = tf.random.stateless_normal([micro_batch * 4 * k, width], [1, 2])
     context.enable_run_metadata()
@@ -91,8 +101,26 @@ def BodyNodes(kind, k, devices, recompute, width, micro_batch, virtual) -> int:
     in_loop = re.compile(r'(^|/)while(_\d+)?/')
     # A function's partition graphs are reported twice (as the step's and as the function's):
     # a node is counted once per device. Enter and Exit run once per loop, not per tick.
-    return len({(node.name, node.device) for g in graphs for node in g.node
-                if in_loop.search(node.name) and node.op not in ('Enter', 'Exit')})
+    nodes = {(node.name, node.device) for g in graphs for node in g.node
+             if in_loop.search(node.name) and node.op not in ('Enter', 'Exit')}
+    # A branch: its device's and switch's names and its index, as lowering names its nodes.
+    branch_of = re.compile(r'(device_\d+/switch_case(?:_\d+)?)/indexed_case/branch(\d+)/')
+    action_of = re.compile(r'/cell_\d+_(fwd|bwd|bwd_input|bwd_weight)/')
+    branches, parts = {}, {}
+    for name, device in nodes:
+        found = branch_of.search(name)
+        if found is None:
+            part = 'switches' if 'switch_case' in name else 'loop'
+            parts[part] = parts.get(part, 0) + 1
+            continue
+        branch = branches.setdefault((device, found.groups()), [0, None])
+        branch[0] += 1
+        action = action_of.search(name)
+        if action is not None:
+            branch[1] = _KIND_SCOPES[action.group(1)]
+    for count, action in branches.values():
+        parts[action or 'idle'] = parts.get(action or 'idle', 0) + count
+    return len(nodes), {part: round(count / k, 1) for part, count in sorted(parts.items())}
 
 
 def Measure(kind, k, devices, recompute, width, micro_batch, virtual,
@@ -114,8 +142,8 @@ def Measure(kind, k, devices, recompute, width, micro_batch, virtual,
         times.append(time.perf_counter() - begin)
     counts = {}
     if count_nodes:
-        nodes = BodyNodes(kind, k, devices, recompute, width, micro_batch, virtual)
-        counts = dict(body_nodes=nodes, node_visits=nodes * ticks)
+        nodes, parts = BodyNodes(kind, k, devices, recompute, width, micro_batch, virtual)
+        counts = dict(body_nodes=nodes, node_visits=nodes * ticks, nodes_per_device=parts)
     return dict(schedule=kind, k=k, v=virtual, m=4 * k, layers=2 * k, width=width,
                 micro_batch=micro_batch, recompute=recompute,
                 first_step_s=first, step_ms=1e3 * statistics.median(times), ticks=ticks,

@@ -337,6 +337,3 @@ def _ParseFlags(argv: list[str]) -> list[str]:
 if __name__ == '__main__':
     Run()
 
-
-if __name__ == '__main__':
-    Run()

@@ -44,7 +44,8 @@ UNROLL_MODES = (True, False, 'auto')
 # unroll='auto' runs the schedule as a loop from this many cell calls per forward (v K M): the
 # unrolled graph's optimization grows with them (at K=8 Transformer layers, M=8: 37 s against
 # the loop's 15 s; M=32: 140 s against 16 s), while below it the unrolled step is the faster
-# one (AmoebaNetD_Small, K=4, M=8: 114 examples/sec looped against 159 unrolled).
+# one (AmoebaNetD_Small, K=4, M=8: 151 examples/sec looped against 162 unrolled, one run;
+# docs/schedules.md).
 LOOP_FROM_CELL_CALLS = 64
 
 
