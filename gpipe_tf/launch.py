@@ -151,9 +151,14 @@ def Serve(cluster_spec: str, task: int, job: str, supervised: bool = False) -> N
         threading.Thread(target=_Supervised, daemon=True).start()
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-    cluster = cluster_lib.ParseClusterSpec(cluster_spec)
+    try:
+        cluster = cluster_lib.ParseClusterSpec(cluster_spec)
+    except ValueError as error:  # errors.ConfigError: the malformed part, the expected form.
+        _UserError(str(error).rstrip('.'))
+    if job not in cluster.jobs:
+        _UserError(f'--job={job}: the cluster has no such job (jobs: {cluster.jobs})')
     if not 0 <= task < cluster.num_tasks(job):
-        raise SystemExit(f'--task={task}: job {job!r} has tasks 0..{cluster.num_tasks(job) - 1}.')
+        _UserError(f'--task={task}: job {job!r} has tasks 0..{cluster.num_tasks(job) - 1}')
     server = tf.distribute.Server(cluster, job_name=job, task_index=task,
                                   config=tf.compat.v1.ConfigProto(device_count={'CPU': 1}))
     print(f'/job:{job}/task:{task} serving at {cluster.task_address(job, task)} '
@@ -316,12 +321,16 @@ def Launch(args: argparse.Namespace, trainer_flags: list[str], exposure: str | N
     return status
 
 
+def _UserError(message: str) -> None:
+    """A user's mistake: one line, exit status 2 (not argparse's usage block)."""
+    print(f'launch: error: {message} (see --help)', file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
-        """A user's mistake: one line, exit status 2 (not argparse's usage block)."""
-        print(f'launch: error: {message} (see --help)', file=sys.stderr, flush=True)
-        sys.exit(2)
+        _UserError(message)
 
 
 def ParseArgs(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

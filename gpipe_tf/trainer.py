@@ -97,6 +97,10 @@ def DefineFlags(flag_values: flags.FlagValues) -> None:
     flags.DEFINE_float('cluster_timeout_s', 60.0, 'A step (any Session.run) the cluster does not '
                        'finish in this many seconds fails, naming the unreachable task.',
                        flag_values=flag_values)
+    flags.register_validator(
+        'cluster_timeout_s', lambda seconds: 0 < seconds < 2**63 / 1000,  # Milliseconds, int64.
+        message='expected a finite number of seconds > 0, within which the cluster must finish '
+        'each step', flag_values=flag_values)
     flags.DEFINE_string('tpu', None, 'Train on a Cloud TPU: "local" on a TPU VM, the TPU\'s name, '
                         'or grpc://<ip>:8470 of a TPU node. A tf.distribute.TPUStrategy runs R '
                         'replicas (--worker_replicas), each with its K cells on K logical devices; '

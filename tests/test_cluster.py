@@ -20,6 +20,7 @@ import time
 
 from absl.testing import absltest
 
+from gpipe_tf import errors
 from gpipe_tf import launch
 from gpipe_tf import test_utils
 from gpipe_tf.train import cluster as cluster_lib
@@ -113,6 +114,15 @@ class ClusterSpecTest(absltest.TestCase):
             cluster_lib.StageDevices(spec, 2)
         with self.assertRaisesRegex(ValueError, 'no job \'chief\''):
             cluster_lib.StageDevices(spec, 1, 'chief')
+
+
+    def testBadInputIsTheUsersToFix(self):
+        # A ConfigError: the trainer prints it as one line `error: ...`, without a traceback.
+        with self.assertRaisesRegex(errors.ConfigError, r"^--cluster_spec: cannot parse "
+                                    r"'worker=nonsense'; expected job=host:port"):
+            cluster_lib.ParseClusterSpec('worker=nonsense')
+        with self.assertRaisesRegex(errors.ConfigError, r'^--cluster_spec must be JSON'):
+            cluster_lib.FromTfConfig('{bad json', '--cluster_spec')
 
 
 class LocalClusterTest(absltest.TestCase):

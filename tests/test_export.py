@@ -293,6 +293,17 @@ class TrainerExportTest(ExportTestCase):
     def testTheV1GraphPathIsRefused(self):
         self._AssertFails('export saves TF2 functions', '--mode=export', '--graph_mode=v1')
 
+    def testAFileWhereTheExportDirectoryGoesIsOneLineBeforeRestoring(self):
+        with open(os.path.join(self.base, 'export'), 'w', encoding='utf-8') as f:
+            f.write('not a directory')
+        result = self._Trainer('--mode=export', check=False)  # No checkpoint is needed to know.
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertNotIn('Traceback', result.stderr)
+        self.assertEqual(result.stderr.strip().splitlines()[-1],
+                         f'error: export: {self.base}/export is a file, not a directory; the '
+                         'export base path must be a directory of numeric versions (TensorFlow '
+                         'Serving\'s layout): move the file away.')
+
     def testALanguageModelIsRefusedBeforeAnythingIsBuilt(self):
         result = test_utils.TrainerInProcess('--model=lm.TransformerLTiny',
                                              f'--logdir={self.base}', '--mode=export',
@@ -302,6 +313,15 @@ class TrainerExportTest(ExportTestCase):
 
 
 class ExportErrorsTest(ExportTestCase):
+
+    def testABasePathThatIsAFileIsRefusedBeforeTracing(self):
+        base = os.path.join(self.base, 'export')
+        with open(base, 'w', encoding='utf-8') as f:
+            f.write('not a directory')
+        p = model_registry.GetParams('examples.PipelinedMLP', 'Test')
+        with self.assertRaisesRegex(NotADirectoryError, rf'^export: {base} is a file, not a '
+                                    'directory'):
+            export.Export(p.Instantiate(), p, os.path.join(base, '1'))
 
     def testALanguageModelIsRefused(self):
         p = model_registry.GetParams('lm.TransformerLTiny', 'Test')

@@ -7,7 +7,9 @@ Each test kills, by process id, what it started and what the launcher started, a
 fails; every wait is bounded.
 """
 
+import contextlib
 import glob
+import io
 import os
 import re
 import select
@@ -161,6 +163,27 @@ class LaunchTest(absltest.TestCase):
         self.assertRegex(result.stderr, r'--logdir=gs://bucket/run names a remote location.*'
                                         r'--network=host')
         self.assertNotIn('Traceback', result.stderr)
+
+
+class ServeTest(absltest.TestCase):
+
+    def AssertOneLine(self, message, *args):
+        """`launch.Serve(*args)` exits 2 with one line `launch: error: <message> ...`."""
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), self.assertRaises(SystemExit) as exit_:
+            launch.Serve(*args)
+        self.assertEqual(exit_.exception.code, 2)
+        self.assertLen(stderr.getvalue().splitlines(), 1)
+        self.assertStartsWith(stderr.getvalue(), f'launch: error: {message}')
+
+    def testAClusterSpecThatDoesNotParseIsOneLine(self):
+        self.AssertOneLine("--cluster_spec: cannot parse 'garbage'; expected job=host:port",
+                           'garbage', 0, 'worker')
+
+    def testATaskOrJobTheClusterLacksIsOneLine(self):
+        self.AssertOneLine("--task=3: job 'worker' has tasks 0..0", 'worker=127.0.0.1:1', 3,
+                           'worker')
+        self.AssertOneLine('--job=ps: the cluster has no such job', 'worker=127.0.0.1:1', 0, 'ps')
 
 
 class OwnershipTest(absltest.TestCase):

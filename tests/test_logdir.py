@@ -115,6 +115,42 @@ class DefaultLogdirTest(LogdirTestCase):
 
 
 @pytest.mark.unit
+class FileInTheWayTest(LogdirTestCase):
+    """A file where a logdir, or a directory above it, would be is a user's error naming the
+    file, from each of the functions that meet it; never an OSError's traceback."""
+
+    def setUp(self):
+        super().setUp()
+        self.file = os.path.join(self.dir, 'file')
+        with open(self.file, 'w') as f:
+            f.write('not a directory')
+
+    def testTheFileIsFoundAtOrAboveThePath(self):
+        self.assertEqual(logdir_lib.FileInTheWay(self.file), self.file)
+        self.assertEqual(logdir_lib.FileInTheWay(os.path.join(self.file, 'a', 'b')), self.file)
+        self.assertIsNone(logdir_lib.FileInTheWay(os.path.join(self.dir, 'a', 'b')))
+        self.assertIsNone(logdir_lib.FileInTheWay('gs://bucket/run'))
+
+    def testALogdirUnderAFileIsAUserErrorNamingTheFile(self):
+        logdir = os.path.join(self.file, 'run')
+        expected = (rf'^--logdir={logdir}: {self.file} is a file, not a directory; expected a '
+                    r'logdir whose parents are directories')
+        for check in (logdir_lib.CheckCreatable, lambda d: logdir_lib.Resolve(d, 'm')):
+            with self.assertRaisesRegex(logdir_lib.UnwritableLogdirError, expected):
+                check(logdir)
+        self.assertIsInstance(logdir_lib.UnwritableLogdirError('x'), errors.UserError)
+
+    def testMakeDirsAndTheLockNameTheFileInTheirWay(self):
+        for directory in (self.file, os.path.join(self.file, 'run')):
+            with self.assertRaisesRegex(logdir_lib.UnwritableLogdirError,
+                                        rf'^cannot write the logdir {directory}: {self.file}: a '
+                                        'file, not a directory;'):
+                logdir_lib.MakeDirs(directory)
+        with self.assertRaisesRegex(logdir_lib.UnwritableLogdirError, 'a file, not a directory'):
+            logdir_lib.Lock(os.path.join(self.file, 'run')).Acquire()
+
+
+@pytest.mark.unit
 class WriteAtomicallyTest(LogdirTestCase):
 
     def testReplacesASymlinkInsteadOfWritingThroughIt(self):

@@ -307,6 +307,14 @@ class TrainWritesTest(tf.test.TestCase):
         self.assertIn('already at step 8 >= max_steps 8; nothing to train.', self.lines)
         self.assertEqual((program.step, program.saves), (8, []))
 
+    def testMaxStepsZeroTrainsNothingAndSaysThereIsNoCheckpoint(self):
+        program = ScriptedProgram(self.LOSSES)
+        self.MAX_STEPS = 0
+        self.assertEqual(self.Train(program), {})
+        self.assertEqual(self.lines, ['already at step 0 >= max_steps 0; nothing to train.',
+                                      'no checkpoint: max_steps 0 trains no step'])
+        self.assertEqual((program.step, program.saves), (0, []))
+
     def testANonFiniteLossStopsTrainingAndKeepsTheLastGoodCheckpoint(self):
         for bad in (float('nan'), float('inf')):
             with self.subTest(bad):

@@ -598,6 +598,19 @@ class DecodeRequestTest(TrainerTestCase):
         self.AssertFails(r'^error: decode: SequenceTask cannot decode',
                          '--model=lm.TransformerLTiny', '--decode_input=hello')
 
+    def testAnInputFileThatIsADirectoryOrNotUtf8NamesTheFlagAndThePath(self):
+        directory = self.LogDir()
+        self.AssertFails(rf'^error: --decode_input_file={re.escape(directory)} is a directory; '
+                         r'expected a file of one image path or sentence per line\.$',
+                         f'--model={MLP}', f'--decode_input_file={directory}')
+        path = os.path.join(directory, 'latin1.txt')
+        with open(path, 'wb') as f:
+            f.write('caf\xe9\n'.encode('utf-8') + 'na\xefve\n'.encode('latin-1'))
+        self.AssertFails(rf'^error: --decode_input_file={re.escape(path)} is not UTF-8 text '
+                         r'\(byte 0xef on line 2, offset 8\); expected a UTF-8 file of one '
+                         r'image path or sentence per line\.$', f'--model={MLP}',
+                         f'--decode_input_file={path}')
+
 
 class SmallConfigsTrainTest(TrainerTestCase):
 
@@ -723,6 +736,51 @@ class ErrorsTest(TrainerTestCase):
             f.write('not a logdir')
         self.AssertFails(rf'^error: --logdir={path} is a file, not a directory\.$',
                          f'--model={MLP}', f'--logdir={path}', '--max_steps=1')
+
+    def testALogdirUnderAFile(self):
+        path = os.path.join(self.LogDir(), 'file')
+        with open(path, 'w', encoding='utf-8') as f:
+            f.write('not a logdir')
+        self.AssertFails(rf'^error: --logdir={path}/run: {path} is a file, not a directory; '
+                         r'expected a logdir whose parents are directories',
+                         f'--model={MLP}', f'--logdir={path}/run', '--max_steps=1')
+
+    def testAParamsFileThatIsADirectoryOrNotUtf8NamesTheFlagAndThePath(self):
+        directory = self.LogDir()
+        self.AssertFails(rf'^error: --model_params_file_override={re.escape(directory)} is a '
+                         r'directory; expected a file of Params text\.$', f'--model={MLP}',
+                         '--mode=inspect_params', f'--model_params_file_override={directory}')
+        path = os.path.join(directory, 'params.txt')
+        with open(path, 'wb') as f:
+            f.write(b'\xffinput.seed : 3\n')
+        self.AssertFails(rf'^error: --model_params_file_override={re.escape(path)} is not UTF-8 '
+                         r'text \(byte 0xff on line 1, offset 0\); expected a UTF-8 file of '
+                         r'Params text\.$', f'--model={MLP}', '--mode=inspect_params',
+                         f'--model_params_file_override={path}')
+
+    def testAClusterSpecThatDoesNotParse(self):
+        self.AssertFailsBeforeTheLogdir(r"^error: --cluster_spec: cannot parse 'worker=nonsense'; "
+                                        r'expected job=host:port', '--cluster_spec=worker=nonsense')
+        self.AssertFailsBeforeTheLogdir(r'^error: --cluster_spec \(TF_CONFIG JSON\) must be JSON '
+                                        r'with a "cluster" dict', '--cluster_spec={bad json')
+
+    def testAClusterTimeoutThatIsNotPositive(self):
+        for seconds in ('0', '-1', 'inf'):
+            self.AssertFailsBeforeTheLogdir(
+                rf'^error: flag --cluster_timeout_s=\S+: expected a finite number of seconds > 0',
+                '--cluster_spec=worker=127.0.0.1:2999', '--worker_split_size=1',
+                f'--cluster_timeout_s={seconds}')
+
+    def testAPlanErrorNamesOnlyTheFlagsThatSetItsCells(self):
+        self.AssertFailsBeforeTheLogdir(r'^error: --virtual_stages=3: num_cells x virtual_stages '
+                                        r'\(4 x 3\) is larger than the number of layers \(4\)\.$',
+                                        '--virtual_stages=3', '--schedule=interleaved_1f1b')
+        self.AssertFailsBeforeTheLogdir(r'^error: num_cells \(9\) is larger than the number of '
+                                        r'layers \(4\)\.$',
+                                        '--model_params_override=model.num_cells : 9')
+        self.AssertFailsBeforeTheLogdir(r"^error: mlp: recompute='except_last_9' keeps",
+                                        "--model_params_override=model.recompute : "
+                                        "'except_last_9'", '--worker_split_size=4')
 
     def testHelpListsTheTrainersFlagsAndExitsZero(self):
         # A subprocess, as users run it; it imports no TensorFlow, so it is quick.
@@ -931,6 +989,18 @@ class PipelinePicturesTest(TrainerTestCase):
                            'model.input_shapes : None', check=False)
         self.assertNotEqual(result.returncode, 0)
         self.assertIn('the plan pictures need model.input_shapes', result.stderr)
+
+    def testAPlotDirThatIsAFileOrUnderOne(self):
+        path = os.path.join(self.LogDir(), 'file')
+        with open(path, 'w', encoding='utf-8') as f:
+            f.write('not a directory')
+        for plot_dir in (path, os.path.join(path, 'plots')):
+            result = InProcess(f'--model={MLP}', '--mode=inspect_model', f'--plot_dir={plot_dir}',
+                               check=False)
+            self.assertEqual(result.returncode, 2, result.stderr)
+            self.assertEqual(ErrorLine(result), f'error: --plot_dir={plot_dir}: {path} is a file, '
+                             'not a directory; expected a directory for the pictures (created '
+                             'if missing).')
 
     def testDeviceMemoryMustBePositive(self):
         result = InProcess(f'--model={MLP}', '--mode=inspect_model', '--device_memory_gib=0',

@@ -336,6 +336,28 @@ class TuneModeTest(tf.test.TestCase):
                          'layers to partition into cells, at least one per device: tune for at '
                          'most 4 devices.')
 
+    def testDevicesThatDoNotSplitIntoTheReplicasAreOneLineNamingNumDevices(self):
+        for devices, replicas, expected in (
+                (0, 1, 'at least 1 device'),
+                (1, 2, 'a positive multiple of R=2 (--worker_replicas)'),
+                (3, 2, 'a positive multiple of R=2 (--worker_replicas)')):
+            result = InProcess(f'--model={MLP}', '--mode=tune', f'--num_devices={devices}',
+                               f'--worker_replicas={replicas}', '--device_memory_gib=1',
+                               '--tune_costs=flops', f'--logdir={self.LogDir()}', check=False)
+            self.assertEqual(result.returncode, 2, result.stderr)
+            self.assertStartsWith(ErrorLine(result),
+                                  f'error: --num_devices={devices}: tune needs {expected}')
+
+    def testNegativeTuneStepsIsOneLine(self):
+        logdir = os.path.join(self.LogDir(), 'run')
+        result = InProcess(f'--model={MLP}', '--mode=tune', '--num_devices=2',
+                           '--device_memory_gib=1', '--tune_costs=measured', '--tune_steps=-1',
+                           f'--logdir={logdir}', check=False)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertEqual(ErrorLine(result), 'error: --tune_steps must be at least 0 (the steps '
+                         'to run each configuration; 0: run none), got -1.')
+        self.assertNotIn('measured layer', result.stdout)  # Before anything is measured.
+
     def testNothingFitsIsOneLineNamingTheMemoryThatWould(self):
         logdir = os.path.join(self.LogDir(), 'run')
         result = InProcess(f'--model={MLP}', '--mode=tune', '--device_memory_gib=1e-6',

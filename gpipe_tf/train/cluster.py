@@ -32,6 +32,7 @@ import time
 
 import tensorflow as tf
 
+from gpipe_tf import errors
 from gpipe_tf.pipeline import devices as devices_lib
 
 DEFAULT_JOB = 'worker'
@@ -45,7 +46,7 @@ def ParseClusterSpec(text: str) -> tf.train.ClusterSpec:
     """A ClusterSpec from Lingvo's `job=host:port,host:port@job2=host:port` form.
 
     Raises:
-      ValueError: naming the malformed part and the expected form.
+      errors.ConfigError: (a ValueError) naming the malformed part and the expected form.
     """
     jobs = {}
     for part in filter(None, (p.strip() for p in text.split('@'))):
@@ -53,14 +54,14 @@ def ParseClusterSpec(text: str) -> tf.train.ClusterSpec:
         hosts = [a.strip() for a in addresses.split(',') if a.strip()]
         if not sep or not job.strip() or not hosts or any(
                 not _IsAddress(h) for h in hosts):
-            raise ValueError(f'--cluster_spec: cannot parse {part!r}; expected '
-                             'job=host:port,host:port (jobs separated by @), e.g. '
-                             'worker=127.0.0.1:2222,127.0.0.1:2223.')
+            raise errors.ConfigError(f'--cluster_spec: cannot parse {part!r}; expected '
+                                     'job=host:port,host:port (jobs separated by @), e.g. '
+                                     'worker=127.0.0.1:2222,127.0.0.1:2223.')
         if job.strip() in jobs:
-            raise ValueError(f'--cluster_spec: job {job.strip()!r} is given twice.')
+            raise errors.ConfigError(f'--cluster_spec: job {job.strip()!r} is given twice.')
         jobs[job.strip()] = hosts
     if not jobs:
-        raise ValueError('--cluster_spec is empty; expected job=host:port,host:port.')
+        raise errors.ConfigError('--cluster_spec is empty; expected job=host:port,host:port.')
     return tf.train.ClusterSpec(jobs)
 
 
@@ -69,11 +70,13 @@ def _IsAddress(address: str) -> bool:
     return bool(sep and host and port.isdigit())
 
 
-def FromTfConfig(text: str) -> tf.train.ClusterSpec:
-    """The cluster of a TF_CONFIG JSON (`{"cluster": {"worker": ["host:port", ...]}, ...}`).
+def FromTfConfig(text: str, source: str = 'TF_CONFIG') -> tf.train.ClusterSpec:
+    """The cluster of a TF_CONFIG JSON (`{"cluster": {"worker": ["host:port", ...]}, ...}`);
+    `source` names where the text came from, for the error.
 
     Raises:
-      ValueError: if it is not JSON with a `cluster` dict of address lists.
+      errors.ConfigError: (a ValueError) if it is not JSON with a `cluster` dict of address
+        lists.
     """
     try:
         cluster = json.loads(text)['cluster']
@@ -81,9 +84,9 @@ def FromTfConfig(text: str) -> tf.train.ClusterSpec:
                 isinstance(v, list) and all(_IsAddress(a) for a in v) for v in cluster.values()):
             raise TypeError
     except (ValueError, KeyError, TypeError):
-        raise ValueError('TF_CONFIG must be JSON with a "cluster" dict of host:port lists, '
-                         f'e.g. {{"cluster": {{"worker": ["127.0.0.1:2222"]}}}}; got '
-                         f'{text[:200]!r}.') from None
+        raise errors.ConfigError(f'{source} must be JSON with a "cluster" dict of host:port '
+                                 'lists, e.g. {"cluster": {"worker": ["127.0.0.1:2222"]}}; got '
+                                 f'{text[:200]!r}.') from None
     return tf.train.ClusterSpec(cluster)
 
 

@@ -67,7 +67,9 @@ def Export(task, task_params, export_dir: str, report=None) -> str:
     Raises:
       ExportError: for a task that cannot be exported.
       FileExistsError: if export_dir exists.
+      NotADirectoryError: if the directory of export_dir is a file (`CheckBase`).
     """
+    CheckBase(os.path.dirname(export_dir.rstrip('/')))
     if tf.io.gfile.exists(export_dir):
         raise FileExistsError(f'export: {export_dir} exists; a version is never overwritten '
                               '(remove it, or train on and export the newer step).')
@@ -86,6 +88,19 @@ def Export(task, task_params, export_dir: str, report=None) -> str:
     tf.io.gfile.rename(partial, export_dir)
     report(f'export: done in {time.time() - start:.0f} s')
     return export_dir
+
+
+def CheckBase(base: str) -> None:
+    """Checks that versions can be written under the base path `base`: a directory, or
+    nothing yet (it is created).
+
+    Raises:
+      NotADirectoryError: naming `base` when it is a file.
+    """
+    if base and tf.io.gfile.exists(base) and not tf.io.gfile.isdir(base):
+        raise NotADirectoryError(f'export: {base} is a file, not a directory; the export base '
+                                 'path must be a directory of numeric versions (TensorFlow '
+                                 'Serving\'s layout): move the file away.')
 
 
 def MakeServable(task, task_params) -> tf.Module:

@@ -94,7 +94,27 @@ def DefaultLogdir(model: str) -> str:
 
 
 class UnwritableLogdirError(errors.UserError):
-    """A logdir that cannot be created or written (permissions, a read-only file system)."""
+    """A logdir that cannot be created or written (permissions, a read-only file system, a
+    file where a directory must be)."""
+
+
+def FileInTheWay(path: str) -> str | None:
+    """The nearest existing path at or above local `path` when it is not a directory (a file
+    where `path`, or a directory above it, would be); None when directories can be made there
+    (or for a URL such as `gs://...`)."""
+    if not IsLocalPath(path):
+        return None
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    return None if os.path.isdir(existing) else existing
+
+
+def _FileInTheWayMessage(logdir: str, where: str) -> str:
+    if where == os.path.abspath(logdir):
+        return f'--logdir={logdir} is a file, not a directory.'
+    return (f'--logdir={logdir}: {where} is a file, not a directory; expected a logdir whose '
+            'parents are directories: remove the file or pass another --logdir.')
 
 
 def CheckCreatable(logdir: str) -> None:
@@ -103,15 +123,17 @@ def CheckCreatable(logdir: str) -> None:
     when `MakeDirs` tries).
 
     Raises:
-      UnwritableLogdirError: naming the directory.
+      UnwritableLogdirError: naming the directory, or the file where the logdir or a directory
+        above it would be.
     """
     if not IsLocalPath(logdir):
         return
+    in_the_way = FileInTheWay(logdir)
+    if in_the_way:
+        raise UnwritableLogdirError(_FileInTheWayMessage(logdir, in_the_way))
     existing = os.path.abspath(logdir)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return  # A logdir that is a file, or under one: the makedirs error names it.
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UnwritableLogdirError(_Unwritable(logdir, existing, 'permission denied'))
 
@@ -120,12 +142,15 @@ def MakeDirs(directory: str) -> None:
     """os.makedirs, a denial as one line naming the directory.
 
     Raises:
-      UnwritableLogdirError: when the directory cannot be created (permissions, read-only).
+      UnwritableLogdirError: when the directory cannot be created (permissions, read-only, a
+        file where it or a directory above it would be).
     """
     try:
         os.makedirs(directory, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise  # A file in the way: its own error names it.
+    except (FileExistsError, NotADirectoryError) as error:
+        where = FileInTheWay(directory) or error.filename or directory
+        raise UnwritableLogdirError(_Unwritable(directory, where, 'a file, not a directory')
+                                    ) from None
     except OSError as error:
         raise UnwritableLogdirError(_Unwritable(directory, error.filename or directory,
                                                 error.strerror or str(error))) from None
@@ -261,10 +286,16 @@ _OLD_DEFAULT_ROOT = '/tmp/gpipe_tf'
 
 
 def Resolve(logdir: str | None, model: str) -> str:
-    """--logdir `logdir`, or the user's private default for `model` (created and checked)."""
+    """--logdir `logdir`, or the user's private default for `model` (created and checked).
+
+    Raises:
+      UnwritableLogdirError: when `logdir`, or a directory above it, is a file.
+      UnsafeLogdirError: for an unsafe default (`DefaultLogdir`).
+    """
     if logdir:
-        if os.path.exists(logdir) and not os.path.isdir(logdir):
-            raise errors.UserError(f'--logdir={logdir} is a file, not a directory.')
+        in_the_way = FileInTheWay(logdir)
+        if in_the_way:
+            raise UnwritableLogdirError(_FileInTheWayMessage(logdir, in_the_way))
         return logdir
     logdir = DefaultLogdir(model)
     old = os.path.join(_OLD_DEFAULT_ROOT, model, 'train')

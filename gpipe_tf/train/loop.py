@@ -291,7 +291,9 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
         raise
     finally:
         signals.__exit__()
-    printer(f'checkpoint {program.manager.latest_checkpoint} at step {step}', flush=True)
+    checkpoint = program.manager.latest_checkpoint
+    printer(f'checkpoint {checkpoint} at step {step}' if checkpoint else
+            f'no checkpoint: max_steps {max_steps} trains no step', flush=True)
     if eval_writer is not None:
         evaluation = Evaluate(program, eval_params, eval_writer, step, 'final', printer)
         metrics = dict(metrics, **{f'eval_{k}': v for k, v in evaluation.items()})

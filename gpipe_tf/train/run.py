@@ -39,21 +39,14 @@ def Run(config) -> None:
         raise errors.UserError('--model is required (see --list_models).')
     p = setup.TaskParams(config)
     if config.mode == 'tune' and config.num_devices is not None:
-        num_cells = config.num_devices // p.model.num_replicas  # K, tuned for.
-        num_layers = len(p.model.layer_tpl or [])
-        if num_layers and num_cells > num_layers:
-            raise errors.ConfigError(
-                f'--num_devices={config.num_devices}: {config.model} has {num_layers} layers to '
-                f'partition into cells, at least one per device: tune for at most '
-                f'{num_layers * p.model.num_replicas} devices.')
-        p.model.num_cells = num_cells
+        tune.SetNumCells(p, config.model, config.num_devices)
     if config.logdir and config.mode != 'inspect_model':
         logdir_lib.CheckCreatable(config.logdir)  # Before anything is built.
     if config.mode == 'inspect_params':
         RunInspectParams(p, logdir_lib.Resolve(config.logdir, config.model))
         return
     target = setup.Target.Of(config)
-    plan = setup.CheckPlan(p)
+    plan = setup.CheckPlan(p, config)
     if config.mode in ('train', 'train_and_eval', 'eval'):
         setup.CheckDataDir(p)
     lines = DecodeRequest(config, target, p) if config.mode == 'decode' else None
@@ -125,10 +118,19 @@ def RunInspectModel(config, p, plan) -> None:
             raise errors.ConfigError(f'--device_memory_gib must be > 0, got '
                                      f'{config.device_memory_gib}.')
         device_bytes = config.device_memory_gib * 2**30
+    in_the_way = logdir_lib.FileInTheWay(config.plot_dir) if config.plot_dir else None
+    if in_the_way:
+        raise errors.ConfigError(f'--plot_dir={config.plot_dir}: {in_the_way} is a file, not a '
+                                 'directory; expected a directory for the pictures (created if '
+                                 'missing).')
     name = config.model
     print(reports.PartitionTable(p, name, plan))
     try:
         report = reports.MemoryTable(p, name, device_bytes, config.plot_dir, plan)
+    except OSError as error:  # A directory this user may not write, say.
+        raise errors.UserError(f'--plot_dir={config.plot_dir}: cannot write the pictures: '
+                               f'{error.filename or config.plot_dir}: '
+                               f'{(error.strerror or str(error)).lower()}.') from None
     except ValueError as error:
         if config.plot_dir or device_bytes is not None:
             raise errors.ConfigError(str(error)) from None
@@ -252,18 +254,18 @@ def DecodeRequest(config, target: setup.Target, p) -> list[str]:
     Params `p` before any device is set up or model built.
 
     Raises:
-      errors.UserError: no lines, a TPU, or a request the task cannot serve (a translation
-        without a known --target_language, a sentence too long, a missing image file).
+      errors.UserError: no lines, a TPU, a --decode_input_file that is not a UTF-8 text file,
+        or a request the task cannot serve (a translation without a known --target_language,
+        a sentence too long, a missing image file).
     """
     if target.tpu is not None:
         raise errors.UserError('decode runs eagerly on this machine\'s devices, not on a TPU: drop '
                                '--tpu and --run_locally=tpu.')
     lines = list(config.decode_input)
     if config.decode_input_file:
-        if not os.path.isfile(config.decode_input_file):
-            raise errors.UserError(f'--decode_input_file: no file {config.decode_input_file}.')
-        with open(config.decode_input_file, encoding='utf-8') as f:
-            lines += [line.rstrip('\n') for line in f if line.strip()]
+        text = setup.ReadTextFile('--decode_input_file', config.decode_input_file,
+                                  'one image path or sentence per line')
+        lines += [line for line in text.split('\n') if line.strip()]
     if not lines:
         raise errors.UserError('decode: give --decode_input (comma-separated) or '
                                '--decode_input_file.')
@@ -308,13 +310,17 @@ def RunExport(config, target: setup.Target, p, plan, logdir: str) -> str:
     if config.export_on_one_device:
         p = p.Copy()
         p.model.devices = [plan.mesh[0][0]] * (plan.num_devices * p.model.num_replicas)
+    base = os.path.join(logdir, 'export')
+    try:
+        export.CheckBase(base)  # Before the checkpoint is restored.
+    except NotADirectoryError as error:
+        raise errors.UserError(str(error)) from None
     print(f'export: restoring the newest checkpoint of {logdir}', flush=True)
     prog, step = _RestoredProgram(config, target, p, plan, logdir)
     try:
-        path = export.Export(prog.task, p,
-                             export.VersionDir(os.path.join(logdir, 'export'), step),
+        path = export.Export(prog.task, p, export.VersionDir(base, step),
                              report=lambda line: print(line, flush=True))
-    except FileExistsError as error:
+    except (FileExistsError, NotADirectoryError) as error:
         raise errors.UserError(str(error)) from None
     print(f'exported step {step} to {path}', flush=True)
     return path

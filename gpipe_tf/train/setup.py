@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import tensorflow as tf
 
@@ -51,10 +52,8 @@ def _TaskParams(config, dataset: str):
         raise errors.ConfigError(f'--model={model}: {message}') from None
     if config.model_params_file_override:
         path = config.model_params_file_override
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f'--model_params_file_override: no file {path!r}.')
-        with open(path, encoding='utf-8') as f:
-            overrides.Apply(p, f.read(), f'--model_params_file_override={path}')
+        text = ReadTextFile('--model_params_file_override', path, 'Params text')
+        overrides.Apply(p, text, f'--model_params_file_override={path}')
     if config.model_params_override:
         lines = [line.strip() for line in config.model_params_override.split(';')]
         overrides.Apply(p, '\n'.join(line for line in lines if line), '--model_params_override')
@@ -94,6 +93,36 @@ def _TaskParams(config, dataset: str):
     return base_task.SyncInputShapes(p)
 
 
+def ReadTextFile(flag: str, path: str, expected: str) -> str:
+    """The text of the UTF-8 file `path` that the command line's `flag` names; `expected` says
+    what the file holds, for the errors.
+
+    Raises:
+      errors.MissingInputError: when there is no file at `path`.
+      errors.InputError: for a directory, a file that cannot be read, or one that is not UTF-8
+        text; each names the flag and the path.
+    """
+    if os.path.isdir(path):
+        raise errors.InputError(f'{flag}={path} is a directory; expected a file of {expected}.')
+    if not os.path.exists(path):
+        raise errors.MissingInputError(f'{flag}={path}: no such file; expected a file of '
+                                       f'{expected}.')
+    try:
+        with open(path, 'rb') as f:
+            data = f.read()
+    except OSError as error:
+        raise errors.InputError(f'{flag}={path}: cannot read it '
+                                f'({error.strerror or error}).') from None
+    try:
+        text = data.decode('utf-8')
+    except UnicodeDecodeError as error:
+        line = data.count(b'\n', 0, error.start) + 1
+        raise errors.InputError(
+            f'{flag}={path} is not UTF-8 text (byte {data[error.start]:#04x} on line {line}, '
+            f'offset {error.start}); expected a UTF-8 file of {expected}.') from None
+    return text.replace('\r\n', '\n').replace('\r', '\n')  # As open() in text mode reads it.
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """Where a run's steps run, resolved once from the command line and handed on."""
@@ -103,7 +132,8 @@ class Target:
 
     @classmethod
     def Of(cls, config) -> Target:
-        """Raises errors.UserError for a cluster spec that does not parse."""
+        """Raises errors.ConfigError (a UserError) for a cluster spec that does not
+        parse."""
         cluster = _Cluster(config.cluster_spec)
         tpu_address = config.tpu
         if tpu_address is None and config.run_locally == 'tpu':
@@ -113,16 +143,20 @@ class Target:
 
 
 def _Cluster(text: str | None):
+    """The cluster of --cluster_spec `text` (Lingvo's form or TF_CONFIG JSON), else of the
+    TF_CONFIG environment variable; None for neither. Raises errors.ConfigError naming the
+    one that does not parse."""
     if text is None and os.environ.get('TF_CONFIG'):
-        return cluster_lib.FromTfConfig(os.environ['TF_CONFIG'])
+        return cluster_lib.FromTfConfig(os.environ['TF_CONFIG'],
+                                        'The TF_CONFIG environment variable')
     if text is None:
         return None
     if text.lstrip().startswith('{'):
-        return cluster_lib.FromTfConfig(text)
+        return cluster_lib.FromTfConfig(text, '--cluster_spec (TF_CONFIG JSON)')
     return cluster_lib.ParseClusterSpec(text)
 
 
-def CheckPlan(p):
+def CheckPlan(p, config=None):
     """The plan of task Params `p`'s pipeline, not yet placed (None for a model that is not
     one): making it checks, before anything is built or written, K against the layers (and the
     cells' shapes), and the batch against R replicas and M micro-batches. It is the run's plan,
@@ -130,7 +164,8 @@ def CheckPlan(p):
     (`PartitionOnTime` then makes the run's plan; this one checks on a uniform partition).
 
     Raises:
-      errors.ConfigError: naming the flag to change and the values that would work.
+      errors.ConfigError: naming the values that would work and, where `config` (the
+        trainer's) set the value at fault, its flag.
     """
     model = p.model
     if not plan_lib.IsPipeline(model):
@@ -154,10 +189,24 @@ def CheckPlan(p):
     try:
         return plan_lib.MakePlan(model, place=False)  # K > layers, cells that do not chain.
     except errors.ConfigError as error:
-        if 'num_cells' in str(error):  # In the command line's words.
-            raise errors.ConfigError(f'--worker_split_size={model.num_cells}: '
-                                     f'{error}') from None
+        flags = _CellFlags(str(error), model, config)
+        if flags:  # In the command line's words.
+            raise errors.ConfigError(f'{flags}: {error}') from None
         raise
+
+
+def _CellFlags(message: str, model, config) -> str:
+    """The flags of `config` that set what plan error `message` is about, when it is about
+    the number of cells (`num_cells (9) is larger ...`, `num_cells x virtual_stages (4 x 3)
+    ...`): --worker_split_size for K, --virtual_stages for v, where given; '' for none (a
+    Params override or the model's own value set them, or the error is about another field)."""
+    subject = re.match(r'(num_cells(?: x virtual_stages)?)\b', message)
+    if config is None or subject is None:
+        return ''
+    named = [f'--{flag}={getattr(model, key)}' for flag, key in
+             (('worker_split_size', 'num_cells'), ('virtual_stages', 'virtual_stages'))
+             if key in subject.group(1) and getattr(config, flag) is not None]
+    return ' '.join(named)
 
 
 def CheckDataDir(p) -> None:

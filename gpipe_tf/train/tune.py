@@ -44,6 +44,34 @@ def OverrideText(task_params, candidate: tuner.Candidate) -> str:
                    if line.split(' : ', 1)[0].strip() in wanted)
 
 
+def SetNumCells(task_params, name: str, num_devices: int) -> None:
+    """Sets K, the cells the pipeline of model `name` is tuned for, from --num_devices: R
+    replicas (`model.num_replicas`) of K cells, one device each. A model that is not a
+    pipeline is left to `Run` to refuse.
+
+    Raises:
+      errors.ConfigError: for devices that do not split into R replicas of at least one device
+        each, or more cells than layers.
+    """
+    p = task_params.model
+    if not plan_lib.IsPipeline(p):
+        return
+    replicas = p.num_replicas
+    if num_devices < replicas or num_devices % replicas:
+        expected = ('at least 1 device' if replicas == 1 else
+                    f'a positive multiple of R={replicas} (--worker_replicas): each replica '
+                    'gets the same K devices, one per cell')
+        raise errors.ConfigError(f'--num_devices={num_devices}: tune needs {expected}.')
+    num_cells = num_devices // replicas
+    num_layers = len(p.layer_tpl or [])
+    if num_layers and num_cells > num_layers:
+        raise errors.ConfigError(
+            f'--num_devices={num_devices}: {name} has {num_layers} layers to partition into '
+            f'cells, at least one per device: tune for at most {num_layers * replicas} '
+            'devices.')
+    p.num_cells = num_cells
+
+
 def _HostBytes() -> int:
     return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
 
@@ -117,8 +145,9 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
     and chosen). Measured steps are printed beside the predicted ones.
 
     Raises:
-      errors.ConfigError: for a model that is not a pipeline, a missing or bad memory or
-        `top`, or no configuration that fits (naming the smallest memory that would).
+      errors.ConfigError: for a model that is not a pipeline, a missing or bad memory,
+        `top` or `steps`, or no configuration that fits (naming the smallest memory that
+        would).
     """
     p = task_params.model
     if not plan_lib.IsPipeline(p) or p.layer_tpl is None:
@@ -132,6 +161,9 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
     if top < 1:
         raise errors.ConfigError(f'--tune_top must be at least 1 (the configurations to run '
                                  f'and choose from), got {top}.')
+    if steps < 0:
+        raise errors.ConfigError(f'--tune_steps must be at least 0 (the steps to run each '
+                                 f'configuration; 0: run none), got {steps}.')
     device_bytes = device_memory_gib * 2**30
     if p.costs_file is None:  # Measured costs, kept for the next run (and partition_method='time').
         p.costs_file = os.path.join(logdir, measured_costs.COSTS_FILE)
