@@ -564,6 +564,14 @@ class ErrorsTest(tf.test.TestCase):
         with self.assertRaisesRegex(errors.ConfigError, r"schedule '1f1b' .*schedule=\"gpipe\""):
             Pipeline(p)
 
+    def testAScheduleThatIsNoneIsNamedAsSuch(self):
+        # Not taken for a schedule that would need the loss inside the pipeline.
+        p = MakePipeline().params.Copy().Set(name='pipe', schedule='zb')
+        with self.assertRaisesRegex(errors.ConfigError,
+                                    r"^gpipe_tf\.keras\.Pipeline: schedule must be one of "
+                                    r"\('gpipe', .*got 'zb'\.$"):
+            Pipeline(p)
+
     def testDtypeOtherThanTheParams(self):
         with self.assertRaisesRegex(errors.ConfigError, r'set params\.dtype instead'):
             MakePipeline(dtype='float64')

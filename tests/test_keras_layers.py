@@ -954,6 +954,26 @@ class ErrorsTest(tf.test.TestCase):
         self.assertConfigError(r'balance \[1, 2\] must give 2 cells .* and 4 layers',
                                balance=[1, 2])
 
+    def testAScheduleThatIsNone(self):
+        self.assertConfigError(r"^gpipe_tf\.keras\.Pipeline\.FromKeras: schedule must be one of "
+                               r"\('gpipe', .*got 'zb'\.$", schedule='zb')
+
+    def testASequentialWithAScheduleThatIsNoneIsRefusedWhenMade(self):
+        with self.assertRaisesRegex(errors.ConfigError, r"^gpipe_tf\.keras\.Pipeline\.FromKeras: "
+                                    r"schedule must be one of .*got 'zb'\.$"):
+            Sequential(DenseStack(), 2, M, input_shape=(6,), devices=DEVICES[:2],
+                       schedule='zb')
+
+    def testOneLayerObjectTwice(self):
+        dense = keras.layers.Dense(6)
+        self.assertConfigError(r'layers\[0\] and layers\[2\] are the same Keras layer object '
+                               r'\(dense.*\); each layer must be a distinct object',
+                               layers=[dense, keras.layers.Dense(6), dense, keras.layers.Dense(3)])
+
+    def testMoreCellsThanLayersEndsInOnePeriod(self):
+        self.assertConfigError(r'Cannot partition 4 layers into 8 non-empty cells \(4 < 8\)\.$',
+                               num_cells=8)
+
     def testUnknownParam(self):
         self.assertConfigError("Unknown param 'recomput'; closest", recomput='never')
 

@@ -5,6 +5,7 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
+from gpipe_tf import errors
 from gpipe_tf import test_utils
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import normalization
@@ -51,6 +52,21 @@ class MeshDevicesTest(parameterized.TestCase):
             pipelining_layer.MeshDevices(['a', 'b', 'c'], 2, 2, round_robin=False)
         with self.assertRaisesRegex(ValueError, 'num_replicas must be >= 1'):
             pipelining_layer.MeshDevices(None, 0, 2)
+
+    @parameterized.named_parameters(
+        ('a_string', '/device:CPU:0', r"must be None, a list of device strings, 2 list\(s\) of "
+         r"2 .*got str '/device:CPU:0' \(for every stage on one device, write "
+         r"\['/device:CPU:0'\]\)"),
+        ('a_number', 3, r'must be None, a list of device strings.*got int 3\.$'),
+        ('a_list_of_numbers', [0, 1], r'devices gives int 0 for stage 0 of replica 0; expected '
+         r'a device string'),
+        ('a_row_that_is_a_string', [['a', 'b'], 'cd'], r'must be 2 replicas x 2 stages'),
+        ('a_function_of_numbers', lambda r, k: 42, r'the devices function returned int 42 for '
+         r'stage 0 of replica 0; expected a device string'),
+    )
+    def testDevicesOfTheWrongKindAreAConfigError(self, devices, pattern):
+        with self.assertRaisesRegex(errors.ConfigError, pattern):
+            pipelining_layer.MeshDevices(devices, 2, 2)
 
 
 class DataParallelTest(tf.test.TestCase, parameterized.TestCase):

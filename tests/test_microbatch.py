@@ -69,6 +69,10 @@ class BatchSizeTest(tf.test.TestCase, parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, r'shape \(4, 3\) has no batch_dim -3'):
             microbatch.BatchSize([tf.zeros([4, 3])], -3)
 
+    def testALeafThatIsNoTensorNamesItsType(self):
+        with self.assertRaisesRegex(TypeError, r"must be tensors or arrays; got str 'abc'"):
+            microbatch.BatchSize([tf.zeros([4, 2]), 'abc'], 0)
+
     def testANegativeBatchDimCountsFromTheEnd(self):
         self.assertEqual(microbatch.BatchSize([tf.zeros([4, 3])], -1), 3)
 

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 from absl.testing import parameterized
 
+from gpipe_tf import errors
 from gpipe_tf.pipeline import partition
 
 pytestmark = pytest.mark.unit
@@ -86,6 +87,11 @@ class OtherPartitionersTest(tf.test.TestCase):
     def testCheckBoundariesNamesTheProblem(self):
         with self.assertRaisesRegex(ValueError, r'\[0, 2, 2, 4\] do not cover the 4 layers'):
             partition.CheckBoundaries([0, 2, 2, 4], 4, 3)
+
+    def testBadBoundariesAreAConfigError(self):
+        # A user's partition_method: the trainer reports a ConfigError in one line.
+        with self.assertRaisesRegex(errors.ConfigError, r'\[0, 3, 1, 4, 4\] do not cover'):
+            partition.CheckBoundaries([0, 3, 1, 4, 4], 4, 4)
 
     def testReportListsEveryCell(self):
         rows = [partition.ReportRow(k, f'/device:CPU:{k}', [f'l{k}'], 10 * (k + 1), 5, 1024)

@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
+from gpipe_tf import errors
 from gpipe_tf import test_utils
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import basic
@@ -572,6 +573,28 @@ class BadInputTest(tf.test.TestCase):
     def testFlopsPartitionNeedsInputShapes(self):
         with self.assertRaisesRegex(ValueError, 'needs input_shapes'):
             PipelineParams(2, 1).Set(input_shapes=None).Instantiate()
+
+
+class ArrayLikeInputTest(tf.test.TestCase):
+
+    def testANestedListOfNumbersIsTakenAsATensor(self):
+        # As Keras layers take array-likes: the same outputs as for the tensor of its values.
+        layer = PipelineParams(2, 2).Instantiate()
+        x = RandomInputs()
+        self.assertAllClose(layer(x.numpy().tolist()), layer(x), atol=0, rtol=0)
+
+
+class ScheduleAtCallTest(tf.test.TestCase):
+
+    def testAScheduleMistakeFoundAtTheCallNamesTheLayerOnce(self):
+        # Without input_shapes M is known only at the call, where the schedule is made.
+        layer = PipelineParams(2, 3).Set(
+            schedule='interleaved_1f1b', virtual_stages=2, input_shapes=None,
+            partition_method='uniform').Instantiate()
+        with self.assertRaisesRegex(errors.ConfigError,
+                                    r'^pipe: interleaved_1f1b sends micro-batches round in '
+                                    r'groups of K: M \(3\) must be a multiple of K \(2\)\.$'):
+            layer(RandomInputs((6, DIM)))
 
 
 class MissingDeviceTest(tf.test.TestCase):

@@ -210,6 +210,88 @@ class MakePlanTest(parameterized.TestCase):
         self.assertFalse(plan_lib.IsPipeline(None))
 
 
+class ParamsMistakesTest(parameterized.TestCase):
+    """A value of the wrong kind in the Params is a ConfigError naming the field, the value
+    and what is expected, when the plan is made: not a TypeError from deep inside."""
+
+    @parameterized.named_parameters(
+        ('one_params', lambda: _Params().layer_tpl[0],
+         r'^pipe: layer_tpl must be a list of layer Params, got Params of DenseLayer; for one '
+         r'layer, put its Params in a list: layer_tpl=\[params\]\.$'),
+        ('a_number', lambda: 3, r'^pipe: layer_tpl must be a list of layer Params, got int 3\.$'),
+    )
+    def testLayerTplThatIsNoList(self, value, pattern):
+        with self.assertRaisesRegex(errors.ConfigError, pattern):
+            plan_lib.MakePlan(_Params().Set(layer_tpl=value()), place=False)
+
+    def testLayerTplEntryThatIsNoLayerParamsIsNamedByIndex(self):
+        p = _Params(num_cells=2)
+        p.layer_tpl = [p.layer_tpl[0], 'dense', p.layer_tpl[1]]
+        with self.assertRaisesRegex(errors.ConfigError,
+                                    r"^pipe: layer_tpl\[1\] is str 'dense'; expected a layer's "
+                                    r'Params'):
+            plan_lib.MakePlan(p, place=False)
+
+    def testBeforeTplAndCellTplAreCheckedAlike(self):
+        p = _Params()
+        with self.assertRaisesRegex(errors.ConfigError, r'^pipe: before_tpl must be a list'):
+            plan_lib.MakePlan(p.Copy().Set(before_tpl=p.layer_tpl[0]), place=False)
+        with self.assertRaisesRegex(errors.ConfigError, r'^pipe: cell_tpl must be a list of '
+                                    r'cells.*got Params of DenseLayer'):
+            plan_lib.MakePlan(p.Copy().Set(layer_tpl=None, cell_tpl=p.layer_tpl[0]),
+                              place=False)
+        with self.assertRaisesRegex(errors.ConfigError, r"^pipe: cell_tpl\[1\]\[0\] is int 7"):
+            plan_lib.MakePlan(p.Copy().Set(layer_tpl=None, cell_tpl=[p.layer_tpl[:2], 7]),
+                              place=False)
+
+    @parameterized.parameters(2, -3, 5)
+    def testBatchDimBeyondTheInputsRankNamesBoth(self, batch_dim):
+        with self.assertRaisesRegex(errors.ConfigError,
+                                    rf'^pipe: batch_dim={batch_dim} is not a dimension of '
+                                    r'input_shapes \[16, 4\] \(rank 2\): expected -2 <= '
+                                    r'batch_dim < 2\.$'):
+            plan_lib.MakePlan(_Params(batch_dim=batch_dim, partition_method='uniform'),
+                              place=False)
+
+    @parameterized.parameters(('abc',), ('16,4',), (16,), ([16, '4'],), ({'x': 'abc'},))
+    def testInputShapesThatAreNoShapes(self, shapes):
+        with self.assertRaisesRegex(errors.ConfigError,
+                                    r'^pipe: input_shapes must be the shape of one mini-batch '
+                                    r'as a list of ints \(e\.g\. \[128, 64\]\), a dict'):
+            plan_lib.MakePlan(_Params(partition_method='uniform').Set(input_shapes=shapes),
+                              place=False)
+
+    def testShapesOfSeveralInputsAndDictsStillRead(self):
+        p = _Params().Set(input_shapes=[[BATCH, DIM], {'a': (BATCH, 2)}])
+        self.assertEqual(plan_lib.InputShapes(p)[0], tf.TensorShape([BATCH, DIM]))
+        self.assertEqual(plan_lib.InputShapes(p)[1].a, tf.TensorShape([BATCH, 2]))
+        self.assertEqual(plan_lib.BatchSize(p), BATCH)
+
+    def testBoundariesThatDoNotCoverTheLayersAreAConfigError(self):
+        with self.assertRaisesRegex(errors.ConfigError, r'boundaries \[0, 3, 1, 4, 6\] do not '
+                                    r'cover the 6 layers in 4 non-empty cells'):
+            plan_lib.MakePlan(_Params(num_cells=4, partition_method=[0, 3, 1, 4, 6]),
+                              place=False)
+
+    def testAScheduleThatIsNoneIsRefusedWithoutInputShapes(self):
+        p = _Params(partition_method='uniform', schedule='zb').Set(input_shapes=None)
+        with self.assertRaisesRegex(errors.ConfigError,
+                                    r"^pipe: schedule must be one of \('gpipe', .*got 'zb'\.$"):
+            plan_lib.MakePlan(p, place=False)
+
+    @parameterized.named_parameters(
+        ('a_string', '/device:CPU:0',
+         r"got str '/device:CPU:0' \(for every stage on one device, write "
+         r"\['/device:CPU:0'\]\)\.$"),
+        ('a_function_of_no_string', lambda k: 42,
+         r'the devices function returned int 42 for stage 0 of replica 0; expected a device '
+         r'string'),
+    )
+    def testDevicesOfTheWrongKindWhenPlaced(self, devices, pattern):
+        with self.assertRaisesRegex(errors.ConfigError, pattern):
+            plan_lib.MakePlan(_Params(num_cells=2, devices=devices), check_devices=True)
+
+
 class ConsumersReadThePlanTest(tf.test.TestCase):
 
     def testTheLayerBuildsThePlansCellsOnThePlansDevices(self):

@@ -48,8 +48,9 @@ def Checked(params, loss_inside: bool = False) -> hyperparams.Params:
         (`gpipe_tf.keras.Sequential`), which every schedule can run; else only gpipe's.
 
     Raises:
-      errors.ConfigError: for anything but PipeliningLayer Params, and without loss_inside for
-        a schedule that needs the loss inside the pipeline (Keras computes it after the layer).
+      errors.ConfigError: for anything but PipeliningLayer Params, a schedule that is not one
+        of `schedule.KINDS`, and without loss_inside for a schedule that needs the loss inside
+        the pipeline (Keras computes it after the layer).
     """
     if isinstance(params, (list, tuple)):
         raise errors.ConfigError(
@@ -64,14 +65,23 @@ def Checked(params, loss_inside: bool = False) -> hyperparams.Params:
             f'{LAYER} takes PipeliningLayer Params (gpipe_tf.PipeliningLayer.Params().Set('
             f'layer_tpl=[...], num_cells=K, num_micro_batches=M)); got {got}. For a list of '
             f'layer Params use {LAYER}.FromLayers(layers, num_cells, num_micro_batches).')
-    kind = schedule_lib.SCHEDULE_KINDS.get(params.schedule)
-    if (kind is None or kind.loss_inside_pipeline) and not loss_inside:
+    # A name that is no schedule, before what a schedule of that name would need.
+    kind = _ScheduleKind(params, LAYER)
+    if kind.loss_inside_pipeline and not loss_inside:
         raise errors.ConfigError(
             f'{LAYER}: schedule {params.schedule!r} computes the loss per micro-batch inside '
             'the pipeline, but a Keras model computes it after the layer: use '
             'schedule="gpipe" (the default), or make the model a gpipe_tf.keras.Sequential, '
             'whose train step computes the loss inside.')
     return params.Copy()
+
+
+def _ScheduleKind(params, where: str) -> schedule_lib.ScheduleKind:
+    """The kind of `params.schedule`; a ConfigError naming `where` for a name that is none."""
+    try:
+        return schedule_lib.Kind(params.schedule)
+    except schedule_lib.ScheduleError as error:
+        raise errors.ConfigError(f'{where}: {error}') from None
 
 
 def ApplyDtypePolicy(params: hyperparams.Params, dtype) -> keras.DTypePolicy:
@@ -181,6 +191,7 @@ def FromKeras(layers, num_cells: int, num_micro_batches: int, input_shape=None, 
         p.Set(**params)
     except (AttributeError, ValueError, TypeError) as error:
         raise errors.ConfigError(f'{LAYER}.FromKeras: {error}') from None
+    _ScheduleKind(p, f'{LAYER}.FromKeras')  # Before the layers are built or timed.
     # Each layer's input shape, chained through the layers on one example: what each is built
     # for (with an unknown batch) and what its parameters are counted on.
     metas, args = [], [tf.TensorShape([1] + s) for s in shapes]
@@ -251,6 +262,15 @@ def _KerasLayers(layers, input_shape) -> tuple[list, object]:
                 f'{LAYER}.FromKeras: layers[{i}] is {_Describe(layer)}; expected a Keras layer '
                 '(keras.layers.Dense(...), a keras_hub block). For gpipe_tf layer Params use '
                 f'{LAYER}.FromLayers.')
+    first = {}
+    for i, layer in enumerate(layers):
+        if id(layer) in first:  # One layer object has one set of weights, on one device.
+            raise errors.ConfigError(
+                f'{LAYER}.FromKeras: layers[{first[id(layer)]}] and layers[{i}] are the same '
+                f'Keras layer object ({layer.name}); each layer must be a distinct object: '
+                'for two layers alike, construct the layer twice (a layer object holds one set '
+                'of weights, on one cell\'s device).')
+        first[id(layer)] = i
     if input_shape is None:
         raise errors.ConfigError(
             f'{LAYER}.FromKeras: give input_shape, the shape of one example (batch '
@@ -304,7 +324,7 @@ def _KerasBoundaries(method, balance, costs: list, num_stages: int) -> list[int]
         raise ValueError(f'partition_method for Keras layers is "params", "time", "uniform" or '
                          f'boundaries; got {method!r}')
     except ValueError as error:
-        raise errors.ConfigError(f'{LAYER}.FromKeras: {error}.') from None
+        raise errors.ConfigError(f'{LAYER}.FromKeras: {str(error).rstrip(".")}.') from None
 
 
 def ToText(params: hyperparams.Params) -> str:

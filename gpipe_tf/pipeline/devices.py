@@ -177,30 +177,58 @@ def MeshDevices(devices, num_replicas: int, num_cells: int,
       round_robin: whether stages may share devices when a flat list has fewer than R * K.
 
     Raises:
-      ValueError: for too few devices without round_robin, or a nested list that is not R x K.
+      errors.ConfigError (a ValueError): for devices of another type (a string rather than a
+        list of them), a device that is not a string, too few devices without round_robin, or
+        a nested list that is not R x K.
     """
     if num_replicas < 1:
         raise errors.ConfigError(f'num_replicas must be >= 1, got {num_replicas}.')
+    if not (devices is None or callable(devices) or isinstance(devices, (list, tuple))):
+        one = (f" (for every stage on one device, write ['{devices}'])"
+               if isinstance(devices, str) else '')
+        raise errors.ConfigError(
+            'PipeliningLayer devices must be None, a list of device strings, '
+            f'{num_replicas} list(s) of {num_cells} (replicas x stages), or a function of '
+            f'(replica, stage); got {type(devices).__name__} {devices!r}{one}.')
     if callable(devices):
         if len(inspect.signature(devices).parameters) >= 2:
-            return [[devices(r, k) for k in range(num_cells)] for r in range(num_replicas)]
-        if num_replicas > 1:
+            mesh = [[devices(r, k) for k in range(num_cells)] for r in range(num_replicas)]
+        elif num_replicas > 1:
             raise errors.ConfigError(f'With {num_replicas} replicas, devices must be a function of '
                              '(replica, stage); this one takes the stage only.')
-        return [[devices(k) for k in range(num_cells)]]
+        else:
+            mesh = [[devices(k) for k in range(num_cells)]]
+        return _DeviceStrings(mesh, 'the devices function returned')
     if devices and isinstance(devices[0], (list, tuple)):
-        if len(devices) != num_replicas or any(len(row) != num_cells for row in devices):
-            raise errors.ConfigError(f'A nested devices list must be {num_replicas} replicas x '
-                             f'{num_cells} stages, got {[len(row) for row in devices]}.')
-        return [list(row) for row in devices]
+        if (len(devices) != num_replicas or
+                any(not isinstance(row, (list, tuple)) or len(row) != num_cells
+                    for row in devices)):
+            raise errors.ConfigError(
+                f'A nested devices list must be {num_replicas} replicas x {num_cells} stages, '
+                f'got {[len(row) if isinstance(row, (list, tuple)) else row for row in devices]}.')
+        return _DeviceStrings([list(row) for row in devices], 'devices gives')
     available = list(devices) if devices else DefaultDevices()
     needed = num_replicas * num_cells
     if len(available) < needed and not round_robin:
         raise errors.ConfigError(f'{num_replicas} replicas of {num_cells} cells need {needed} devices, '
                          f'but only {len(available)} were given ({available}) and round_robin '
                          'is off.')
-    return [[available[(r * num_cells + k) % len(available)] for k in range(num_cells)]
-            for r in range(num_replicas)]
+    return _DeviceStrings([[available[(r * num_cells + k) % len(available)]
+                            for k in range(num_cells)] for r in range(num_replicas)],
+                          'devices gives')
+
+
+def _DeviceStrings(mesh: list[list], given: str) -> list[list[str]]:
+    """`mesh`, checked to hold device strings: TensorFlow would fail on anything else deep in
+    placement, naming neither the stage nor the value."""
+    for r, row in enumerate(mesh):
+        for k, device in enumerate(row):
+            if not isinstance(device, str):
+                raise errors.ConfigError(
+                    f'PipeliningLayer devices: {given} {type(device).__name__} {device!r} for '
+                    f"stage {k} of replica {r}; expected a device string, such as "
+                    f"'/device:GPU:{k}'.")
+    return mesh
 
 
 # Device types a string is checked for even when none is present (a GPU asked for on a machine

@@ -14,9 +14,13 @@ def BatchSize(inputs, batch_dim: int) -> int | None:
 
     Raises:
       ValueError: if inputs disagree on the batch size, or a rank is too small.
+      TypeError: for an input that is not a tensor or an array.
     """
     sizes = set()
     for x in _Leaves(inputs):
+        if not hasattr(x, 'shape'):
+            raise TypeError(f'Inputs to split into micro-batches must be tensors or arrays; got '
+                            f'{type(x).__name__} {x!r:.60}.')
         shape = tf.TensorShape(x.shape)  # Also NumPy arrays' tuples.
         if shape.rank is not None and not -shape.rank <= batch_dim < shape.rank:
             raise ValueError(f'Input of shape {shape} has no batch_dim {batch_dim}.')

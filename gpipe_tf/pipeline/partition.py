@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Sequence
 
+from gpipe_tf import errors
 from gpipe_tf import units
 
 
@@ -40,12 +41,13 @@ def CheckBoundaries(boundaries: Sequence[int], num_layers: int, num_cells: int) 
     """Validates explicit boundaries; returns them as a list.
 
     Raises:
-      ValueError: unless they are K + 1 strictly increasing ints from 0 to L.
+      errors.ConfigError (a ValueError): unless they are K + 1 strictly increasing ints from 0
+        to L (a user's partition_method; the trainer reports it in one line).
     """
     b = list(boundaries)
     if (len(b) != num_cells + 1 or b[0] != 0 or b[-1] != num_layers or
             any(not isinstance(x, int) for x in b) or any(x >= y for x, y in zip(b, b[1:]))):
-        raise ValueError(
+        raise errors.ConfigError(
             f'Partition boundaries {b} do not cover the {num_layers} layers in {num_cells} '
             f'non-empty cells: expected {num_cells + 1} strictly increasing ints from 0 to '
             f'{num_layers}.')

@@ -17,6 +17,7 @@ start backwards before the last forward, so the loss is computed per micro-batch
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 import tensorflow as tf
 from absl import logging
@@ -315,6 +316,7 @@ class PipeliningLayer(BaseLayer):
         `executor.Executor` for this batch, per cell its theta)."""
         p = self.p
         with tf.device(self._devices[0]), fprop_context.Scope(batch_dim=p.batch_dim):
+            inputs = _ArrayLikesAsTensors(inputs)
             if p.fprop_dtype is not None:
                 # Before the split: cell 0 keeps its micro-batches in fprop_dtype too.
                 inputs = precision.CastFloats(inputs, tf.as_dtype(p.fprop_dtype))
@@ -322,9 +324,9 @@ class PipeliningLayer(BaseLayer):
         batch_size = microbatch.BatchSize(inputs, p.batch_dim)  # None: known when it runs.
         try:
             num_micro_batches = plan_lib.MicroBatchesOfStep(p, batch_size)
-            sched = self.plan.Schedule(num_micro_batches, training=training)
         except errors.ConfigError as error:
             raise errors.ConfigError(f'{self.path}: {error}') from None
+        sched = self.plan.Schedule(num_micro_batches, training=training)  # Names the layer.
         ctx = fprop_context.Current()
         assign = self._LogicalDeviceFn()
         # Replica r's shard starts after the shards before it (and after the examples that come
@@ -545,6 +547,23 @@ class PipeliningLayer(BaseLayer):
             layers += list(p.layer_tpl or [])
         layers = [lp.Copy().Set(name=plan_lib.LayerName(lp, i)) for i, lp in enumerate(layers)]
         return sequential.ChainMeta(layers, *input_shapes)[0]
+
+
+def _ArrayLikesAsTensors(inputs: tuple) -> tuple:
+    """The layer's inputs, each (nested) list of Python numbers converted to a tensor, as Keras
+    layers take array-likes; tensors, arrays and nests of them are left as they are, as is a
+    list that is no array (ragged), which `microbatch.BatchSize` then refuses."""
+    def AsTensor(x):
+        if not isinstance(x, (list, tuple, numbers.Number)):
+            return x
+        leaves = tf.nest.flatten(x)
+        if not leaves or not all(isinstance(leaf, numbers.Number) for leaf in leaves):
+            return x
+        try:
+            return tf.convert_to_tensor(x)
+        except (ValueError, TypeError):
+            return x
+    return tuple(AsTensor(x) for x in inputs)
 
 
 def _Unflatten(thetas: list, flat) -> tuple[list, int]:

@@ -19,14 +19,15 @@ import dataclasses
 import re
 from typing import Any, Iterator
 
-import tensorflow as tf
-
 from gpipe_tf import errors
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import sequential
 from gpipe_tf.layers.base_layer import LayerMeta
-from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import devices as devices_lib
+from gpipe_tf.pipeline import fields
+# The fields' readings, as callers of the plan have always found them here.
+from gpipe_tf.pipeline.fields import (BatchSize, BeforeLayers, BodyInputShapes, BodyLayers,  # pylint: disable=unused-import
+                                      InputShapes, LayerName)
 from gpipe_tf.pipeline import looped
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import partition
@@ -173,13 +174,18 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
       check_devices, available: see `Plan.Placed`.
 
     Raises:
-      errors.ConfigError: for inconsistent cells, partitions or shapes, a recompute mode that
-        is not one (`KeptCells`), a batch that R or M do not divide, unroll=False where the
-        loop cannot run the pipeline, or (check_devices) a device that does not exist.
+      errors.ConfigError: for layers that are not a list of layer Params, inconsistent cells,
+        partitions or shapes, a schedule or recompute mode that is not one (`KeptCells`), a
+        batch that R or M do not divide, unroll=False where the loop cannot run the pipeline,
+        or (check_devices) a device that does not exist.
     """
     if p.logical_device_fn is not None and p.num_replicas != 1:
         raise errors.ConfigError(f'With logical_device_fn the replicas are the strategy\'s: '
                                  f'num_replicas must be 1, got {p.num_replicas}.')
+    try:  # Params alone name it; M, known here only with input_shapes, is checked below.
+        schedule_lib.Kind(p.schedule).CheckVirtualStages(p.virtual_stages)
+    except schedule_lib.ScheduleError as error:
+        raise errors.ConfigError(f'{p.name}: {error}') from None
     cells, metas = Cells(p)
     try:
         recompute = RecomputeFlags(p.recompute, len(cells))
@@ -351,33 +357,6 @@ def AnyRematerialized(p) -> bool:
     return any(RecomputeFlags(p.recompute, p.num_cells * p.virtual_stages))
 
 
-def BatchSize(p) -> int | None:
-    """N, from input_shapes along batch_dim (None without input_shapes)."""
-    shapes = InputShapes(p)
-    if shapes is None:
-        return None
-    return int(base_layer.FlattenShapes(shapes)[0][p.batch_dim])
-
-
-def InputShapes(p) -> tuple | None:
-    """`p.input_shapes` as a tuple of TensorShapes (NestedMaps of them), or None."""
-    shapes = p.input_shapes
-    if shapes is None:
-        return None
-    if isinstance(shapes, dict) or (shapes and isinstance(shapes[0], int)):
-        return (_ToShapes(shapes),)
-    return tuple(_ToShapes(s) for s in shapes)
-
-
-def BodyInputShapes(p) -> tuple | None:
-    """The shapes the first cell takes: the input's after the before_tpl layers."""
-    shapes = InputShapes(p)
-    if shapes is None or not p.before_tpl:
-        return shapes
-    meta, _ = sequential.ChainMeta(p.before_tpl, *shapes)
-    return base_layer.AsArgs(meta.out_shapes)
-
-
 def Cells(p) -> tuple[list[list], list[LayerMeta] | None]:
     """Each cell's layer Params, and each cell's FPropMeta (None without input_shapes).
 
@@ -386,16 +365,6 @@ def Cells(p) -> tuple[list[list], list[LayerMeta] | None]:
     """
     cells = _CellLayerParams(p)
     return cells, _CheckCellsFit(p, cells)
-
-
-def BodyLayers(p) -> list:
-    """The layer_tpl layers' Params, named as the pipeline builds them (`LayerName`)."""
-    return [_Named(p, lp, i) for i, lp in enumerate(p.layer_tpl)]
-
-
-def BeforeLayers(p) -> list:
-    """The before_tpl layers' Params, named (their own name, else `layer_<index>`)."""
-    return [_Named(p, lp, i) for i, lp in enumerate(p.before_tpl)]
 
 
 def _CheckUniqueNames(p, layers: list) -> None:
@@ -409,44 +378,26 @@ def _CheckUniqueNames(p, layers: list) -> None:
             f'{", ".join(duplicates)} appear more than once.')
 
 
-def LayerName(p, index: int) -> str:
-    """The name of the layer at `index`: its own, or `layer_<index>`."""
-    return p.name or f'layer_{index:03d}'
-
-
-def _Named(p, lp, index: int):
-    """A copy of layer Params `lp` at `index` of pipeline Params `p`, as the pipeline builds
-    it: named (`LayerName`), and computing in the pipeline's fprop_dtype unless it sets its
-    own (what CreateChild gives it), so its costs count its activations at that size."""
-    lp = lp.Copy().Set(name=LayerName(lp, index))
-    if lp.fprop_dtype is None:
-        lp.fprop_dtype = p.fprop_dtype
-    return lp
-
-
-def _ToShapes(shapes):
-    """Params-friendly shapes (lists of ints, dicts of them) as TensorShapes / NestedMaps."""
-    if isinstance(shapes, dict):
-        return NestedMap({k: _ToShapes(v) for k, v in shapes.items()})
-    return tf.TensorShape(shapes)
-
-
 def _CellLayerParams(p) -> list[list]:
     """Names the layers and splits them into cells."""
     if (p.cell_tpl is None) == (p.layer_tpl is None):
         raise errors.ConfigError('Set exactly one of cell_tpl (explicit cells) and layer_tpl '
                                  '(layers to partition into num_cells).')
     if p.cell_tpl is not None:
+        if not isinstance(p.cell_tpl, (list, tuple)):
+            raise errors.ConfigError(f'{p.name}: cell_tpl must be a list of cells, each a layer '
+                                     f'Params or a list of them; got {fields.Describe(p.cell_tpl)}.')
         if not p.cell_tpl:
             raise errors.ConfigError('cell_tpl is empty: expected at least one cell.')
         if len(p.cell_tpl) % p.virtual_stages:
             raise errors.ConfigError(f'cell_tpl has {len(p.cell_tpl)} cells, which '
                                      f'virtual_stages={p.virtual_stages} devices cannot share '
                                      'evenly: expected a multiple of it.')
-        cells = [list(c) if isinstance(c, (list, tuple)) else [c] for c in p.cell_tpl]
+        cells = [fields.LayerParamsList(p, f'cell_tpl[{k}]', c if isinstance(c, (list, tuple))
+                                  else [c]) for k, c in enumerate(p.cell_tpl)]
         index, named = 0, []
         for cell in cells:
-            named.append([_Named(p, lp, index + i) for i, lp in enumerate(cell)])
+            named.append([fields.Named(p, lp, index + i) for i, lp in enumerate(cell)])
             index += len(cell)
         return named
     layers = BodyLayers(p)
