@@ -20,6 +20,7 @@ from gpipe_tf.keras import keras_layer
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import sequential
 from gpipe_tf.pipeline import devices as devices_lib
+from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
@@ -27,16 +28,6 @@ from gpipe_tf.pipeline import schedule as schedule_lib
 
 # What the messages call the layer.
 LAYER = 'gpipe_tf.keras.Pipeline'
-
-
-def _Describe(value) -> str:
-    text = repr(value)
-    return f'{type(value).__name__} {text[:60] + "..." if len(text) > 60 else text}'
-
-
-def _IsLayerParams(value) -> bool:
-    return (isinstance(value, hyperparams.InstantiableParams) and isinstance(value.cls, type)
-            and issubclass(value.cls, base_layer.BaseLayer))
 
 
 def Checked(params, loss_inside: bool = False) -> hyperparams.Params:
@@ -57,10 +48,10 @@ def Checked(params, loss_inside: bool = False) -> hyperparams.Params:
             f'{LAYER} takes PipeliningLayer Params; got a {type(params).__name__} of '
             f'{len(params)} items. For a list of layer Params use '
             f'{LAYER}.FromLayers(layers, num_cells, num_micro_batches).')
-    if not _IsLayerParams(params) or not issubclass(params.cls,
+    if not fields.IsLayerParams(params) or not issubclass(params.cls,
                                                      pipelining_layer.PipeliningLayer):
-        got = (f'Params of {params.cls.__name__}' if _IsLayerParams(params) else
-               _Describe(params))
+        got = (f'Params of {params.cls.__name__}' if fields.IsLayerParams(params) else
+               fields.Describe(params))
         raise errors.ConfigError(
             f'{LAYER} takes PipeliningLayer Params (gpipe_tf.PipeliningLayer.Params().Set('
             f'layer_tpl=[...], num_cells=K, num_micro_batches=M)); got {got}. For a list of '
@@ -140,12 +131,8 @@ def FromLayers(layers, num_cells: int, num_micro_batches: int,
     """
     if not isinstance(layers, (list, tuple)) or not layers:
         raise errors.ConfigError(f'{LAYER}.FromLayers: layers must be a non-empty list of '
-                                 f'layer Params; got {_Describe(layers)}.')
-    for i, lp in enumerate(layers):
-        if not _IsLayerParams(lp):
-            raise errors.ConfigError(
-                f'{LAYER}.FromLayers: layers[{i}] is {_Describe(lp)}; expected a layer\'s '
-                'Params, such as gpipe_tf.layers.basic.DenseLayer.Params().Set(...).')
+                                 f'layer Params; got {fields.Describe(layers)}.')
+    fields.LayerParamsList(f'{LAYER}.FromLayers', 'layers', layers)
     try:
         return pipelining_layer.PipeliningLayer.Params().Set(
             layer_tpl=list(layers), num_cells=num_cells, num_micro_batches=num_micro_batches,
@@ -255,12 +242,12 @@ def _KerasLayers(layers, input_shape) -> tuple[list, object]:
         layers = list(layers.layers)
     if not isinstance(layers, (list, tuple)) or not layers:
         raise errors.ConfigError(f'{LAYER}.FromKeras: layers must be a non-empty list of Keras '
-                                 f'layers or a keras.Sequential; got {_Describe(layers)}.')
+                                 f'layers or a keras.Sequential; got {fields.Describe(layers)}.')
     for i, layer in enumerate(layers):
         if not isinstance(layer, keras.layers.Layer) or isinstance(layer, keras.Model):
             raise errors.ConfigError(
-                f'{LAYER}.FromKeras: layers[{i}] is {_Describe(layer)}; expected a Keras layer '
-                '(keras.layers.Dense(...), a keras_hub block). For gpipe_tf layer Params use '
+                f'{LAYER}.FromKeras: layers[{i}] is {fields.Describe(layer)}; expected a Keras '
+                'layer (keras.layers.Dense(...), a keras_hub block). For gpipe_tf layer Params use '
                 f'{LAYER}.FromLayers.')
     first = {}
     for i, layer in enumerate(layers):
@@ -294,7 +281,7 @@ def _InputShapes(input_shape) -> list[list]:
         return [list(s) for s in input_shape]
     raise errors.ConfigError(
         f'{LAYER}.FromKeras: input_shape must be the shape of one example (a tuple of positive '
-        f'ints, batch excluded), or a list of them; got {_Describe(input_shape)}.')
+        f'ints, batch excluded), or a list of them; got {fields.Describe(input_shape)}.')
 
 
 def _KerasBoundaries(method, balance, costs: list, num_stages: int) -> list[int]:
@@ -352,7 +339,7 @@ def FromText(text, loss_inside: bool = False) -> hyperparams.Params:
     """
     if not isinstance(text, str):
         raise errors.ConfigError(f'{LAYER}: the config\'s "params" must be Params text (a '
-                                 f'str); got {_Describe(text)}.')
+                                 f'str); got {fields.Describe(text)}.')
     try:
         params = pipelining_layer.PipeliningLayer.Params().FromText(text)
     except ValueError as error:

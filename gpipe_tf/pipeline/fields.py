@@ -90,7 +90,7 @@ def BodyLayers(p) -> list:
       errors.ConfigError: unless layer_tpl is a list of layer Params.
     """
     return [Named(p, lp, i)
-            for i, lp in enumerate(LayerParamsList(p, 'layer_tpl', p.layer_tpl))]
+            for i, lp in enumerate(LayerParamsList(p.name, 'layer_tpl', p.layer_tpl))]
 
 
 def BeforeLayers(p) -> list:
@@ -104,27 +104,28 @@ def BeforeLayers(p) -> list:
 
 def BeforeTpl(p) -> list:
     """`p.before_tpl`, checked (`LayerParamsList`); None is no layers."""
-    return [] if p.before_tpl is None else LayerParamsList(p, 'before_tpl', p.before_tpl)
+    return [] if p.before_tpl is None else LayerParamsList(p.name, 'before_tpl', p.before_tpl)
 
 
-def LayerParamsList(p, field: str, value) -> list:
-    """`value`, pipeline Params `p`'s `field`, checked to be a list of layer Params: a single
-    Params or a layer's name there would fail deep in partitioning, naming neither the field
-    nor the entry."""
+def LayerParamsList(where: str, field: str, value) -> list:
+    """`value`, the `field` of `where` (a pipeline's name, or the function given it), checked to
+    be a list of layer Params: a single Params or a layer's name there would fail deep in
+    partitioning, naming neither the field nor the entry."""
     if not isinstance(value, (list, tuple)):
         one = (f'; for one layer, put its Params in a list: {field}=[params]'
-               if _IsLayerParams(value) else '')
-        raise errors.ConfigError(f'{p.name}: {field} must be a list of layer Params, got '
+               if IsLayerParams(value) else '')
+        raise errors.ConfigError(f'{where}: {field} must be a list of layer Params, got '
                                  f'{Describe(value)}{one}.')
     for i, lp in enumerate(value):
-        if not _IsLayerParams(lp):
+        if not IsLayerParams(lp):
             raise errors.ConfigError(
-                f'{p.name}: {field}[{i}] is {Describe(lp)}; expected a layer\'s Params, such '
+                f'{where}: {field}[{i}] is {Describe(lp)}; expected a layer\'s Params, such '
                 'as gpipe_tf.layers.basic.DenseLayer.Params().Set(...).')
     return list(value)
 
 
-def _IsLayerParams(value) -> bool:
+def IsLayerParams(value) -> bool:
+    """Whether `value` is the Params of a gpipe_tf layer."""
     return (isinstance(value, hyperparams.InstantiableParams) and isinstance(value.cls, type)
             and issubclass(value.cls, base_layer.BaseLayer))
 

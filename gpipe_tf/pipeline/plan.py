@@ -26,7 +26,8 @@ from gpipe_tf.layers.base_layer import LayerMeta
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import fields
 # The fields' readings, as callers of the plan have always found them here.
-from gpipe_tf.pipeline.fields import (BatchSize, BeforeLayers, BodyInputShapes, BodyLayers,  # pylint: disable=unused-import
+# pylint: disable-next=unused-import
+from gpipe_tf.pipeline.fields import (BatchSize, BeforeLayers, BodyInputShapes, BodyLayers,
                                       InputShapes, LayerName)
 from gpipe_tf.pipeline import looped
 from gpipe_tf.pipeline import microbatch
@@ -386,15 +387,17 @@ def _CellLayerParams(p) -> list[list]:
     if p.cell_tpl is not None:
         if not isinstance(p.cell_tpl, (list, tuple)):
             raise errors.ConfigError(f'{p.name}: cell_tpl must be a list of cells, each a layer '
-                                     f'Params or a list of them; got {fields.Describe(p.cell_tpl)}.')
+                                     'Params or a list of them; got '
+                                     f'{fields.Describe(p.cell_tpl)}.')
         if not p.cell_tpl:
             raise errors.ConfigError('cell_tpl is empty: expected at least one cell.')
         if len(p.cell_tpl) % p.virtual_stages:
             raise errors.ConfigError(f'cell_tpl has {len(p.cell_tpl)} cells, which '
                                      f'virtual_stages={p.virtual_stages} devices cannot share '
                                      'evenly: expected a multiple of it.')
-        cells = [fields.LayerParamsList(p, f'cell_tpl[{k}]', c if isinstance(c, (list, tuple))
-                                  else [c]) for k, c in enumerate(p.cell_tpl)]
+        cells = [fields.LayerParamsList(p.name, f'cell_tpl[{k}]',
+                                        c if isinstance(c, (list, tuple)) else [c])
+                 for k, c in enumerate(p.cell_tpl)]
         index, named = 0, []
         for cell in cells:
             named.append([fields.Named(p, lp, index + i) for i, lp in enumerate(cell)])
