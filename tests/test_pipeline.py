@@ -653,6 +653,11 @@ class MissingDeviceTest(tf.test.TestCase):
             pipelining_layer.CheckDevices([['/job:worker/task:1/device:CPU:0',
                                     '/job:worker/task:2/device:CPU:0']], available)
 
+    def testADeviceStringThatDoesNotParseIsAConfigErrorNamingItsStage(self):
+        with self.assertRaisesRegex(errors.ConfigError, r"^Device 'd' of stage 1, replica 0 is "
+                                    r'not a device string: .*Expected one such as'):
+            pipelining_layer.CheckDevices([['/device:CPU:0', 'd']])
+
 
 if __name__ == '__main__':
     tf.test.main()

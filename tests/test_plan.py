@@ -240,7 +240,8 @@ class ParamsMistakesTest(parameterized.TestCase):
                                     r'cells.*got Params of DenseLayer'):
             plan_lib.MakePlan(p.Copy().Set(layer_tpl=None, cell_tpl=p.layer_tpl[0]),
                               place=False)
-        with self.assertRaisesRegex(errors.ConfigError, r"^pipe: cell_tpl\[1\]\[0\] is int 7"):
+        with self.assertRaisesRegex(errors.ConfigError, r"^pipe: cell_tpl\[1\] is int 7; expected "
+                                    r"a layer's Params or a list of them\.$"):
             plan_lib.MakePlan(p.Copy().Set(layer_tpl=None, cell_tpl=[p.layer_tpl[:2], 7]),
                               place=False)
 

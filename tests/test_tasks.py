@@ -4,12 +4,14 @@ the update (gpipe_tf.train.update), SyncInputShapes, the eager and v1-graph trai
 (losses, checkpoints across programs and modes, evaluation) and greedy decoding."""
 
 import functools
+import re
 import shutil
 import tempfile
 
 import numpy as np
 import tensorflow as tf
 
+from gpipe_tf import errors
 from gpipe_tf import hyperparams
 from gpipe_tf import model_registry
 from gpipe_tf import optimizer
@@ -386,6 +388,19 @@ class SyncInputShapesTest(tf.test.TestCase):
         p = _ShapesParams([[10, 64, 3], [10, 64]], batch_dim=1)
         base_task.SyncInputShapes(p)
         self.assertEqual([list(s) for s in p.model.input_shapes], [[10, 8, 3], [10, 8]])
+
+    def testShapesOfSeveralInputsAsTensorShapesKeepTheirOtherDimensions(self):
+        # A list of TensorShapes is several inputs, as the plan reads it: each gets the batch.
+        p = _ShapesParams([tf.TensorShape([64, 16]), tf.TensorShape([64])])
+        base_task.SyncInputShapes(p)
+        self.assertEqual([list(s) for s in p.model.input_shapes], [[8, 16], [8]])
+
+    def testInputShapesThatAreNoShapesAreAConfigErrorNamingThemAsWritten(self):
+        for shapes in (128, 'ab', '128,64'):
+            with self.subTest(shapes=shapes):
+                expected = rf'input_shapes must be .*; got {re.escape(repr(shapes))}\.$'
+                with self.assertRaisesRegex(errors.ConfigError, expected):
+                    base_task.SyncInputShapes(_ShapesParams(shapes))
 
     def testWithoutInputOrShapesNothingChanges(self):
         p = _ShapesParams(None)

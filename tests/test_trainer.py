@@ -31,6 +31,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.training import py_checkpoint_reader  # pylint: disable=g-direct-tensorflow-import
 
+from gpipe_tf import errors
 from gpipe_tf import model_registry
 from gpipe_tf import test_utils
 from gpipe_tf import trainer
@@ -757,6 +758,20 @@ class ErrorsTest(TrainerTestCase):
                          r'text \(byte 0xff on line 1, offset 0\); expected a UTF-8 file of '
                          r'Params text\.$', f'--model={MLP}', '--mode=inspect_params',
                          f'--model_params_file_override={path}')
+
+    def testATextFileOnAFilesystemReachedByUrlIsRead(self):
+        # --mode=tune writes tuned_params.txt beside the logdir, gs://... included, and says to
+        # pass it back with --model_params_file_override.
+        tf.io.gfile.makedirs('ram://test_trainer/run')
+        path = 'ram://test_trainer/run/tuned_params.txt'
+        with tf.io.gfile.GFile(path, 'w') as f:
+            f.write('model.num_cells : 2\r\n')
+        self.assertEqual(setup.ReadTextFile('--model_params_file_override', path, 'Params text'),
+                         'model.num_cells : 2\n')
+        with self.assertRaisesRegex(errors.InputError, r'ram://test_trainer/run is a directory'):
+            setup.ReadTextFile('--model_params_file_override', 'ram://test_trainer/run', 'text')
+        with self.assertRaisesRegex(errors.MissingInputError, r'no such file'):
+            setup.ReadTextFile('--model_params_file_override', 'ram://test_trainer/none', 'text')
 
     def testAClusterSpecThatDoesNotParse(self):
         self.AssertFailsBeforeTheLogdir(r"^error: --cluster_spec: cannot parse 'worker=nonsense'; "

@@ -45,6 +45,7 @@ from gpipe_tf import units
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import sequential
 from gpipe_tf.perf import simulator
+from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import schedule as schedule_lib
 
@@ -249,7 +250,7 @@ class MemoryPlan:
 def _ScaleBatch(shapes, batch_dim: int, batch_size: int):
     if isinstance(shapes, dict):
         return {k: _ScaleBatch(v, batch_dim, batch_size) for k, v in shapes.items()}
-    if shapes and isinstance(shapes[0], (list, tuple, dict)):
+    if fields.IsSeveralShapes(shapes):
         return [_ScaleBatch(s, batch_dim, batch_size) for s in shapes]
     shape = list(shapes)
     shape[batch_dim] = batch_size

@@ -244,8 +244,9 @@ def CheckDevices(mesh: list[list[str]], available: list[str] | None = None) -> N
     the numbers would be right, the placement not the one asked for.
 
     A device string is checked when it names a device type (CPU, GPU, TPU, or a type among the
-    available devices) and an index. Empty strings, wildcards and unparsable strings are left to
-    TensorFlow.
+    available devices) and an index; empty strings and wildcards are left to TensorFlow. A
+    string TensorFlow cannot parse (`tf.device` would refuse it too, deep in the build) is an
+    error here.
 
     Args:
       mesh: the device of each (replica, stage), R lists of K (`MeshDevices`).
@@ -255,8 +256,8 @@ def CheckDevices(mesh: list[list[str]], available: list[str] | None = None) -> N
         devices, say), every string is checked, and a job, replica or task it names must match.
 
     Raises:
-      errors.ConfigError (a ValueError): naming the first missing device, its stage and
-        replica, and the devices present.
+      errors.ConfigError (a ValueError): naming the first missing or unparsable device, its
+        stage and replica, and (missing) the devices present.
     """
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     local = available is None
@@ -265,8 +266,11 @@ def CheckDevices(mesh: list[list[str]], available: list[str] | None = None) -> N
         for k, device in enumerate(row):
             try:
                 spec = tf.DeviceSpec.from_string(device or '')
-            except ValueError:
-                continue
+            except ValueError as error:
+                raise errors.ConfigError(
+                    f'Device {device!r} of stage {k}, replica {r} is not a device string: '
+                    f"{error} Expected one such as '/device:GPU:{k}' or "
+                    f"'/job:worker/task:{k}/device:CPU:0'.") from None
             if spec.device_type is None or spec.device_index is None:
                 continue
             if local and spec.job not in (None, 'localhost'):

@@ -60,8 +60,7 @@ def InputShapes(p) -> tuple | None:
     if shapes is None:
         return None
     try:
-        if (isinstance(shapes, (list, tuple)) and shapes and
-                isinstance(shapes[0], (list, tuple, dict, tf.TensorShape))):
+        if IsSeveralShapes(shapes):
             return tuple(_ToShapes(s) for s in shapes)
         return (_ToShapes(shapes),)
     except _NotAShape as error:
@@ -71,6 +70,13 @@ def InputShapes(p) -> tuple | None:
             f'for several inputs; got {shapes!r}' +
             ('' if error.args[0] is shapes else f', in which {error.args[0]!r} is not one') +
             '.') from None
+
+
+def IsSeveralShapes(shapes) -> bool:
+    """Whether input_shapes value `shapes` gives several inputs' shapes (a list whose first
+    entry is itself a shape or a dict of them), not one input's (a list of ints, or a dict)."""
+    return (isinstance(shapes, (list, tuple)) and bool(shapes) and
+            isinstance(shapes[0], (list, tuple, dict, tf.TensorShape)))
 
 
 def BodyInputShapes(p) -> tuple | None:

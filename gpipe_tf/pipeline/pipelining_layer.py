@@ -550,11 +550,12 @@ class PipeliningLayer(BaseLayer):
 
 
 def _ArrayLikesAsTensors(inputs: tuple) -> tuple:
-    """The layer's inputs, each (nested) list of Python numbers converted to a tensor, as Keras
-    layers take array-likes; tensors, arrays and nests of them are left as they are, as is a
-    list that is no array (ragged), which `microbatch.BatchSize` then refuses."""
+    """The layer's inputs, each that is a (nested) list of Python numbers converted to a tensor,
+    as Keras layers take array-likes (ints become int32, as token ids should; floats float32);
+    tensors, arrays, tuples (a structure of inputs) and nests of them are left as they are, as
+    is a list that is no array (ragged), which `microbatch.BatchSize` then refuses."""
     def AsTensor(x):
-        if not isinstance(x, (list, tuple, numbers.Number)):
+        if not isinstance(x, list):
             return x
         leaves = tf.nest.flatten(x)
         if not leaves or not all(isinstance(leaf, numbers.Number) for leaf in leaves):

@@ -395,9 +395,15 @@ def _CellLayerParams(p) -> list[list]:
             raise errors.ConfigError(f'cell_tpl has {len(p.cell_tpl)} cells, which '
                                      f'virtual_stages={p.virtual_stages} devices cannot share '
                                      'evenly: expected a multiple of it.')
-        cells = [fields.LayerParamsList(p.name, f'cell_tpl[{k}]',
-                                        c if isinstance(c, (list, tuple)) else [c])
-                 for k, c in enumerate(p.cell_tpl)]
+        cells = []
+        for k, cell in enumerate(p.cell_tpl):
+            if isinstance(cell, (list, tuple)):
+                cells.append(fields.LayerParamsList(p.name, f'cell_tpl[{k}]', cell))
+            elif fields.IsLayerParams(cell):
+                cells.append([cell])
+            else:
+                raise errors.ConfigError(f"{p.name}: cell_tpl[{k}] is {fields.Describe(cell)}; "
+                                         "expected a layer's Params or a list of them.")
         index, named = 0, []
         for cell in cells:
             named.append([fields.Named(p, lp, index + i) for i, lp in enumerate(cell)])

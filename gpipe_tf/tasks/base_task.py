@@ -25,6 +25,7 @@ from gpipe_tf import optimizer
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import schedule as schedule_lib
 
 
@@ -162,11 +163,12 @@ def SyncInputShapes(p: hyperparams.Params) -> hyperparams.Params:
             model.input_shapes is None or 'batch_size' not in data):
         return p
     batch_dim = model.batch_dim if 'batch_dim' in model else 0
+    fields.InputShapes(model)  # A ConfigError for a value that is no shapes, as the user wrote it.
 
     def Fix(shape):
         if isinstance(shape, dict):
             return {k: Fix(v) for k, v in shape.items()}
-        if isinstance(shape, (list, tuple)) and shape and isinstance(shape[0], (list, tuple, dict)):
+        if fields.IsSeveralShapes(shape):
             return type(shape)(Fix(s) for s in shape)
         shape = list(shape)
         if len(shape) > batch_dim:

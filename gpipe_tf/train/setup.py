@@ -94,25 +94,28 @@ def _TaskParams(config, dataset: str):
 
 
 def ReadTextFile(flag: str, path: str, expected: str) -> str:
-    """The text of the UTF-8 file `path` that the command line's `flag` names; `expected` says
-    what the file holds, for the errors.
+    """The text of the UTF-8 file `path` that the command line's `flag` names, local or on a
+    filesystem TensorFlow reaches by URL (`gs://...`, where `--mode=tune` writes
+    tuned_params.txt beside a remote logdir); `expected` says what the file holds, for the
+    errors.
 
     Raises:
       errors.MissingInputError: when there is no file at `path`.
       errors.InputError: for a directory, a file that cannot be read, or one that is not UTF-8
         text; each names the flag and the path.
     """
-    if os.path.isdir(path):
+    local = logdir_lib.IsLocalPath(path)
+    if os.path.isdir(path) if local else tf.io.gfile.isdir(path):
         raise errors.InputError(f'{flag}={path} is a directory; expected a file of {expected}.')
-    if not os.path.exists(path):
+    if not (os.path.exists(path) if local else tf.io.gfile.exists(path)):
         raise errors.MissingInputError(f'{flag}={path}: no such file; expected a file of '
                                        f'{expected}.')
     try:
-        with open(path, 'rb') as f:
+        with open(path, 'rb') if local else tf.io.gfile.GFile(path, 'rb') as f:
             data = f.read()
-    except OSError as error:
-        raise errors.InputError(f'{flag}={path}: cannot read it '
-                                f'({error.strerror or error}).') from None
+    except (OSError, tf.errors.OpError) as error:
+        reason = getattr(error, 'strerror', None) or getattr(error, 'message', None) or error
+        raise errors.InputError(f'{flag}={path}: cannot read it ({reason}).') from None
     try:
         text = data.decode('utf-8')
     except UnicodeDecodeError as error:
