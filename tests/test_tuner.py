@@ -333,8 +333,18 @@ class TuneModeTest(tf.test.TestCase):
                            f'--logdir={self.LogDir()}', check=False)
         self.assertEqual(result.returncode, 2, result.stderr)
         self.assertEqual(ErrorLine(result), 'error: --num_devices=8: examples.PipelinedMLP has 4 '
-                         'layers to partition into cells, at least one per device: tune for at '
-                         'most 4 devices.')
+                         'layers to partition into cells of at least one layer, one cell per '
+                         'device: tune for at most 4 devices.')
+
+    def testMoreCellsThanLayersWithVirtualStagesNamesNumDevicesAndVirtualStages(self):
+        result = InProcess(f'--model={MLP}', '--mode=tune', '--num_devices=4',
+                           '--virtual_stages=2', '--schedule=interleaved_1f1b',
+                           '--device_memory_gib=1', '--tune_costs=flops',
+                           f'--logdir={self.LogDir()}', check=False)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertEqual(ErrorLine(result), 'error: --num_devices=4: examples.PipelinedMLP has 4 '
+                         'layers to partition into cells of at least one layer, 2 cells per '
+                         'device (--virtual_stages): tune for at most 2 devices.')
 
     def testDevicesThatDoNotSplitIntoTheReplicasAreOneLineNamingNumDevices(self):
         for devices, replicas, expected in (

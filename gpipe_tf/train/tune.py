@@ -63,12 +63,14 @@ def SetNumCells(task_params, name: str, num_devices: int) -> None:
                     'gets the same K devices, one per cell')
         raise errors.ConfigError(f'--num_devices={num_devices}: tune needs {expected}.')
     num_cells = num_devices // replicas
-    num_layers = len(p.layer_tpl or [])
-    if num_layers and num_cells > num_layers:
+    num_layers, virtual = len(p.layer_tpl or []), p.virtual_stages
+    if num_layers and num_cells * virtual > num_layers:
+        per_device = ('one cell per device' if virtual == 1 else
+                      f'{virtual} cells per device (--virtual_stages)')
         raise errors.ConfigError(
             f'--num_devices={num_devices}: {name} has {num_layers} layers to partition into '
-            f'cells, at least one per device: tune for at most {num_layers * replicas} '
-            'devices.')
+            f'cells of at least one layer, {per_device}: tune for at most '
+            f'{num_layers // virtual * replicas} devices.')
     p.num_cells = num_cells
 
 
