@@ -328,23 +328,16 @@ class TuneModeTest(tf.test.TestCase):
         self.assertRegex(ErrorLine(result), r'^error: --mode=tune needs --device_memory_gib')
 
     def testMoreDevicesThanLayersIsOneLineNamingNumDevices(self):
-        result = InProcess(f'--model={MLP}', '--mode=tune', '--num_devices=8',
-                           '--device_memory_gib=1', '--tune_costs=flops',
-                           f'--logdir={self.LogDir()}', check=False)
-        self.assertEqual(result.returncode, 2, result.stderr)
-        self.assertEqual(ErrorLine(result), 'error: --num_devices=8: examples.PipelinedMLP has 4 '
-                         'layers to partition into cells of at least one layer, one cell per '
-                         'device: tune for at most 4 devices.')
-
-    def testMoreCellsThanLayersWithVirtualStagesNamesNumDevicesAndVirtualStages(self):
-        result = InProcess(f'--model={MLP}', '--mode=tune', '--num_devices=4',
-                           '--virtual_stages=2', '--schedule=interleaved_1f1b',
-                           '--device_memory_gib=1', '--tune_costs=flops',
-                           f'--logdir={self.LogDir()}', check=False)
-        self.assertEqual(result.returncode, 2, result.stderr)
-        self.assertEqual(ErrorLine(result), 'error: --num_devices=4: examples.PipelinedMLP has 4 '
-                         'layers to partition into cells of at least one layer, 2 cells per '
-                         'device (--virtual_stages): tune for at most 2 devices.')
+        for flags, expected in (
+                (['--num_devices=8'], 'one cell per device: tune for at most 4 devices.'),
+                (['--num_devices=4', '--virtual_stages=2', '--schedule=interleaved_1f1b'],
+                 '2 cells per device (--virtual_stages): tune for at most 2 devices.')):
+            result = InProcess(f'--model={MLP}', '--mode=tune', *flags, '--device_memory_gib=1',
+                               '--tune_costs=flops', f'--logdir={self.LogDir()}', check=False)
+            self.assertEqual(result.returncode, 2, result.stderr)
+            self.assertEqual(ErrorLine(result), f'error: {flags[0]}: examples.PipelinedMLP has 4 '
+                             'layers to partition into cells of at least one layer, '
+                             f'{expected}')
 
     def testDevicesThatDoNotSplitIntoTheReplicasAreOneLineNamingNumDevices(self):
         for devices, replicas, expected in (
