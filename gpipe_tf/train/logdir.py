@@ -104,10 +104,16 @@ def FileInTheWay(path: str) -> str | None:
     (or for a URL such as `gs://...`)."""
     if not IsLocalPath(path):
         return None
+    existing = _NearestExisting(path)
+    return None if os.path.isdir(existing) else existing
+
+
+def _NearestExisting(path: str) -> str:
+    """The absolute local `path`, or its nearest ancestor that exists."""
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    return None if os.path.isdir(existing) else existing
+    return existing
 
 
 def _FileInTheWayMessage(logdir: str, where: str) -> str:
@@ -131,9 +137,7 @@ def CheckCreatable(logdir: str) -> None:
     in_the_way = FileInTheWay(logdir)
     if in_the_way:
         raise UnwritableLogdirError(_FileInTheWayMessage(logdir, in_the_way))
-    existing = os.path.abspath(logdir)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = _NearestExisting(logdir)
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UnwritableLogdirError(_Unwritable(logdir, existing, 'permission denied'))
 

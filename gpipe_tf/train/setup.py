@@ -104,18 +104,16 @@ def ReadTextFile(flag: str, path: str, expected: str) -> str:
       errors.InputError: for a directory, a file that cannot be read, or one that is not UTF-8
         text; each names the flag and the path.
     """
-    local = logdir_lib.IsLocalPath(path)
-    if os.path.isdir(path) if local else tf.io.gfile.isdir(path):
+    if tf.io.gfile.isdir(path):
         raise errors.InputError(f'{flag}={path} is a directory; expected a file of {expected}.')
-    if not (os.path.exists(path) if local else tf.io.gfile.exists(path)):
+    if not tf.io.gfile.exists(path):
         raise errors.MissingInputError(f'{flag}={path}: no such file; expected a file of '
                                        f'{expected}.')
     try:
-        with open(path, 'rb') if local else tf.io.gfile.GFile(path, 'rb') as f:
+        with tf.io.gfile.GFile(path, 'rb') as f:
             data = f.read()
-    except (OSError, tf.errors.OpError) as error:
-        reason = getattr(error, 'strerror', None) or getattr(error, 'message', None) or error
-        raise errors.InputError(f'{flag}={path}: cannot read it ({reason}).') from None
+    except tf.errors.OpError as error:
+        raise errors.InputError(f'{flag}={path}: cannot read it ({error.message}).') from None
     try:
         text = data.decode('utf-8')
     except UnicodeDecodeError as error:
@@ -216,7 +214,7 @@ def CheckDataDir(p) -> None:
     """A local data directory the input reads must exist (else the run would fail after
     building the model)."""
     path = p.input.data_dir if 'data_dir' in p.input else None
-    if path and '://' not in path and not os.path.isdir(path):
+    if path and logdir_lib.IsLocalPath(path) and not os.path.isdir(path):
         raise errors.ConfigError(f'--data_dir: {path} is not a directory; '
                                  f'{p.input.cls.__name__} reads its files there.')
 
