@@ -404,6 +404,8 @@ def _NestedParams(value) -> list[Params]:
 def _CopyValue(value):
     if isinstance(value, Params):
         return value.Copy()
+    if isinstance(value, tuple) and hasattr(value, '_fields'):  # A namedtuple: by position.
+        return type(value)(*(_CopyValue(v) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(_CopyValue(v) for v in value)
     if isinstance(value, dict):

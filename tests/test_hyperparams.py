@@ -160,6 +160,14 @@ class CopyTest(tf.test.TestCase):
         self.assertIs(q.fn, ModuleLevelFunction)
         self.assertEqual(q.dtype, tf.int32)
 
+    def test_copy_keeps_namedtuples_and_their_fields(self):
+        # tf.config.list_logical_devices lists namedtuples, a natural `devices` value.
+        devices = [tf.config.LogicalDevice('/device:CPU:0', 'CPU')]
+        q = _Params(devices=devices, pair=(1, [2])).Copy()
+        self.assertEqual(q.devices, devices)
+        self.assertIsInstance(q.devices[0], tf.config.LogicalDevice)
+        self.assertEqual(q.pair, (1, [2]))
+
     def test_copy_of_frozen_params_is_unfrozen(self):
         p = _Params(child=_Params(x=1)).Freeze()
         q = p.Copy()

@@ -53,6 +53,30 @@ class MeshDevicesTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, 'num_replicas must be >= 1'):
             pipelining_layer.MeshDevices(None, 0, 2)
 
+    def testLogicalDevicesAndDeviceSpecsGiveTheirNames(self):
+        # As tf.device takes them: the list tf.config.list_logical_devices returns, flat or
+        # nested, or DeviceSpecs.
+        logical = tf.config.list_logical_devices('CPU')[:4]
+        names = [[d.name for d in logical[:2]], [d.name for d in logical[2:]]]
+        self.assertEqual(pipelining_layer.MeshDevices(logical, 2, 2), names)
+        self.assertEqual(pipelining_layer.MeshDevices([logical[:2], logical[2:]], 2, 2), names)
+        specs = [tf.DeviceSpec(device_type='CPU', device_index=k) for k in range(2)]
+        self.assertEqual(pipelining_layer.MeshDevices(specs, 1, 2),
+                         [['/device:CPU:0', '/device:CPU:1']])
+
+    def testALayerOnLogicalDevicesRunsEachStageOnItsDevice(self):
+        logical = tf.config.list_logical_devices('CPU')[:2]
+        layer = _Layer(num_replicas=1, devices=logical)
+        graph = tf.function(layer.FProp).get_concrete_function(
+            layer.theta, tf.TensorSpec([BATCH, DIM])).graph
+        placed = {}
+        for op in graph.get_operations():
+            k, _ = test_utils.CellScope(op.name)
+            if k is not None:
+                placed.setdefault(k, set()).add(tf.DeviceSpec.from_string(op.device))
+        self.assertEqual(placed, {k: {tf.DeviceSpec.from_string(d.name)}
+                                  for k, d in enumerate(logical)})
+
     @parameterized.named_parameters(
         ('a_string', '/device:CPU:0', r"must be None, a list of device strings, 2 list\(s\) of "
          r"2 .*got str '/device:CPU:0' \(for every stage on one device, write "

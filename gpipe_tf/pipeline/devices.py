@@ -169,9 +169,10 @@ def MeshDevices(devices, num_replicas: int, num_cells: int,
     """Device string of each (replica, stage): R lists of K.
 
     Args:
-      devices: None (the logical devices present), a flat list of device strings (replica r's
+      devices: None (the logical devices present), a flat list of devices (replica r's
         stage k takes entry r * K + k), a list of R lists of K, or a function of
-        (replica, stage) returning a device string (of the stage alone when R is 1).
+        (replica, stage) returning a device (of the stage alone when R is 1). A device is a
+        string, a tf.config.LogicalDevice or a tf.DeviceSpec (`_DeviceName`).
       num_replicas: R, the pipelines run side by side for data parallelism.
       num_cells: K.
       round_robin: whether stages may share devices when a flat list has fewer than R * K.
@@ -190,6 +191,8 @@ def MeshDevices(devices, num_replicas: int, num_cells: int,
             'PipeliningLayer devices must be None, a list of device strings, '
             f'{num_replicas} list(s) of {num_cells} (replicas x stages), or a function of '
             f'(replica, stage); got {type(devices).__name__} {devices!r}{one}.')
+    if isinstance(devices, (list, tuple)):  # A LogicalDevice is a tuple, not a replica's row.
+        devices = [_DeviceName(device) for device in devices]
     if callable(devices):
         if len(inspect.signature(devices).parameters) >= 2:
             mesh = [[devices(r, k) for k in range(num_cells)] for r in range(num_replicas)]
@@ -219,8 +222,9 @@ def MeshDevices(devices, num_replicas: int, num_cells: int,
 
 
 def _DeviceStrings(mesh: list[list], given: str) -> list[list[str]]:
-    """`mesh`, checked to hold device strings: TensorFlow would fail on anything else deep in
-    placement, naming neither the stage nor the value."""
+    """`mesh`, checked to hold device strings (after `_DeviceName`): TensorFlow would fail on
+    anything else deep in placement, naming neither the stage nor the value."""
+    mesh = [[_DeviceName(device) for device in row] for row in mesh]
     for r, row in enumerate(mesh):
         for k, device in enumerate(row):
             if not isinstance(device, str):
@@ -229,6 +233,17 @@ def _DeviceStrings(mesh: list[list], given: str) -> list[list[str]]:
                     f"stage {k} of replica {r}; expected a device string, such as "
                     f"'/device:GPU:{k}'.")
     return mesh
+
+
+def _DeviceName(device):
+    """The name of what `tf.device` takes besides a string: a `tf.config.LogicalDevice` (as
+    `tf.config.list_logical_devices` lists them) or a `tf.DeviceSpec`; anything else as it is."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    if isinstance(device, tf.config.LogicalDevice):
+        return device.name
+    if isinstance(device, tf.DeviceSpec):
+        return device.to_string()
+    return device
 
 
 # Device types a string is checked for even when none is present (a GPU asked for on a machine

@@ -91,7 +91,8 @@ class PipeliningLayer(BaseLayer):
         p.Define('devices', None,
                  'Device of each (replica, stage): None (logical devices present), a flat list '
                  '(replica r, stage k: entry r * K + k), R lists of K, or a function of '
-                 '(replica, stage) (of the stage alone when num_replicas is 1).')
+                 '(replica, stage) (of the stage alone when num_replicas is 1). Each device is '
+                 'a string, a tf.config.LogicalDevice or a tf.DeviceSpec.')
         p.Define('logical_device_fn', None,
                  'None, or a function (tensor, k) -> tensor assigning a tensor to logical device '
                  'k of the replica, for XLA model parallelism (TF2 TPU: '
