@@ -227,7 +227,8 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
         printer(f'resumed from {program.manager.latest_checkpoint} at step {step}{note}',
                 flush=True)
     if step >= max_steps:
-        printer(f'already at step {step} >= max_steps {max_steps}; nothing to train.',
+        printer(f'already at step {step} >= max_steps {max_steps}; nothing to train.' if step
+                else f'max_steps {max_steps} trains no step; no checkpoint is written.',
                 flush=True)
     writer = tf.summary.create_file_writer(os.path.join(logdir, 'train'))
     eval_writer = (tf.summary.create_file_writer(os.path.join(logdir, 'eval'))
@@ -292,8 +293,8 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
     finally:
         signals.__exit__()
     checkpoint = program.manager.latest_checkpoint
-    printer(f'checkpoint {checkpoint} at step {step}' if checkpoint else
-            f'no checkpoint: max_steps {max_steps} trains no step', flush=True)
+    if checkpoint:  # None only where no step ran: the line above said so.
+        printer(f'checkpoint {checkpoint} at step {step}', flush=True)
     if eval_writer is not None:
         evaluation = Evaluate(program, eval_params, eval_writer, step, 'final', printer)
         metrics = dict(metrics, **{f'eval_{k}': v for k, v in evaluation.items()})
