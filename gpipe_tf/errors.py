@@ -6,6 +6,7 @@ traceback. The message alone must say what was wrong, the values seen, and what 
 instead.
 """
 
+import re
 import sys
 
 
@@ -39,3 +40,14 @@ class EnvironmentFault(Exception):
 def Warn(text: str) -> None:
     """A one-line warning for the user, on stderr: what happened and what was done about it."""
     print(f'warning: {text}', file=sys.stderr, flush=True)
+
+
+def Reason(error: BaseException) -> str:
+    """The first line of an error's message that says something, without TensorFlow's
+    decorations ('{{function_node ...}}' before it, '[Op:...]' after it); '' if none."""
+    lines = [l.strip() for l in str(getattr(error, 'message', error)).splitlines()
+             if any(c.isalpha() for c in l) and not l.startswith('Graph execution error')]
+    if not lines:
+        return ''
+    line = re.sub(r'^\{\{[^}]*\}\}\s*', '', lines[0])
+    return re.sub(r'\s*\[Op:[^\]]*\].*$', '', line)

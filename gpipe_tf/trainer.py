@@ -235,8 +235,12 @@ def Main(config: Config) -> int:
       cluster.ClusterError: when a task of the cluster (or the TPU) cannot be reached.
     """
     # After `_Quiet`: importing the run imports TensorFlow.
-    from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
-    from gpipe_tf.train import run  # pylint: disable=g-import-not-at-top
+    try:
+        from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
+        from gpipe_tf.train import run  # pylint: disable=g-import-not-at-top
+    except KeyboardInterrupt:
+        print(_STOPPED_STARTING, file=sys.stderr, flush=True)
+        return 130
     try:
         run.Run(config)
         return 0
@@ -260,6 +264,10 @@ def Main(config: Config) -> int:
         return 130
 
 
+# Ctrl-C while TensorFlow and the trainer's modules load: nothing has been written yet.
+_STOPPED_STARTING = 'stopped by SIGINT while starting; nothing was written.'
+
+
 def _Error(error: BaseException, verbose: bool) -> None:
     if verbose:
         traceback.print_exception(error)
@@ -278,6 +286,8 @@ def _Quiet() -> None:
         os.dup2(captured.fileno(), 2)
         try:
             import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+        except KeyboardInterrupt:  # Ctrl-C: the user's, not a failed import to explain.
+            raise
         except BaseException:
             os.dup2(stderr, 2)
             captured.seek(0)
@@ -296,9 +306,13 @@ def _Main(argv):
               file=sys.stderr, flush=True)
         sys.exit(2)
     config = Config.FromFlags(FLAGS)
-    if not config.verbose:
-        _Quiet()
-    from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+    try:
+        if not config.verbose:
+            _Quiet()
+        from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+    except KeyboardInterrupt:
+        print(_STOPPED_STARTING, file=sys.stderr, flush=True)
+        sys.exit(130)
     try:
         status = Main(config)
     except cluster_lib.ClusterError as error:

@@ -5,6 +5,7 @@ The trainer's use of it is tested on real processes in test_trainer.py (Recovery
 import os
 import shutil
 import tempfile
+from unittest import mock
 
 import pytest
 import numpy as np
@@ -109,6 +110,38 @@ class CheckpointsTest(tf.test.TestCase):
         self.assertEqual(found.path, self.Prefix(3))
         self.assertEqual(found.unfinished, (self.Prefix(4) + '_temp', self.Data(5)))
 
+    def testOnlyUnfinishedSavesLetATrainerStartAtZeroAndStopAReader(self):
+        # A first save that failed (a full disk) left only its temporary folder: the trainer's
+        # message says to run the same command again, which must then start, losing nothing.
+        directory = tempfile.mkdtemp(dir=self.dir)
+        os.mkdir(os.path.join(directory, 'ckpt-1_temp'))
+        with self.assertRaisesRegex(checkpoints.NoCheckpointRestoresError,
+                                    'train in this logdir again'):
+            checkpoints.Choose(directory, writer=False)
+        found = checkpoints.Choose(directory, writer=True)
+        self.assertIsNone(found.path)
+        self.assertEqual(os.listdir(os.path.join(directory, checkpoints.DAMAGED_DIR)),
+                         ['ckpt-1_temp'])
+        # With a damaged checkpoint beside it, the trainer still asks before starting over.
+        Damage(self.Data(3), 'truncate')
+        for step in (1, 2):
+            for name in os.listdir(self.dir):
+                if name.startswith(f'ckpt-{step}.'):
+                    os.remove(os.path.join(self.dir, name))
+        os.mkdir(self.Prefix(4) + '_temp')
+        with self.assertRaisesRegex(checkpoints.NoCheckpointRestoresError,
+                                    'pass --start_from_scratch'):
+            checkpoints.Choose(self.dir, writer=True)
+
+    def testACheckpointThisUserMayNotReadIsNotDamage(self):
+        denied = tf.errors.PermissionDeniedError(None, None, f'{self.Data(3)}; Permission denied')
+        with mock.patch.object(tf.train, 'load_checkpoint', side_effect=denied):
+            with self.assertRaisesRegex(checkpoints.UnreadableCheckpointError,
+                                        'Permission denied.*nothing was moved'):
+                checkpoints.Choose(self.dir, writer=True)
+        self.assertEqual(checkpoints.Find(self.dir).path, self.Prefix(3))
+        self.assertFalse(os.path.exists(os.path.join(self.dir, checkpoints.DAMAGED_DIR)))
+
     def testSetAsideMovesWithoutDeletingAndTheManagerKeepsManagingEverything(self):
         Damage(self.Data(3), 'truncate')
         os.remove(os.path.join(self.dir, 'checkpoint'))
@@ -136,10 +169,14 @@ class CheckpointsTest(tf.test.TestCase):
         found = checkpoints.Find(self.dir)
         self.assertIsNone(found.path)
         self.assertTrue(found.any_files)
-        message = checkpoints.NoneRestoresMessage(self.dir, found, '--start_from_scratch')
+        message = checkpoints.NoneRestoresMessage(self.dir, found, writer=True)
         for step in STEPS:
             self.assertIn(self.Prefix(step), message)
-        self.assertIn('--start_from_scratch', message)
+        self.assertIn('pass --start_from_scratch', message)
+        self.assertNotIn('\n', message)
+        # Eval, export and decode read: training again is the way out.
+        message = checkpoints.NoneRestoresMessage(self.dir, found, writer=False)
+        self.assertIn('train in this logdir again with --start_from_scratch', message)
         self.assertNotIn('\n', message)
         # Starting over deliberately moves them aside, the index with them.
         checkpoints.SetAside(self.dir, found)

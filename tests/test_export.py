@@ -10,11 +10,13 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import saved_model_pb2
 
+from gpipe_tf import errors
 from gpipe_tf import model_registry
 from gpipe_tf import test_utils
 from gpipe_tf.train import decode
@@ -322,6 +324,23 @@ class ExportErrorsTest(ExportTestCase):
         with self.assertRaisesRegex(NotADirectoryError, rf'^export: {base} is a file, not a '
                                     'directory'):
             export.Export(p.Instantiate(), p, os.path.join(base, '1'))
+
+    def testAFullDiskIsOneLineAndLeavesNoHalfWrittenVersion(self):
+        p = model_registry.GetParams('examples.PipelinedMLP', 'Test')
+        save = tf.saved_model.save
+
+        def SaveUntilTheDiskIsFull(obj, export_dir, signatures):
+            save(obj, export_dir, signatures=signatures)  # Half of it: the rename is left.
+            raise tf.errors.ResourceExhaustedError(
+                None, None, f'{export_dir}/variables; No space left on device')
+
+        with mock.patch.object(tf.saved_model, 'save', SaveUntilTheDiskIsFull):
+            with self.assertRaisesRegex(
+                    errors.EnvironmentFault,
+                    rf'^could not write the SavedModel at {self.base}/1.partial: '
+                    r'.*No space left on device\. The checkpoints written before it are kept'):
+                export.Export(p.Instantiate(), p, os.path.join(self.base, '1'))
+        self.assertEqual(os.listdir(self.base), [])
 
     def testALanguageModelIsRefused(self):
         p = model_registry.GetParams('lm.TransformerLTiny', 'Test')

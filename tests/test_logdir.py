@@ -2,6 +2,7 @@
 is refused when unsafe, and atomic writes that never follow a symlink
 (`gpipe_tf.train.logdir`). The trainer's use of them: test_trainer.py (RecoveryTest)."""
 
+import errno
 import importlib.machinery
 import os
 import shutil
@@ -171,6 +172,67 @@ class WriteAtomicallyTest(LogdirTestCase):
         logdir_lib.WriteAtomically(path, 'a\n')
         logdir_lib.WriteAtomically(path, 'b\n')
         self.assertEqual(os.listdir(self.dir), ['params.txt'])
+
+    def testADirectoryInTheWayIsOneLineAndLeavesNothing(self):
+        path = os.path.join(self.dir, 'params.txt')
+        os.mkdir(path)
+        with self.assertRaisesRegex(
+                logdir_lib.UnwritableLogdirError,
+                rf'^cannot write the Params at {path}: Is a directory; fix that path'):
+            logdir_lib.WriteParams('a\n', self.dir)
+        self.assertEqual(os.listdir(self.dir), ['params.txt'])
+
+
+class FileFaultsTest(LogdirTestCase):
+    """What the run writes into the logdir fails as one line: a path to fix is the user's
+    (UnwritableLogdirError, exit 2), a full disk the machine's (DiskFault, exit 1)."""
+
+    def Raised(self, error):
+        with self.assertRaises(Exception) as raised:
+            with logdir_lib.Writing('/logdir/train', 'the summaries'):
+                raise error
+        return raised.exception
+
+    def testAPathToFixIsTheUsers(self):
+        for error in (PermissionError(errno.EACCES, 'Permission denied'),
+                      OSError(errno.EROFS, 'Read-only file system'),
+                      tf.errors.PermissionDeniedError(None, None, 'Permission denied'),
+                      tf.errors.FailedPreconditionError(
+                          None, None, '{{function_node __wrapped__CreateSummaryFileWriter}} '
+                          'Not a directory [Op:CreateSummaryFileWriter] name:')):
+            with self.subTest(error):
+                fault = self.Raised(error)
+                self.assertIsInstance(fault, logdir_lib.UnwritableLogdirError)
+                self.assertRegex(str(fault), r'^cannot write the summaries at /logdir/train: '
+                                 r'(Permission denied|Read-only file system|Not a directory); '
+                                 r'fix that path')
+
+    def testAFullDiskIsTheMachines(self):
+        for error in (OSError(errno.ENOSPC, 'No space left on device'),
+                      tf.errors.ResourceExhaustedError(None, None,
+                                                       '/logdir/train; No space left on device')):
+            with self.subTest(error):
+                fault = self.Raised(error)
+                self.assertIsInstance(fault, errors.EnvironmentFault)
+                self.assertEqual(str(fault), 'could not write the summaries at /logdir/train: '
+                                 'No space left on device. The checkpoints written before it '
+                                 'are kept; free space (or fix the cause) and run the same '
+                                 'command again.')
+
+    def testAClusterThatDoesNotAnswerPassesThrough(self):
+        unavailable = tf.errors.UnavailableError(None, None, 'worker gone')
+        self.assertIs(self.Raised(unavailable), unavailable)
+
+    def testALockOrParamsThatAreDirectoriesAreOneLine(self):
+        os.mkdir(os.path.join(self.dir, logdir_lib.LOCK_FILE))
+        with self.assertRaisesRegex(logdir_lib.UnwritableLogdirError,
+                                    r'cannot write the trainer lock at .*: Is a directory'):
+            logdir_lib.Lock(self.dir).Acquire()
+        params = os.path.join(self.dir, 'params.txt')
+        os.mkdir(params)
+        with self.assertRaisesRegex(logdir_lib.UnwritableLogdirError,
+                                    rf'^cannot read {params}: Is a directory; make it a file'):
+            logdir_lib.ReadParams(self.dir)
 
 
 if __name__ == '__main__':

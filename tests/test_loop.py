@@ -98,6 +98,15 @@ class TrainSignalsTest(tf.test.TestCase):
         self.assertEqual((raised.exception.step, raised.exception.checkpoint), (8, 'ckpt-8'))
         self.assertEqual(program.step, 8)
 
+    def testASignalDuringTheLastSaveStopsTheRun(self):
+        # Max steps 18 is no multiple of 4: the run ends in a save of its own, and a signal
+        # there is not lost (the run says it was stopped, and a final eval would not start).
+        program = RecordingProgram(signal_in_save_at=18)
+        with self.assertRaises(loop.Interrupted) as raised:
+            loop.Train(program, self.params, self.logdir, 18, printer=lambda *a, **k: None)
+        self.assertEqual(program.saves[-1], (18, True))
+        self.assertEqual((raised.exception.step, raised.exception.checkpoint), (18, 'ckpt-18'))
+
     def testASecondSignalStopsTheStepHalfWayAndSavesTheProgramsStep(self):
         program = RecordingProgram(signal_at_step=6, signals_per_step=2)
         with self.assertRaises(loop.Interrupted) as raised:

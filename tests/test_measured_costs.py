@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from gpipe_tf import errors
 from gpipe_tf import test_utils
 from gpipe_tf.keras import Pipeline
 from gpipe_tf.layers import basic
@@ -110,15 +111,28 @@ class PartitionOnTimeTest(CleanCacheTestCase):
             measured_costs._CACHE.clear()  # pylint: disable=protected-access  # A new process.
             self.assertEqual(_Cells(p), [2, 2])
             self.assertEqual(made_up.calls, 3)
-            with open(costs_file, 'w') as f:
-                f.write('{"half a file')
-            measured_costs._CACHE.clear()  # pylint: disable=protected-access
-            with self.assertLogs(level='WARNING') as logs:
-                self.assertEqual(_Cells(p), [2, 2])
-            self.assertIn('does not read', '\n'.join(logs.output))
-            self.assertEqual(made_up.calls, 6)
+            # Half a file, a list, text where numbers go, a negative or a NaN cost: each is
+            # one warning, and the layers are measured again and the file written whole.
             with open(costs_file) as f:
-                self.assertLen(json.load(f), 3)  # Written whole again.
+                good = json.load(f)
+            key = sorted(good)[0]
+            broken = ['{"half a file', '[1, 2]',
+                      json.dumps({**good, key: {**good[key], 'forward_s': 'fast'}}),
+                      json.dumps({**good, key: {**good[key], 'forward_s': -1.0}}),
+                      json.dumps({**good, key: {**good[key], 'backward_s': float('nan')}})]
+            for n, text in enumerate(broken, 1):
+                with open(costs_file, 'w') as f:
+                    f.write(text)
+                measured_costs._CACHE.clear()  # pylint: disable=protected-access
+                with mock.patch.object(errors, 'Warn') as warn:
+                    self.assertEqual(_Cells(p), [2, 2])
+                warn.assert_called_once()
+                self.assertRegex(warn.call_args[0][0],
+                                 rf'^measuring the layers again: the costs file {costs_file} '
+                                 r'does not read \(.+\)\.$')
+                self.assertEqual(made_up.calls, 3 + 3 * n)
+                with open(costs_file) as f:
+                    self.assertEqual(json.load(f), good)  # Written whole again.
         self.assertEqual(os.listdir(os.path.dirname(costs_file)), ['layer_costs.json'])
 
     def testAPipelineOnTimeComputesWhatTheLayersDo(self):

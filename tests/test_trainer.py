@@ -429,6 +429,25 @@ class RecoveryTest(ReferenceRunTestCase):
         self.assertEqual(found.group(1), found.group(2))
         self.assertEqual(CheckpointSteps(logdir)[-1], int(found.group(1)))
 
+    def testCtrlCWhileStartingIsOneLine(self):
+        # Half a second in, TensorFlow is still being imported (it takes seconds).
+        logdir = os.path.join(self.LogDir(), 'never')
+        process = StartTrainer(logdir, RECOVERY, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(0.5)
+            process.send_signal(signal.SIGINT)
+            _, stderr = process.communicate(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+        self.assertEqual(process.returncode, 130, stderr[-3000:])
+        self.assertNotIn('Traceback', stderr)
+        self.assertEqual(stderr.strip().splitlines()[-1],
+                         'stopped by SIGINT while starting; nothing was written.')
+        self.assertFalse(os.path.exists(logdir))
+
     def testInspectParamsReplacesASymlinkInsteadOfWritingThroughIt(self):
         logdir = self.LogDir()
         victim = os.path.join(logdir, 'victim.txt')
@@ -595,6 +614,48 @@ class DecodeRequestTest(TrainerTestCase):
             r"\(it starts with b'not a pi'\)\.$", f'--model={MLP}', f'--decode_input={path}')
         self.assertNotIn('Traceback', result.stderr)
 
+    def testAnInputFileWithNoNonBlankLineNamesIt(self):
+        directory = self.LogDir()
+        for name, text in (('empty.txt', ''), ('blank.txt', '\n  \n\t\n')):
+            path = os.path.join(directory, name)
+            with open(path, 'w', encoding='utf-8') as f:
+                f.write(text)
+            self.AssertFails(rf'^error: decode: --decode_input_file={re.escape(path)} holds no '
+                             r'non-blank line; expected one image path or sentence per line\.$',
+                             f'--model={MLP}', f'--decode_input_file={path}')
+        self.AssertFails(r'^error: decode: --decode_input_file=/dev/null holds no non-blank line',
+                         f'--model={MLP}', '--decode_input_file=/dev/null')
+
+    def testBlankDecodeInputItemsAreDroppedAsBlankLinesAre(self):
+        mt = '--model=mt.multilingual.TransformerTiny'
+        for flag in ('--decode_input=,', '--decode_input= ', '--decode_input= , '):
+            self.AssertFails(r'^error: decode: --decode_input holds only blank items; expected '
+                             r'image paths or sentences, comma-separated\.$', mt,
+                             '--target_language=de', flag)
+        # The blank items around a missing image are dropped before it is looked for.
+        self.AssertFails(r"^error: decode: no image file '/nonexistent\.png'\.$",
+                         f'--model={MLP}', '--decode_input=,/nonexistent.png, ')
+
+    def testAReadOnlyLogdirIsNoMistakeForDecodeWhichWritesNothingThere(self):
+        image = os.path.join(self.LogDir(), 'x.png')
+        tf.io.write_file(image, tf.io.encode_png(tf.zeros([4, 4, 1], tf.uint8)))
+        logdir = self.LogDir()
+        os.chmod(logdir, 0o555)
+        self.addCleanup(os.chmod, logdir, 0o755)
+        access = os.access
+        # As root, os.access grants what the mode denies: deny writes under the logdir here.
+        with mock.patch.object(os, 'access', lambda path, mode, **kwargs: (
+                access(path, mode, **kwargs) and
+                not (mode & os.W_OK and os.fspath(path).startswith(logdir)))):
+            # Past the logdir check, to the checkpoint it reads.
+            TrainerTestCase.AssertFails(
+                self, rf'^error: decode: no checkpoint under {re.escape(logdir)}/train',
+                f'--model={MLP}', f'--logdir={logdir}', '--mode=decode', f'--decode_input={image}')
+            # Training writes there.
+            TrainerTestCase.AssertFails(
+                self, rf'^error: cannot write the logdir {re.escape(logdir)}', f'--model={MLP}',
+                f'--logdir={logdir}', '--max_steps=1')
+
     def testATaskThatCannotDecode(self):
         self.AssertFails(r'^error: decode: SequenceTask cannot decode',
                          '--model=lm.TransformerLTiny', '--decode_input=hello')
@@ -745,6 +806,19 @@ class ErrorsTest(TrainerTestCase):
         self.AssertFails(rf'^error: --logdir={path}/run: {path} is a file, not a directory; '
                          r'expected a logdir whose parents are directories',
                          f'--model={MLP}', f'--logdir={path}/run', '--max_steps=1')
+
+    def testWhatTheLogdirHoldsInTheWayIsOneLine(self):
+        # A file where the summaries' directory goes; a directory where params.txt goes.
+        logdir = self.LogDir()
+        with open(os.path.join(logdir, 'train'), 'w', encoding='utf-8') as f:
+            f.write('not a directory')
+        self.AssertFails(rf'^error: cannot write the summaries at {logdir}/train: Not a '
+                         r'directory; fix that path', f'--model={MLP}', f'--logdir={logdir}',
+                         '--max_steps=1')
+        logdir = self.LogDir()
+        os.mkdir(os.path.join(logdir, 'params.txt'))
+        self.AssertFails(rf'^error: cannot read {logdir}/params.txt: Is a directory',
+                         f'--model={MLP}', f'--logdir={logdir}', '--max_steps=1')
 
     def testAParamsFileThatIsADirectoryOrNotUtf8NamesTheFlagAndThePath(self):
         directory = self.LogDir()

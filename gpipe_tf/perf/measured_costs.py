@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -35,6 +36,7 @@ from typing import Callable, Sequence
 from absl import logging
 import tensorflow as tf
 
+from gpipe_tf import errors
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.pipeline import leaves
@@ -352,20 +354,34 @@ def _Load(cache_file: str | None) -> dict[str, LayerCost]:
     try:
         with tf.io.gfile.GFile(cache_file) as f:
             entries = json.load(f)
-        return {key: LayerCost(**value) for key, value in entries.items()}
-    except (ValueError, TypeError) as error:
-        logging.warning('Measuring again: the costs file %s does not read (%s).', cache_file,
-                        error)
+        if not isinstance(entries, dict):
+            raise ValueError(f'expected an object of layers, got {type(entries).__name__}')
+        costs = {key: LayerCost(**value) for key, value in entries.items()}
+        for key, cost in costs.items():
+            for name, value in dataclasses.asdict(cost).items():
+                if (isinstance(value, bool) or not isinstance(value, (int, float)) or
+                        not math.isfinite(value) or value < 0):
+                    raise ValueError(f'{key}: {name} is {value!r}, not a number >= 0')
+        return costs
+    except (ValueError, TypeError, AttributeError, tf.errors.OpError) as error:
+        # The file is a cache: what it says wrong is measured again, and the file rewritten.
+        errors.Warn(f'measuring the layers again: the costs file {cache_file} does not read '
+                    f'({error}).')
         return {}
 
 
 def _Store(cache_file: str, costs: dict[str, LayerCost]) -> None:
-    """Writes the file whole, through a temporary file: a reader never sees half of it."""
+    """Writes the file whole, through a temporary file: a reader never sees half of it. A file
+    that cannot be written is a warning: it only spares the next run the measuring."""
     directory = os.path.dirname(cache_file)
-    if directory:
-        tf.io.gfile.makedirs(directory)
     temporary = f'{cache_file}.tmp'
-    with tf.io.gfile.GFile(temporary, 'w') as f:
-        json.dump({key: dataclasses.asdict(c) for key, c in sorted(costs.items())}, f,
-                  indent=1)
-    tf.io.gfile.rename(temporary, cache_file, overwrite=True)
+    try:
+        if directory:
+            tf.io.gfile.makedirs(directory)
+        with tf.io.gfile.GFile(temporary, 'w') as f:
+            json.dump({key: dataclasses.asdict(c) for key, c in sorted(costs.items())}, f,
+                      indent=1)
+        tf.io.gfile.rename(temporary, cache_file, overwrite=True)
+    except (OSError, tf.errors.OpError) as error:
+        errors.Warn(f'could not write the costs file {cache_file} '
+                    f'({str(error).strip().splitlines()[0]}); the next run measures again.')

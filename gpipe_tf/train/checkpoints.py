@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from gpipe_tf import errors
 from gpipe_tf.train import cluster as cluster_lib
+from gpipe_tf.train import logdir as logdir_lib
 
 PREFIX = 'ckpt'
 DAMAGED_DIR = 'damaged'
@@ -112,16 +113,32 @@ def FirstLine(error: Exception) -> str:
     return f'{type(error).__name__}: {line}' if line else type(error).__name__
 
 
+class UnreadableCheckpointError(errors.UserError):
+    """A checkpoint whose files this user may not read."""
+
+
 def Verify(prefix: str) -> str | None:
     """Why the checkpoint at `prefix` does not read back, or None when every tensor does.
 
     Reading checks each tensor's size and checksum; a tensor at a time, so the memory used is
     that of the largest variable.
+
+    Raises:
+      UnreadableCheckpointError: when this user may not read its files: not damage, and
+        nothing is to be set aside for it.
+      tf.errors.UnavailableError, tf.errors.DeadlineExceededError: a remote file system that
+        did not answer (not damage either).
     """
     try:
         reader = tf.train.load_checkpoint(prefix)
         for key in reader.get_variable_to_shape_map():
             reader.get_tensor(key)
+    except tf.errors.PermissionDeniedError as error:
+        raise UnreadableCheckpointError(
+            f'cannot read the checkpoint {prefix}: {FirstLine(error)}; make its files '
+            'readable by this user (nothing was moved or changed).') from None
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError):
+        raise
     except Exception as error:  # pylint: disable=broad-except
         # Damage shows as OpError (bad magic number, checksum), IndexError (a truncated data
         # file) and others: any failure to read means the checkpoint cannot be restored.
@@ -201,12 +218,20 @@ def Warnings(found: Found) -> list[str]:
     return lines
 
 
-def NoneRestoresMessage(directory: str, found: Found, flag: str) -> str:
+def NoneRestoresMessage(directory: str, found: Found, writer: bool) -> str:
+    """Why nothing restores, and the way out: for a trainer (`writer`) --start_from_scratch;
+    for a reader (eval, export, decode) training first."""
     names = [d.prefix for d in found.damaged] + list(found.unfinished)
+    aside = f'they are moved to {os.path.join(directory, DAMAGED_DIR)}, not deleted'
+    if writer:
+        way_out = (f'To start at step 0 anyway, pass --start_from_scratch ({aside}), or use '
+                   'another --logdir.')
+    else:
+        way_out = ('Nothing to read: train in this logdir again with --start_from_scratch '
+                   f'({aside}), or pass a --logdir with a checkpoint that restores.')
     return (f'{directory} holds checkpoint files but none restores ({", ".join(names)}; '
             f'first problem: {found.damaged[0].problem if found.damaged else "unfinished save"}). '
-            f'To start at step 0 anyway, pass {flag} (they are moved to '
-            f'{os.path.join(directory, DAMAGED_DIR)}, not deleted), or use another --logdir.')
+            + way_out)
 
 
 def _MoveAside(path: str, target_dir: str) -> str:
@@ -266,19 +291,24 @@ def Choose(directory: str, writer: bool, start_from_scratch: bool = False) -> Fo
 
     Raises:
       NoCheckpointRestoresError: if checkpoint files exist and none restores (for a trainer,
-        unless --start_from_scratch).
+        unless --start_from_scratch or all are unfinished saves).
+      UnreadableCheckpointError: for a checkpoint this user may not read.
     """
     found = Find(directory)
     for line in Warnings(found):
         errors.Warn(line)
-    if found.path is None and found.any_files and not (writer and start_from_scratch):
-        raise NoCheckpointRestoresError(NoneRestoresMessage(
-            directory, found, '--start_from_scratch'))
+    # Saves that never finished hold nothing a checkpoint could give back: a trainer sets them
+    # aside and starts at step 0 (a failed first save says to run the command again).
+    only_unfinished = found.unfinished and not found.damaged
+    if (found.path is None and found.any_files and
+            not (writer and (start_from_scratch or only_unfinished))):
+        raise NoCheckpointRestoresError(NoneRestoresMessage(directory, found, writer))
     if found.path is not None and start_from_scratch:
         raise errors.UserError(f'--start_from_scratch: {found.path} restores; resume from it '
                                '(drop the flag), or pass another --logdir to start over.')
     if writer and found.any_files:
-        moved = SetAside(directory, found)
+        with logdir_lib.Writing(directory, 'the checkpoints set aside and their index'):
+            moved = SetAside(directory, found)
         if moved:
             errors.Warn(f'moved {len(moved)} damaged or unfinished checkpoint file(s) to '
                         f'{os.path.join(directory, DAMAGED_DIR)}.')

@@ -151,10 +151,9 @@ def CallWithin(fn, timeout_s: float) -> Outcome | None:
 
 
 def FirstLine(error: Exception) -> str:
-    """The first line of a TensorFlow error's message that says something ('' if none)."""
-    lines = [l.strip() for l in str(getattr(error, 'message', error)).splitlines()
-             if any(c.isalpha() for c in l) and not l.startswith('Graph execution error')]
-    return lines[0] if lines else ''
+    """The first line of a TensorFlow error's message that says something ('' if none;
+    `errors.Reason`)."""
+    return errors.Reason(error)
 
 
 _SILENT = 'it accepts connections but does not answer within {:g} s (stopped or hung?)'

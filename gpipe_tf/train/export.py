@@ -45,6 +45,7 @@ from gpipe_tf.layers import fprop_context
 from gpipe_tf.tasks import classifier
 from gpipe_tf.tasks import sequence
 from gpipe_tf.train import decode
+from gpipe_tf.train import logdir as logdir_lib
 
 
 class ExportError(ValueError):
@@ -82,10 +83,16 @@ def Export(task, task_params, export_dir: str, report=None) -> str:
            'SavedModel')
     # Written beside, then renamed: a server watching the base path never sees half a version.
     partial = export_dir.rstrip('/') + '.partial'
-    if tf.io.gfile.exists(partial):
-        tf.io.gfile.rmtree(partial)
-    tf.saved_model.save(servable, partial, signatures=signatures)
-    tf.io.gfile.rename(partial, export_dir)
+    with logdir_lib.Writing(partial, 'the SavedModel'):
+        if tf.io.gfile.exists(partial):
+            tf.io.gfile.rmtree(partial)
+        try:
+            tf.saved_model.save(servable, partial, signatures=signatures)
+            tf.io.gfile.rename(partial, export_dir)
+        except (OSError, tf.errors.OpError):
+            if tf.io.gfile.exists(partial):  # Nothing half-written is left behind.
+                tf.io.gfile.rmtree(partial)
+            raise
     report(f'export: done in {time.time() - start:.0f} s')
     return export_dir
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import getpass
 import json
@@ -160,6 +161,55 @@ def MakeDirs(directory: str) -> None:
                                                 error.strerror or str(error))) from None
 
 
+class DiskFault(errors.EnvironmentFault):
+    """A file of the run could not be written for a reason of the machine's (a full disk, an
+    I/O error)."""
+
+
+# A path's own problem, the user's to fix: permissions, a read-only file system, a file where
+# a directory must be or a directory where a file must be.
+_PATH_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.EISDIR, errno.ENOTDIR,
+                errno.EEXIST)
+
+
+@contextlib.contextmanager
+def Writing(path: str | None, what: str):
+    """A failure of the file system while writing `what` at `path` (None: where TensorFlow's
+    message says; the logdir's summaries, params, an export) as one line: a path the user must fix as UnwritableLogdirError, any
+    other (a full disk) as DiskFault. A cluster's failures (a task gone) pass through."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    try:
+        yield
+    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
+            tf.errors.AbortedError, tf.errors.CancelledError):
+        raise
+    except (OSError, tf.errors.OpError) as error:
+        raise WriteFault(path, what, error) from None
+
+
+def WriteFault(path: str | None, what: str, error: Exception) -> Exception:
+    """The one-line error for `error` (an OSError or a TensorFlow OpError), raised writing
+    `what` at `path` (`Writing`)."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    if isinstance(error, OSError):
+        why = error.strerror or str(error)
+        user = error.errno in _PATH_ERRNOS
+    else:
+        why = errors.Reason(error) or type(error).__name__
+        if path:  # TensorFlow's message names the path the line names already.
+            why = why.replace(f'{path}; ', '').replace(f'{path}: ', '')
+        user = isinstance(error, (tf.errors.PermissionDeniedError,
+                                  tf.errors.FailedPreconditionError,
+                                  tf.errors.AlreadyExistsError))
+    where = f'{what} at {path}' if path else what
+    if user:
+        return UnwritableLogdirError(f'cannot write {where}: {why}; fix that path (its '
+                                     'permissions, or a file or directory in the way), or pass '
+                                     'another --logdir.')
+    return DiskFault(f'could not write {where}: {why}. The checkpoints written before it are '
+                     'kept; free space (or fix the cause) and run the same command again.')
+
+
 def _Unwritable(logdir: str, where: str, why: str) -> str:
     return (f'cannot write the logdir {logdir}: {where}: {why.lower()}; pass a --logdir in a '
             'directory this user may write.')
@@ -180,23 +230,29 @@ def RemovedAfterAMistake(logdir: str, holds_checkpoint: Callable[[str], bool]):
         raise
 
 
-def WriteAtomically(path: str, text: str) -> str:
+def WriteAtomically(path: str, text: str, what: str = 'a file') -> str:
     """Writes `text` to `path` through a temporary file in the same directory renamed over it;
-    returns `path`. A symlink at `path` is replaced, never followed."""
+    returns `path`. A symlink at `path` is replaced, never followed.
+
+    Raises:
+      UnwritableLogdirError, DiskFault: when it cannot be written (`Writing`); nothing is
+        left of the attempt.
+    """
     directory = os.path.dirname(os.path.abspath(path))
     MakeDirs(directory)
-    fd, temp = tempfile.mkstemp(prefix=f'.{os.path.basename(path)}.', dir=directory)
-    try:
-        with os.fdopen(fd, 'w', encoding='utf-8') as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(temp, 0o644 & ~_Umask())
-        os.replace(temp, path)
-    except BaseException:
-        if os.path.lexists(temp):
-            os.unlink(temp)
-        raise
+    with Writing(path, what):
+        fd, temp = tempfile.mkstemp(prefix=f'.{os.path.basename(path)}.', dir=directory)
+        try:
+            with os.fdopen(fd, 'w', encoding='utf-8') as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(temp, 0o644 & ~_Umask())
+            os.replace(temp, path)
+        except BaseException:
+            if os.path.lexists(temp):
+                os.unlink(temp)
+            raise
     return path
 
 
@@ -229,7 +285,7 @@ class Lock:
             if os.path.islink(self.path):
                 raise UnsafeLogdirError(f'{self.path} is a symlink; refusing to follow it. '
                                         'Remove it.') from None
-            raise
+            raise WriteFault(self.path, 'the trainer lock', error) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -240,9 +296,14 @@ class Lock:
                                   ) from None
         holder = {'pid': os.getpid(), 'host': socket.gethostname(),
                   'started': datetime.datetime.now().astimezone().isoformat(timespec='seconds')}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(holder) + '\n').encode(), 0)
-        os.fsync(fd)
+        try:
+            with Writing(self.path, 'the trainer lock'):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(holder) + '\n').encode(), 0)
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
         self._fd = fd
         return self
 
@@ -277,12 +338,16 @@ def ReadParams(logdir: str) -> str | None:
             return f.read()
     except (tf.errors.NotFoundError, UnicodeDecodeError):
         return None
+    except tf.errors.OpError as error:  # A directory there, or one this user may not read.
+        why = errors.Reason(error).replace(f'{path}; ', '')
+        raise UnwritableLogdirError(f'cannot read {path}: {why}; make it a file this user may '
+                                    'read and write, or pass another --logdir.') from None
 
 
 def WriteParams(text: str, logdir: str) -> str:
     """Writes Params `text` to `<logdir>/params.txt` atomically (creating logdir); returns the
     path."""
-    return WriteAtomically(os.path.join(logdir, 'params.txt'), text)
+    return WriteAtomically(os.path.join(logdir, 'params.txt'), text, 'the Params')
 
 
 # Where runs went before the default became private; a note points there, never a resume.

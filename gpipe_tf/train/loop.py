@@ -26,6 +26,7 @@ from absl import logging
 
 from gpipe_tf.perf import pictures
 from gpipe_tf.perf import plot
+from gpipe_tf.train import logdir as logdir_lib
 
 
 def FormatDuration(seconds: float) -> str:
@@ -143,11 +144,17 @@ class _StopSignals:
             self._saving = False
 
 
+def SummaryWriter(directory: str):
+    """tf.summary.create_file_writer(`directory`), a failure as one line (`logdir.Writing`)."""
+    with logdir_lib.Writing(directory, 'the summaries'):
+        return tf.summary.create_file_writer(directory)
+
+
 def WriteScalars(writer, step: int, metrics: dict, prefix: str = '') -> None:
-    with writer.as_default():
+    with logdir_lib.Writing(None, 'the summaries'), writer.as_default():
         for name, value in metrics.items():
             tf.summary.scalar(prefix + name, value, step=step)
-    writer.flush()
+        writer.flush()
 
 
 def PipelineFigures(task_params, plan, step: int, step_trace) -> dict:
@@ -230,8 +237,8 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
         printer(f'already at step {step} >= max_steps {max_steps}; nothing to train.' if step
                 else f'max_steps {max_steps} trains no step; no checkpoint is written.',
                 flush=True)
-    writer = tf.summary.create_file_writer(os.path.join(logdir, 'train'))
-    eval_writer = (tf.summary.create_file_writer(os.path.join(logdir, 'eval'))
+    writer = SummaryWriter(os.path.join(logdir, 'train'))
+    eval_writer = (SummaryWriter(os.path.join(logdir, 'eval'))
                    if eval_params is not None else None)
     batch_size = task_params.input.batch_size
     progress = Progress(step, max_steps, batch_size, train.progress_interval_seconds, printer)
@@ -279,6 +286,7 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
             with signals.Saving():
                 program.Save()
                 last_saved = step
+        signals.RaiseIfPending()  # A signal held while the last checkpoint was written.
     except Interrupted as interrupted:
         with signals.Saving():
             # The program's step: a second signal may have stopped a step half-way.

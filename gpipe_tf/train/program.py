@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import re
 import shutil
 import tempfile
 
@@ -66,7 +65,6 @@ def _WritingCheckpoint(directory: str, step: int, cluster: tf.train.ClusterSpec 
         if any(s.problem for s in statuses):
             raise cluster_lib.UnreachableError(cluster, error, job, statuses=statuses) from error
         why = cluster_lib.FirstLine(error) or type(error).__name__
-        why = re.sub(r'^\{\{[^}]*\}\}\s*', '', why)  # TF's "{{function_node ...}}" prefix.
         raise CheckpointWriteError(
             f'could not write the checkpoint of step {step} in {directory}: {why}. The '
             'checkpoints written before it are kept; free space (or fix the cause) and run the '

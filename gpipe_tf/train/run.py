@@ -40,7 +40,7 @@ def Run(config) -> None:
     p = setup.TaskParams(config)
     if config.mode == 'tune' and config.num_devices is not None:
         tune.SetNumCells(p, config.model, config.num_devices)
-    if config.logdir and config.mode != 'inspect_model':
+    if config.logdir and _WritesLogdir(config.mode, p):
         logdir_lib.CheckCreatable(config.logdir)  # Before anything is built.
     if config.mode == 'inspect_params':
         RunInspectParams(p, logdir_lib.Resolve(config.logdir, config.model))
@@ -82,15 +82,32 @@ def Run(config) -> None:
                                    start_from_scratch=config.start_from_scratch)
                 previous = logdir_lib.ReadParams(logdir)
                 logdir_lib.WriteParams(p.ToText(), logdir)
-                RunTrain(config, target, p, plan, logdir,
-                         with_eval=config.mode == 'train_and_eval',
-                         resume_note=partition_change.Describe(previous, p.ToText()))
+                try:
+                    RunTrain(config, target, p, plan, logdir,
+                             with_eval=config.mode == 'train_and_eval',
+                             resume_note=partition_change.Describe(previous, p.ToText()))
+                except program.CheckpointMismatchError:
+                    # Refused at the restore: params.txt describes the checkpoints again.
+                    if previous is not None:
+                        logdir_lib.WriteParams(previous, logdir)
+                    raise
         elif config.mode == 'eval':
             RunEval(config, target, p, plan, logdir)
         elif config.mode == 'export':
             RunExport(config, target, p, plan, logdir)
         else:
             RunDecode(config, target, p, plan, logdir, lines)
+
+
+def _WritesLogdir(mode: str, p) -> bool:
+    """Whether `mode` may write into the logdir. inspect_model writes nothing there; decode only
+    reads the checkpoints, but for partition_method="time", whose measured layer costs it caches
+    there (`setup.PartitionOnTime`)."""
+    if mode == 'inspect_model':
+        return False
+    if mode == 'decode':
+        return 'partition_method' in p.model and p.model.partition_method == 'time'
+    return True
 
 
 def _HoldsCheckpoint(logdir: str) -> bool:
@@ -197,8 +214,9 @@ def ReportBleu(prog, eval_params, name: str, logdir: str, num_samples: int = 5) 
     step = prog.CurrentStep()
     path = logdir_lib.WriteAtomically(
         os.path.join(logdir, f'decode_{name.lower()}_{step}.tsv'),
-        'source\thypothesis\treference\n' + ''.join('\t'.join(row) + '\n' for row in rows))
-    with tf.summary.create_file_writer(os.path.join(logdir, 'eval')).as_default():
+        'source\thypothesis\treference\n' + ''.join('\t'.join(row) + '\n' for row in rows),
+        'the translations')
+    with loop.SummaryWriter(os.path.join(logdir, 'eval')).as_default():
         tf.summary.scalar('bleu', bleu, step=step)
     print(f'{name} BLEU {bleu:.2f} on {len(rows)} sentences, greedy decoding '
           f'({time.time() - start:.0f} s; translations in {path})', flush=True)
@@ -245,7 +263,7 @@ def _RestoredProgram(config, target: setup.Target, p, plan, logdir: str):
 def RunEval(config, target: setup.Target, p, plan, logdir: str) -> dict:
     prog, step = _RestoredProgram(config, target, p, plan, logdir)
     eval_params = setup.TaskParams(config, p.train.eval_dataset).input
-    writer = tf.summary.create_file_writer(os.path.join(logdir, 'eval'))
+    writer = loop.SummaryWriter(os.path.join(logdir, 'eval'))
     return loop.Evaluate(prog, eval_params, writer, step, p.train.eval_dataset)
 
 
@@ -261,19 +279,31 @@ def DecodeRequest(config, target: setup.Target, p) -> list[str]:
     if target.tpu is not None:
         raise errors.UserError('decode runs eagerly on this machine\'s devices, not on a TPU: drop '
                                '--tpu and --run_locally=tpu.')
-    lines = list(config.decode_input)
+    # Blank items and lines are dropped alike: neither is an image path or a sentence.
+    lines = [line for line in config.decode_input if line.strip()]
     if config.decode_input_file:
         text = setup.ReadTextFile('--decode_input_file', config.decode_input_file,
                                   'one image path or sentence per line')
         lines += [line for line in text.split('\n') if line.strip()]
     if not lines:
-        raise errors.UserError('decode: give --decode_input (comma-separated) or '
-                               '--decode_input_file.')
+        raise errors.UserError(_EmptyRequest(config.decode_input, config.decode_input_file))
     try:
         decode.CheckRequest(p, lines, config.target_language)
     except (ValueError, FileNotFoundError) as error:
         raise errors.UserError(str(error)) from None
     return lines
+
+
+def _EmptyRequest(decode_input, decode_input_file: str | None) -> str:
+    """The message for a decode request with nothing to decode, naming what was given."""
+    if decode_input_file:
+        blank_items = ', and --decode_input only blank items' if decode_input else ''
+        return (f'decode: --decode_input_file={decode_input_file} holds no non-blank line'
+                f'{blank_items}; expected one image path or sentence per line.')
+    if decode_input:
+        return ('decode: --decode_input holds only blank items; expected image paths or '
+                'sentences, comma-separated.')
+    return 'decode: give --decode_input (comma-separated) or --decode_input_file.'
 
 
 def RunDecode(config, target: setup.Target, p, plan, logdir: str,

@@ -23,6 +23,7 @@ from gpipe_tf.perf import measured_costs
 from gpipe_tf.perf import memory as memory_lib
 from gpipe_tf.perf import tuner
 from gpipe_tf.pipeline import plan as plan_lib
+from gpipe_tf.train import logdir as logdir_lib
 
 COSTS = ('auto', 'measured', 'flops')
 TUNED_PARAMS = 'tuned_params.txt'
@@ -212,12 +213,16 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
                                      progress=lambda line: print(line, flush=True))
     if measured:
         pick, step_s = measured[0]
-    tf.io.gfile.makedirs(logdir)
     path = os.path.join(logdir, TUNED_PARAMS)
-    with tf.io.gfile.GFile(path, 'w') as f:
-        f.write(f'# --mode=tune of {name}: {pick.config}, K={k}, devices of '
-                f'{device_memory_gib:g} GiB\n')
-        f.write(OverrideText(task_params, pick))
+    text = (f'# --mode=tune of {name}: {pick.config}, K={k}, devices of '
+            f'{device_memory_gib:g} GiB\n' + OverrideText(task_params, pick))
+    if logdir_lib.IsLocalPath(path):
+        logdir_lib.WriteAtomically(path, text, 'the tuned Params')
+    else:
+        with logdir_lib.Writing(path, 'the tuned Params'):
+            tf.io.gfile.makedirs(logdir)
+            with tf.io.gfile.GFile(path, 'w') as f:
+                f.write(text)
     how = (f'the fastest of the {len(measured)} best-ranked, measured'
            if measured else 'the best-ranked')
     print(f'chosen ({how}): {pick.config} with boundaries {list(pick.boundaries)}; wrote '
