@@ -13,6 +13,7 @@ import pytest
 import numpy as np
 import tensorflow as tf
 
+from gpipe_tf import errors
 from gpipe_tf import test_utils
 from gpipe_tf.input import image
 
@@ -203,6 +204,26 @@ class FashionMnistInputTest(tf.test.TestCase):
             self._Params(data_dir).Instantiate().Examples()
         # A larger num_classes accepts them.
         self.assertEqual(self._Params(data_dir, num_classes=201).Instantiate().NumExamples(), 4)
+
+    def testFilesOfNoImagesNameTheImagesFile(self):
+        data_dir = self._TempDir()
+        self._WriteSplit(data_dir, num=0)
+        path = os.path.join(data_dir, 'train-images-idx3-ubyte.gz')
+        with self.assertRaisesRegex(errors.InputError, f'{path} holds 0 images; expected at '
+                                    f'least one for the train split'):
+            self._Params(data_dir).Instantiate().Examples()
+
+    def testImagesOfAnotherSizeNameTheFileAndBothSizes(self):
+        data_dir = self._TempDir()
+        self._WriteSplit(data_dir, num=4)
+        path = os.path.join(data_dir, 'train-images-idx3-ubyte.gz')
+        _WriteIdx(path, np.zeros([4, 10, 12]))
+        with self.assertRaisesRegex(errors.InputError, f'{path} holds 10x12 images; expected '
+                                    f'28x28'):
+            self._Params(data_dir).Instantiate().Examples()
+        # image_size None takes the files' own size.
+        inp = self._Params(data_dir, image_size=None).Instantiate()
+        self.assertEqual(next(iter(inp.TrainDataset())).images.shape, [4, 10, 12, 1])
 
     def testUnknownSplitIsRejected(self):
         with self.assertRaisesRegex(ValueError, "split must be one of .* got 'validation'"):

@@ -11,6 +11,7 @@ import pytest
 import numpy as np
 import tensorflow as tf
 
+from gpipe_tf import errors
 from gpipe_tf import test_utils
 from gpipe_tf.input import text
 from gpipe_tf.input import vocabulary
@@ -183,8 +184,68 @@ class VocabularyTest(tf.test.TestCase):
         path = os.path.join(self.get_temp_dir(), 'bad_vocab.txt')
         with open(path, 'w', encoding='utf-8') as f:
             f.write('\n'.join(vocabulary.SPECIAL_TOKENS) + '\n\\x\n')
-        with self.assertRaisesRegex(ValueError, 'bad_vocab.txt: Bad escape'):
+        with self.assertRaisesRegex(ValueError, 'bad_vocab.txt: .*Bad escape'):
             vocabulary.CharVocabulary.Load(path)
+
+    def testLoadingWhatIsNoVocabularyFileIsAnInputErrorNamingIt(self):
+        directory = self.get_temp_dir()
+        no_specials = os.path.join(directory, 'no_specials_vocab.txt')
+        with open(no_specials, 'w', encoding='utf-8') as f:
+            f.write('a\nb\n')
+        latin1 = os.path.join(directory, 'latin1_vocab.txt')
+        with open(latin1, 'wb') as f:
+            f.write('\n'.join(vocabulary.SPECIAL_TOKENS + ('\u00e9',)).encode('latin-1') + b'\n')
+        a_directory = os.path.join(directory, 'vocab_dir')
+        os.makedirs(a_directory, exist_ok=True)
+        for path, expected in [
+                (no_specials, r"not a vocabulary file: A vocabulary must start with \['<pad>'"),
+                (latin1, 'not UTF-8 text'),
+                (a_directory, r'cannot read it as a vocabulary file \(Is a directory\); expected '
+                 r'a readable file')]:
+            with self.assertRaisesRegex(errors.InputError, f'{path}: {expected}'):
+                vocabulary.CharVocabulary.Load(path)
+
+
+class ReadParallelTsvTest(tf.test.TestCase):
+
+    def _Dir(self, name):
+        path = os.path.join(self.get_temp_dir(), name)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def testGlobKeepsFilesAndLeavesOutDirectories(self):
+        directory = self._Dir('with_subdir')
+        os.makedirs(os.path.join(directory, 'sub'), exist_ok=True)
+        _WriteTsv(directory, _ROWS[:2], 'a.tsv')
+        self.assertEqual(text.ReadParallelTsv(os.path.join(directory, '*')), _ROWS[:2])
+        with self.assertRaisesRegex(errors.MissingInputError, 'No parallel text file matches .*'
+                                    'only_dir/\\*'):
+            text.ReadParallelTsv(os.path.join(self._Dir('only_dir'), '*'))
+
+    def testUnreadableFileIsAnInputErrorNamingIt(self):
+        path = _WriteTsv(self._Dir('unreadable'), _ROWS)
+        denied = PermissionError(13, 'Permission denied', path)
+        # A mode-000 file is readable by root, so the refusal is simulated.
+        with mock.patch.object(text, 'open', side_effect=denied, create=True):
+            with self.assertRaisesRegex(errors.InputError, f'{path}: cannot read it '
+                                        r'\(Permission denied\); expected a readable TSV file'):
+                text.ReadParallelTsv(path)
+
+    def testNonUtf8FileIsAnInputErrorNamingIt(self):
+        path = os.path.join(self._Dir('latin1'), 'pairs.tsv')
+        with open(path, 'wb') as f:
+            f.write('en\tfr\tyes\tou\u00ef\n'.encode('latin-1'))
+        with self.assertRaisesRegex(errors.InputError, f'{path}: not UTF-8 text'):
+            text.ReadParallelTsv(path)
+
+    def testALongBadLineIsEchoedCutToEightyCharacters(self):
+        path = os.path.join(self._Dir('long_line'), 'pairs.tsv')
+        with open(path, 'w', encoding='utf-8') as f:
+            f.write('x' * 100_000 + '\n')
+        with self.assertRaises(errors.InputError) as caught:
+            text.ReadParallelTsv(path)
+        self.assertIn(f", got 1: '{'x' * 80}'....", str(caught.exception))
+        self.assertLess(len(str(caught.exception)), 300)
 
 
 class ShippedCorpusTest(tf.test.TestCase):
@@ -233,7 +294,7 @@ class ParallelTextInputTest(tf.test.TestCase):
             [t for r in (rows or _ROWS) for t in r[2:]], ['de', 'fr'])
         vocab_file = os.path.join(self.get_temp_dir(), 'small_vocab.txt')
         vocab.Save(vocab_file)
-        return self._Input(file_pattern=path, vocab_file=vocab_file, **kwargs)
+        return self._Input(**{'file_pattern': path, 'vocab_file': vocab_file, **kwargs})
 
     def testBatchHasTheTransformerMtKeysShapesAndDtypes(self):
         inp = self._Input(batch_size=4, max_length=64)
@@ -293,6 +354,36 @@ class ParallelTextInputTest(tf.test.TestCase):
         self.assertIn('dropped 2 of 6 pairs', logs.output[0])
         self.assertEqual([s[2] for s in inp.Sentences()], ['yes', 'no', 'a b', 'x'])
 
+    def testNoPairLeftIsAnInputErrorSayingWhy(self):
+        empty = _WriteTsv(self.get_temp_dir(), [], 'empty.tsv')
+        with self.assertRaisesRegex(errors.InputError, f'input: {empty} has no sentence pairs; '
+                                    f'expected lines of source_language<TAB>'):
+            self._SmallInput(file_pattern=empty)
+        german = [r for r in _ROWS if r[1] == 'de']
+        with self.assertRaisesRegex(errors.InputError, r"none of the 3 pairs of .*pairs.tsv has a "
+                                    r"target language in languages=\['fr'\]"):
+            self._SmallInput(german, languages=['fr'])
+        # max_length 3: only a one-character source fits ('x', 'y'); max_length 2 fits none.
+        rows = [r for r in _ROWS if r[2] != 'x']
+        with self.assertRaisesRegex(errors.InputError, r'all 4 pairs of .*pairs.tsv are longer '
+                                    r'than max_length=3 tokens'):
+            self._SmallInput(rows, max_length=3)
+
+    def testNoPairLeftOfAGlobNamesItsFiles(self):
+        directory = os.path.join(self.get_temp_dir(), 'two_empty')
+        os.makedirs(directory, exist_ok=True)
+        for name in ('a.tsv', 'b.tsv'):
+            _WriteTsv(directory, [], name)
+        with self.assertRaisesRegex(errors.InputError, r'two_empty/\*\.tsv \(2 files: .*a.tsv, '
+                                    r'.*b.tsv\) has no sentence pairs'):
+            self._SmallInput(file_pattern=os.path.join(directory, '*.tsv'))
+
+    def testVocabFileLargerThanVocabSizeIsAnInputErrorNamingIt(self):
+        inp = self._SmallInput()
+        with self.assertRaisesRegex(errors.InputError, rf'vocab_file .*small_vocab.txt has '
+                                    rf'{inp.vocab.size} tokens but vocab_size is 8'):
+            self._SmallInput(vocab_size=8)
+
     def testLanguagesKeepsOnlyThoseTargets(self):
         inp = self._SmallInput(languages=['fr'])
         self.assertEqual([s[1] for s in inp.Sentences()], ['fr', 'fr'])
@@ -315,6 +406,13 @@ class ParallelTextInputTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, r"'xx'.*\['de', 'fr'\]"):
             inp.EncodeSources(['yes'], 'xx')
 
+    def testALongSourceIsEchoedCutToEightyCharacters(self):
+        inp = self._SmallInput(max_length=8)
+        with self.assertRaises(errors.InputError) as caught:
+            inp.EncodeSources(['x' * 100_000], 'de')
+        self.assertIn(f"max_length=8: '{'x' * 80}'....", str(caught.exception))
+        self.assertLess(len(str(caught.exception)), 300)
+
     def testDeterministic(self):
         a = self._Input(batch_size=16, seed=3)
         b = self._Input(batch_size=16, seed=3)
@@ -336,13 +434,14 @@ class ParallelTextInputTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, r'bad.tsv:2: expected 4 non-empty tab-separated '
                                     r'fields .* got 3'):
             self._Input(file_pattern=bad)
-        with self.assertRaisesRegex(ValueError, r"'xx'.*\['de', 'es', 'fr', 'it', 'nl', 'pt_BR', "
-                                    r"'ru'\]"):
+        with self.assertRaisesRegex(errors.ConfigError, r"languages: .*'xx'.*\['de', 'es', 'fr', "
+                                    r"'it', 'nl', 'pt_BR', 'ru'\]"):
             self._Input(languages=['de', 'xx'])
         other = _WriteTsv(self.get_temp_dir(), [('en', 'sv', 'yes', 'ja')], 'sv.tsv')
         with self.assertRaisesRegex(ValueError, r"sv.tsv has target language 'sv'"):
             self._Input(file_pattern=other)
-        with self.assertRaisesRegex(ValueError, r'has \d+ tokens but vocab_size is 100'):
+        with self.assertRaisesRegex(errors.ConfigError, r'shipped train split \(min_count=2\) '
+                                    r'has \d+ tokens but vocab_size is 100'):
             self._Input(vocab_size=100)
         with self.assertRaisesRegex(ValueError, r'max_length must be >= 3.*got 2'):
             self._Input(max_length=2)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from gpipe_tf import errors
 from gpipe_tf import hyperparams
 from gpipe_tf.nested_map import NestedMap
 
@@ -66,11 +67,14 @@ class BaseInput:
             count = next(iter(sizes.values()))
             if self.p.num_examples is not None:
                 if not 0 < self.p.num_examples <= count:
-                    raise ValueError(f'{self.p.name}: num_examples={self.p.num_examples} but the '
-                                     f'split has {count} examples.')
+                    raise errors.ConfigError(f'{self.p.name}: num_examples={self.p.num_examples} '
+                                             f'but the split has {count} examples; expected at '
+                                             f'most {count}.')
                 examples = examples.Transform(lambda x: x[:self.p.num_examples])
             if len(next(iter(examples.Flatten()))) == 0:
-                raise ValueError(f'{self.p.name}: the split has no examples.')
+                # Inputs that read files say which in their own check; this is the fallback.
+                raise errors.InputError(f'{self.p.name}: the split has no examples; expected at '
+                                        f'least one.')
             self._examples = examples
         return self._examples
 

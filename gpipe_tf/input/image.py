@@ -124,8 +124,9 @@ def _FindIdx(data_dir: str, stem: str) -> str:
 class FashionMnistInput(base_input.BaseInput):
     """Fashion-MNIST (Xiao et al. 2017) from its IDX files: 60000 train / 10000 test, 28x28.
 
-    Images come out as float32 [B, 28, 28, 1] (or the files' own size): pixels / 255,
-    normalised by `mean` and `std`.
+    Images come out as float32 [B, image_size, image_size, 1]: pixels / 255, normalised by `mean`
+    and `std`. Files of another image size are an error (unless image_size is None), found when
+    they are read rather than as a shape error inside the model.
     """
 
     @classmethod
@@ -138,6 +139,9 @@ class FashionMnistInput(base_input.BaseInput):
         p.Define('split', 'train', '\'train\' (60000 examples) or \'test\' (the t10k files, '
                  '10000).')
         p.Define('num_classes', 10, 'Labels must lie in [0, num_classes).')
+        p.Define('image_size', 28, 'Height and width the IDX files\' images must have (the '
+                 'model\'s input size); None: whatever the files hold.',
+                 check=hyperparams.OrNone(hyperparams.Integer(at_least=1)))
         p.Define('mean', 0.2860, 'Mean of the [0, 1]-scaled training pixels, subtracted.')
         p.Define('std', 0.3530, 'Standard deviation of the [0, 1]-scaled training pixels, '
                  'divided by.')
@@ -158,6 +162,14 @@ class FashionMnistInput(base_input.BaseInput):
         labels_path = _FindIdx(p.data_dir, f'{prefix}-labels-idx1-ubyte')
         images = ReadIdx(images_path, IDX_IMAGES_MAGIC)
         labels = ReadIdx(labels_path, IDX_LABELS_MAGIC)
+        if not len(images):
+            raise errors.InputError(f'{p.name}: {images_path} holds 0 images; expected at least '
+                                    f'one for the {p.split} split.')
+        size = list(images.shape[1:])
+        if p.image_size is not None and size != [p.image_size] * 2:
+            raise errors.InputError(f'{p.name}: {images_path} holds {size[0]}x{size[1]} images; '
+                                    f'expected {p.image_size}x{p.image_size}, the model\'s '
+                                    f'input size (param image_size).')
         if len(images) != len(labels):
             raise errors.InputError(f'{p.name}: {images_path} has {len(images)} images but '
                                     f'{labels_path} has {len(labels)} labels; expected equal '

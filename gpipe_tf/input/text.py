@@ -51,22 +51,42 @@ def CorpusPath(split: str = 'train') -> str:
     return os.path.join(_CORPUS_DIR, f'{split}.tsv')
 
 
+def _Excerpt(line: str, limit: int = 80) -> str:
+    """`line` quoted for an error message, cut to its first `limit` characters (then '...'), so a
+    huge line does not make a huge message."""
+    return f'{line[:limit]!r}...' if len(line) > limit else repr(line)
+
+
+def _MatchingFiles(file_pattern: str) -> list[str]:
+    """The files (never directories) `file_pattern` names: a path, or a glob (sorted)."""
+    paths = sorted(glob.glob(file_pattern)) if glob.has_magic(file_pattern) else [file_pattern]
+    return [path for path in paths if os.path.isfile(path)]
+
+
 def ReadParallelTsv(file_pattern: str) -> list[tuple[str, str, str, str]]:
     """The (source_language, target_language, source, target) rows of the files matching
-    `file_pattern` (a path or a glob; files in sorted order). Blank lines are skipped.
+    `file_pattern` (a path or a glob; files in sorted order, directories it matches left out).
+    Blank lines are skipped.
 
     Raises:
       errors.MissingInputError (a FileNotFoundError): if no file matches.
-      errors.InputError (a ValueError): on a line that is not 4 non-empty tab-separated fields.
+      errors.InputError (a ValueError): on a file that cannot be read or is not UTF-8, or a line
+        that is not 4 non-empty tab-separated fields.
     """
-    paths = sorted(glob.glob(file_pattern)) if glob.has_magic(file_pattern) else (
-        [file_pattern] if os.path.isfile(file_pattern) else [])
+    paths = _MatchingFiles(file_pattern)
     if not paths:
         raise errors.MissingInputError(f'No parallel text file matches {file_pattern}')
     rows = []
     for path in paths:
-        with open(path, encoding='utf-8', newline='') as f:
-            lines = f.read().split('\n')
+        try:
+            with open(path, encoding='utf-8', newline='') as f:
+                lines = f.read().split('\n')
+        except UnicodeDecodeError as e:
+            raise errors.InputError(f'{path}: not UTF-8 text ({e}); expected a UTF-8 TSV file of '
+                                    f'sentence pairs.') from e
+        except OSError as e:
+            raise errors.InputError(f'{path}: cannot read it ({e.strerror or e}); expected a '
+                                    f'readable TSV file of sentence pairs.') from e
         for number, line in enumerate(lines, start=1):
             line = line.removesuffix('\r')
             if not line:
@@ -76,7 +96,7 @@ def ReadParallelTsv(file_pattern: str) -> list[tuple[str, str, str, str]]:
                 raise errors.InputError(
                     f'{path}:{number}: expected {_NUM_FIELDS} non-empty tab-separated fields '
                     f'(source_language, target_language, source, target), got {len(fields)}: '
-                    f'{line[:80]!r}.')
+                    f'{_Excerpt(line)}.')
             rows.append(tuple(fields))
     return rows
 
@@ -138,11 +158,21 @@ class ParallelTextInput(base_input.BaseInput):
         self._vocab = (vocabulary.CharVocabulary.Load(p.vocab_file) if p.vocab_file
                        else DefaultVocabulary(p.min_count))
         if p.vocab_size is not None and self._vocab.size > p.vocab_size:
-            raise ValueError(f'{p.name}: the vocabulary has {self._vocab.size} tokens but '
-                             f'vocab_size is {p.vocab_size}; expected at most vocab_size.')
+            if p.vocab_file:
+                raise errors.InputError(
+                    f'{p.name}: vocab_file {p.vocab_file} has {self._vocab.size} tokens but '
+                    f'vocab_size is {p.vocab_size}; expected a vocabulary of at most vocab_size '
+                    f'tokens (or a model with a larger vocab_size).')
+            raise errors.ConfigError(
+                f'{p.name}: the vocabulary of the shipped train split (min_count={p.min_count}) '
+                f'has {self._vocab.size} tokens but vocab_size is {p.vocab_size}; expected at '
+                f'most vocab_size (raise vocab_size or min_count).')
         if p.languages is not None:
             for language in p.languages:
-                self._vocab.LanguageId(language)  # Raises, listing the known languages.
+                try:
+                    self._vocab.LanguageId(language)
+                except ValueError as e:  # It lists the languages the vocabulary knows.
+                    raise errors.ConfigError(f'{p.name}: languages: {e}') from e
         self._sentences, self._arrays, self._num_dropped = self._Encode(
             ReadParallelTsv(p.file_pattern))
 
@@ -156,8 +186,8 @@ class ParallelTextInput(base_input.BaseInput):
                 continue
             if tgt_lang not in vocab.languages:
                 raise errors.InputError(f'{p.name}: {p.file_pattern} has target language '
-                                        f'{tgt_lang!r} (pair {src!r}); the vocabulary knows '
-                                        f'{list(vocab.languages)}.')
+                                        f'{tgt_lang!r} (pair {_Excerpt(src)}); the vocabulary '
+                                        f'knows {list(vocab.languages)}.')
             source = [vocab.LanguageId(tgt_lang)] + vocab.Encode(src) + [vocabulary.EOS_ID]
             target = vocab.Encode(tgt)
             if len(source) > p.max_length or len(target) + 1 > p.max_length:
@@ -165,8 +195,10 @@ class ParallelTextInput(base_input.BaseInput):
             kept.append(row)
             sources.append(source)
             targets.append(target)
-        num_dropped = sum(1 for row in rows if p.languages is None or row[1] in p.languages)
-        num_dropped -= len(kept)
+        num_wanted = sum(1 for row in rows if p.languages is None or row[1] in p.languages)
+        num_dropped = num_wanted - len(kept)
+        if not kept:
+            raise errors.InputError(self._NoPairsMessage(len(rows), num_wanted))
         if num_dropped:
             logging.warning('%s: dropped %d of %d pairs of %s longer than max_length=%d tokens.',
                             p.name, num_dropped, num_dropped + len(kept), p.file_pattern,
@@ -178,6 +210,26 @@ class ParallelTextInput(base_input.BaseInput):
                            tgt_paddings=tgt_paddings, tgt_labels=tgt_labels,
                            tgt_weights=1.0 - tgt_paddings)
         return kept, arrays, num_dropped
+
+    def _NoPairsMessage(self, num_rows: int, num_wanted: int) -> str:
+        """Why none of the `num_rows` pairs read (`num_wanted` of the kept languages) is left."""
+        p = self.p
+        where = p.file_pattern
+        if glob.has_magic(where):
+            paths = _MatchingFiles(where)
+            where = f'{where} ({len(paths)} files: {", ".join(paths[:3])}' + (
+                ', ...)' if len(paths) > 3 else ')')
+        if not num_rows:
+            return (f'{p.name}: {where} has no sentence pairs; expected lines of '
+                    f'source_language<TAB>target_language<TAB>source<TAB>target.')
+        if not num_wanted:
+            return (f'{p.name}: none of the {num_rows} pairs of {where} has a target language '
+                    f'in languages={list(p.languages)}; expected at least one.')
+        pairs = f'all {num_wanted} pairs of {where} are' if num_wanted > 1 else (
+            f'the one pair of {where} is')
+        return (f'{p.name}: {pairs} longer than max_length={p.max_length} tokens on a side '
+                f'(language token and </s> included); expected at least one that fits: raise '
+                f'max_length.')
 
     def _LoadExamples(self) -> NestedMap:
         return self._arrays
@@ -202,16 +254,18 @@ class ParallelTextInput(base_input.BaseInput):
           NestedMap(src_ids [len(lines), max_length] int32, src_paddings float32), numpy.
 
         Raises:
-          ValueError: on an unknown language or a line longer than max_length tokens.
+          errors.InputError (a ValueError): on a line longer than max_length tokens.
+          ValueError: on an unknown language.
         """
         language_id = self._vocab.LanguageId(target_language)
         sources = []
         for i, line in enumerate(lines):
             source = [language_id] + self._vocab.Encode(line) + [vocabulary.EOS_ID]
             if len(source) > self.p.max_length:
-                raise ValueError(f'{self.p.name}: source {i} has {len(source)} tokens with its '
-                                 f'language token and </s>; expected at most max_length='
-                                 f'{self.p.max_length}: {line!r}.')
+                raise errors.InputError(
+                    f'{self.p.name}: source {i} has {len(source)} tokens with its language token '
+                    f'and </s>; expected at most max_length={self.p.max_length}: '
+                    f'{_Excerpt(line)}.')
             sources.append(source)
         src_ids, src_paddings = _Pack(sources, self.p.max_length)
         return NestedMap(src_ids=src_ids, src_paddings=src_paddings)

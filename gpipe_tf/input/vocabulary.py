@@ -133,19 +133,28 @@ class CharVocabulary:
         """The vocabulary saved in `path` by `Save`.
 
         Raises:
-          FileNotFoundError: if `path` does not exist.
-          ValueError: if the file is not a vocabulary file.
+          errors.MissingInputError (a FileNotFoundError): if `path` does not exist.
+          errors.InputError (a ValueError): if `path` cannot be read (a directory, no
+            permission) or is not a vocabulary file.
         """
         if not os.path.exists(path):
             raise errors.MissingInputError(f'Vocabulary file not found: {path}')
-        with open(path, encoding='utf-8', newline='') as f:
-            lines = f.read().split('\n')
+        try:
+            with open(path, encoding='utf-8', newline='') as f:
+                lines = f.read().split('\n')
+        except UnicodeDecodeError as e:
+            raise errors.InputError(f'{path}: not UTF-8 text ({e}); expected a vocabulary file, '
+                                    f'one token a line, as CharVocabulary.Save writes.') from e
+        except OSError as e:
+            raise errors.InputError(f'{path}: cannot read it as a vocabulary file '
+                                    f'({e.strerror or e}); expected a readable file, one token '
+                                    f'a line.') from e
         if lines[-1] != '':
-            raise ValueError(f'{path}: expected a vocabulary file ending in a newline.')
+            raise errors.InputError(f'{path}: expected a vocabulary file ending in a newline.')
         try:
             return cls([UnescapeToken(line) for line in lines[:-1]])
         except ValueError as e:
-            raise ValueError(f'{path}: {e}') from e
+            raise errors.InputError(f'{path}: not a vocabulary file: {e}') from e
 
     def Save(self, path: str) -> None:
         """Writes the vocabulary to `path`, one escaped token a line."""
