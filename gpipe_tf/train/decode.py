@@ -40,17 +40,59 @@ _IMAGE_SIGNATURES = ((b'\x89PNG\r\n\x1a\n', 'PNG'), (b'\xff\xd8\xff', 'JPEG'),
                      (b'GIF87a', 'GIF'), (b'GIF89a', 'GIF'), (b'BM', 'BMP'))
 
 
-def _RequireImageFile(path: str) -> None:
-    """Raises FileNotFoundError for a missing file, errors.InputError for one that does not start as
-    a PNG, JPEG, GIF or BMP image does: read without TensorFlow's runtime, which a request is
-    checked before (the devices are not set up yet)."""
+def _Quoted(text: str, limit: int = 80) -> str:
+    """`text` quoted for an error message, cut to its first `limit` characters (then '...'): a
+    huge input line does not make a huge message."""
+    return f'{text[:limit]!r}...' if len(text) > limit else repr(text)
+
+
+def _Reason(error: Exception, path: str) -> str:
+    """What an OpError or OSError about `path` says (`errors.Reason`), without the path, which
+    the message names already: 'permission denied'."""
+    message = (error.strerror if isinstance(error, OSError) and error.strerror else
+               errors.Reason(error))
+    if message.startswith(path):
+        message = message[len(path):].lstrip(';: ')
+    return message[:1].lower() + message[1:]
+
+
+def _ImageFileBytes(path: str, size: int = -1) -> bytes:
+    """The first `size` bytes (-1: all) of the image file `path`, checked to start as a PNG,
+    JPEG, GIF or BMP image does: read without TensorFlow's runtime, which a request is checked
+    before (the devices are not set up yet).
+
+    Raises:
+      FileNotFoundError: for a missing file; errors.InputError: for one that cannot be read or
+        is not an image.
+    """
     if not tf.io.gfile.exists(path) or tf.io.gfile.isdir(path):
-        raise FileNotFoundError(f'decode: no image file {path!r}.')
-    with tf.io.gfile.GFile(path, 'rb') as f:
-        head = f.read(8)
-    if not any(head.startswith(signature) for signature, _ in _IMAGE_SIGNATURES):
-        raise errors.InputError(f'decode: {path!r} is not a PNG, JPEG, GIF or BMP image (it starts '
-                         f'with {head!r}).')
+        raise FileNotFoundError(f'decode: no image file {_Quoted(path)}.')
+    try:
+        with tf.io.gfile.GFile(path, 'rb') as f:
+            data = f.read(size)
+    except (tf.errors.OpError, OSError) as error:
+        raise errors.InputError(f'decode: cannot read the image file {_Quoted(path)} '
+                                f'({_Reason(error, path)}).') from None
+    if not any(data.startswith(signature) for signature, _ in _IMAGE_SIGNATURES):
+        raise errors.InputError(f'decode: {_Quoted(path)} is not a PNG, JPEG, GIF or BMP image '
+                                f'(it starts with {data[:8]!r}).')
+    return data
+
+
+def _InChannels(pixels, channels: int):
+    """Decoded pixels [height, width, c] (c: 1 grey, 2 grey and alpha, 3 RGB, 4 RGBA) as
+    `channels` (1 or 3) of float32: alpha dropped, RGB to grey with tf.image's luma weights,
+    grey to RGB repeated. Converted here rather than by `tf.io.decode_image(channels=...)`,
+    whose GIF and BMP decoders refuse channels=1."""
+    pixels = tf.cast(pixels, tf.float32)
+    have = pixels.shape[-1]
+    if have in (2, 4):
+        pixels = pixels[..., :have - 1]
+    if channels == 1 and have >= 3:
+        return tf.image.rgb_to_grayscale(pixels)
+    if channels == 3 and have <= 2:
+        return tf.image.grayscale_to_rgb(pixels)
+    return pixels
 
 
 def _RequireTargetLanguage(target_language: str | None) -> None:
@@ -92,17 +134,20 @@ def LoadImage(path: str, spec: ImageSpec):
     """An image file (PNG, JPEG, GIF, BMP) as the model's input: [size, size, channels] float32
     (`ImageSpec.Normalize`).
 
+    The file's own channels are decoded (a GIF's RGB, a BMP's grey, a CMYK JPEG's RGB), then
+    converted to the model's (`_InChannels`).
+
     Raises:
-      FileNotFoundError: for a missing file; errors.InputError: for a file that is not an image.
+      FileNotFoundError: for a missing file; errors.InputError: for a file that cannot be read
+        or is not an image.
     """
-    _RequireImageFile(path)
+    data = _ImageFileBytes(path)
     try:
-        pixels = tf.io.decode_image(tf.io.read_file(path), channels=spec.channels,
-                                    expand_animations=False)
-    except tf.errors.InvalidArgumentError as e:
-        raise errors.InputError(f'decode: {path!r} is not a PNG, JPEG, GIF or BMP image '
-                         f'({e.message}).') from None
-    return spec.Normalize(pixels).numpy()
+        pixels = tf.io.decode_image(data, channels=0, expand_animations=False)
+    except tf.errors.InvalidArgumentError as error:
+        raise errors.InputError(f'decode: {_Quoted(path)} is not a PNG, JPEG, GIF or BMP image '
+                                f'({_Reason(error, path)}).') from None
+    return spec.Normalize(_InChannels(pixels, spec.channels)).numpy()
 
 
 def ClassifyImages(task, task_params, paths: list[str]) -> list[tuple[str, str]]:
@@ -152,8 +197,12 @@ def CheckRequest(task_params, lines: list[str], target_language: str | None) -> 
       ValueError (FileNotFoundError for a missing image): naming what is wrong.
     """
     if issubclass(task_params.cls, classifier.ClassifierTask):
+        channels = ImageSpec.Of(task_params).channels
+        if channels not in (1, 3):
+            raise ValueError(f'decode: {task_params.cls.__name__} takes {channels}-channel '
+                             'images; decode reads them as grey (1 channel) or RGB (3).')
         for path in lines:
-            _RequireImageFile(path)
+            _ImageFileBytes(path, size=8)
         return
     if issubclass(task_params.cls, sequence.SequenceTask) and task_params.translation:
         _RequireTargetLanguage(target_language)
