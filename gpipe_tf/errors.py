@@ -51,3 +51,9 @@ def Reason(error: BaseException) -> str:
         return ''
     line = re.sub(r'^\{\{[^}]*\}\}\s*', '', lines[0])
     return re.sub(r'\s*\[Op:[^\]]*\].*$', '', line)
+
+
+def Excerpt(text: str, limit: int = 80) -> str:
+    """`text` quoted for an error message, cut to its first `limit` characters (then '...'): a
+    huge input line does not make a huge message."""
+    return f'{text[:limit]!r}...' if len(text) > limit else repr(text)

@@ -14,6 +14,7 @@ import tensorflow as tf
 from gpipe_tf import errors
 from gpipe_tf import test_utils
 from gpipe_tf.input import text
+from gpipe_tf.input import text_files
 from gpipe_tf.input import vocabulary
 from gpipe_tf.models.transformer import network as transformer_model
 from gpipe_tf.tools import make_multilingual_corpus as corpus_tool
@@ -200,8 +201,8 @@ class VocabularyTest(tf.test.TestCase):
         for path, expected in [
                 (no_specials, r"not a vocabulary file: A vocabulary must start with \['<pad>'"),
                 (latin1, 'not UTF-8 text'),
-                (a_directory, r'cannot read it as a vocabulary file \(Is a directory\); expected '
-                 r'a readable file')]:
+                (a_directory, r'cannot read it \(Is a directory\); expected a readable UTF-8 '
+                 r'vocabulary file')]:
             with self.assertRaisesRegex(errors.InputError, f'{path}: {expected}'):
                 vocabulary.CharVocabulary.Load(path)
 
@@ -226,9 +227,10 @@ class ReadParallelTsvTest(tf.test.TestCase):
         path = _WriteTsv(self._Dir('unreadable'), _ROWS)
         denied = PermissionError(13, 'Permission denied', path)
         # A mode-000 file is readable by root, so the refusal is simulated.
-        with mock.patch.object(text, 'open', side_effect=denied, create=True):
+        with mock.patch.object(text_files, 'open', side_effect=denied, create=True):
             with self.assertRaisesRegex(errors.InputError, f'{path}: cannot read it '
-                                        r'\(Permission denied\); expected a readable TSV file'):
+                                        r'\(Permission denied\); expected a readable UTF-8 TSV '
+                                        'file'):
                 text.ReadParallelTsv(path)
 
     def testNonUtf8FileIsAnInputErrorNamingIt(self):

@@ -68,6 +68,13 @@ def StartTrainer(logdir, overrides, **popen_kwargs):
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'), **popen_kwargs)
 
 
+def Reap(process):
+    """Kills `process` if it still runs (a test that failed before it ended), and waits."""
+    if process.poll() is None:
+        process.kill()
+        process.communicate()
+
+
 def Run(*flags, check=True):
     """The trainer with `flags` as a subprocess, as users run it: for the runs that need a
     process of their own (the module's docstring says which); the others run `InProcess`."""
@@ -392,34 +399,30 @@ class RecoveryTest(ReferenceRunTestCase):
         logdir = self.LogDir()
         first = StartTrainer(logdir, RECOVERY, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
-        try:
-            deadline = time.time() + TIMEOUT
-            while not CheckpointSteps(logdir) and time.time() < deadline:
-                self.assertIsNone(first.poll(), 'the first trainer exited early')
-                time.sleep(0.1)
-            with open(os.path.join(logdir, 'params.txt')) as f:
-                params = f.read()
-            # In this process, beside the trainer's (a second trainer that is not refused would
-            # train its 200 steps and exit 0).
-            second = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=200',
-                               '--model_params_override=train.learning_rate : 0.5',
-                               check=False)
-            self.assertEqual(second.returncode, 2)
-            self.assertRegex(ErrorLine(second),
-                             rf'^error: {logdir} is in use by another trainer \(pid '
-                             rf'{first.pid} on \S+, started [\dT:+-]+\); wait for it to end, '
-                             r'stop it, or pass another --logdir\.$')
-            with open(os.path.join(logdir, 'params.txt')) as f:
-                self.assertEqual(f.read(), params)
-            evaluation = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--mode=eval')
-            self.assertRegex(evaluation.stdout, r'eval Test at step \d+: accuracy')
-            self.assertIsNone(first.poll(), 'the first trainer stopped')
-            first.send_signal(signal.SIGTERM)
-            _, stderr = first.communicate(timeout=120)
-        finally:
-            if first.poll() is None:
-                first.kill()
-                first.communicate()
+        self.addCleanup(Reap, first)
+        deadline = time.time() + TIMEOUT
+        while not CheckpointSteps(logdir) and time.time() < deadline:
+            self.assertIsNone(first.poll(), 'the first trainer exited early')
+            time.sleep(0.1)
+        with open(os.path.join(logdir, 'params.txt')) as f:
+            params = f.read()
+        # In this process, beside the trainer's (a second trainer that is not refused would
+        # train its 200 steps and exit 0).
+        second = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--max_steps=200',
+                           '--model_params_override=train.learning_rate : 0.5',
+                           check=False)
+        self.assertEqual(second.returncode, 2)
+        self.assertRegex(ErrorLine(second),
+                         rf'^error: {logdir} is in use by another trainer \(pid '
+                         rf'{first.pid} on \S+, started [\dT:+-]+\); wait for it to end, '
+                         r'stop it, or pass another --logdir\.$')
+        with open(os.path.join(logdir, 'params.txt')) as f:
+            self.assertEqual(f.read(), params)
+        evaluation = InProcess(f'--model={MLP}', f'--logdir={logdir}', '--mode=eval')
+        self.assertRegex(evaluation.stdout, r'eval Test at step \d+: accuracy')
+        self.assertIsNone(first.poll(), 'the first trainer stopped')
+        first.send_signal(signal.SIGTERM)
+        _, stderr = first.communicate(timeout=120)
         self.assertEqual(first.returncode, 128 + signal.SIGTERM, stderr[-3000:])
         self.assertNotIn('Traceback', stderr)
         found = re.fullmatch(rf'stopped by SIGTERM: saved {logdir}/train/ckpt-(\d+) at step '
@@ -434,14 +437,10 @@ class RecoveryTest(ReferenceRunTestCase):
         logdir = os.path.join(self.LogDir(), 'never')
         process = StartTrainer(logdir, RECOVERY, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
-        try:
-            time.sleep(0.5)
-            process.send_signal(signal.SIGINT)
-            _, stderr = process.communicate(timeout=120)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
+        self.addCleanup(Reap, process)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
         self.assertEqual(process.returncode, 130, stderr[-3000:])
         self.assertNotIn('Traceback', stderr)
         self.assertEqual(stderr.strip().splitlines()[-1],

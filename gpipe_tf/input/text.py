@@ -31,6 +31,7 @@ from absl import logging
 from gpipe_tf import errors
 from gpipe_tf import hyperparams
 from gpipe_tf.input import base_input
+from gpipe_tf.input import text_files
 from gpipe_tf.input import vocabulary
 from gpipe_tf.nested_map import NestedMap
 
@@ -49,12 +50,6 @@ def CorpusPath(split: str = 'train') -> str:
     if split not in SPLITS:
         raise ValueError(f'Unknown split {split!r}; expected one of {list(SPLITS)}.')
     return os.path.join(_CORPUS_DIR, f'{split}.tsv')
-
-
-def _Excerpt(line: str, limit: int = 80) -> str:
-    """`line` quoted for an error message, cut to its first `limit` characters (then '...'), so a
-    huge line does not make a huge message."""
-    return f'{line[:limit]!r}...' if len(line) > limit else repr(line)
 
 
 def _MatchingFiles(file_pattern: str) -> list[str]:
@@ -78,15 +73,7 @@ def ReadParallelTsv(file_pattern: str) -> list[tuple[str, str, str, str]]:
         raise errors.MissingInputError(f'No parallel text file matches {file_pattern}')
     rows = []
     for path in paths:
-        try:
-            with open(path, encoding='utf-8', newline='') as f:
-                lines = f.read().split('\n')
-        except UnicodeDecodeError as e:
-            raise errors.InputError(f'{path}: not UTF-8 text ({e}); expected a UTF-8 TSV file of '
-                                    f'sentence pairs.') from e
-        except OSError as e:
-            raise errors.InputError(f'{path}: cannot read it ({e.strerror or e}); expected a '
-                                    f'readable TSV file of sentence pairs.') from e
+        lines = text_files.ReadLines(path, 'a readable UTF-8 TSV file of sentence pairs')
         for number, line in enumerate(lines, start=1):
             line = line.removesuffix('\r')
             if not line:
@@ -96,7 +83,7 @@ def ReadParallelTsv(file_pattern: str) -> list[tuple[str, str, str, str]]:
                 raise errors.InputError(
                     f'{path}:{number}: expected {_NUM_FIELDS} non-empty tab-separated fields '
                     f'(source_language, target_language, source, target), got {len(fields)}: '
-                    f'{_Excerpt(line)}.')
+                    f'{errors.Excerpt(line)}.')
             rows.append(tuple(fields))
     return rows
 
@@ -186,7 +173,7 @@ class ParallelTextInput(base_input.BaseInput):
                 continue
             if tgt_lang not in vocab.languages:
                 raise errors.InputError(f'{p.name}: {p.file_pattern} has target language '
-                                        f'{tgt_lang!r} (pair {_Excerpt(src)}); the vocabulary '
+                                        f'{tgt_lang!r} (pair {errors.Excerpt(src)}); the vocabulary '
                                         f'knows {list(vocab.languages)}.')
             source = [vocab.LanguageId(tgt_lang)] + vocab.Encode(src) + [vocabulary.EOS_ID]
             target = vocab.Encode(tgt)
@@ -265,7 +252,7 @@ class ParallelTextInput(base_input.BaseInput):
                 raise errors.InputError(
                     f'{self.p.name}: source {i} has {len(source)} tokens with its language token '
                     f'and </s>; expected at most max_length={self.p.max_length}: '
-                    f'{_Excerpt(line)}.')
+                    f'{errors.Excerpt(line)}.')
             sources.append(source)
         src_ids, src_paddings = _Pack(sources, self.p.max_length)
         return NestedMap(src_ids=src_ids, src_paddings=src_paddings)

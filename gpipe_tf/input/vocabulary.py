@@ -27,6 +27,7 @@ import re
 from typing import Iterable, Sequence
 
 from gpipe_tf import errors
+from gpipe_tf.input import text_files
 
 PAD, BOS, EOS, UNK = '<pad>', '<s>', '</s>', '<unk>'
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -139,16 +140,8 @@ class CharVocabulary:
         """
         if not os.path.exists(path):
             raise errors.MissingInputError(f'Vocabulary file not found: {path}')
-        try:
-            with open(path, encoding='utf-8', newline='') as f:
-                lines = f.read().split('\n')
-        except UnicodeDecodeError as e:
-            raise errors.InputError(f'{path}: not UTF-8 text ({e}); expected a vocabulary file, '
-                                    f'one token a line, as CharVocabulary.Save writes.') from e
-        except OSError as e:
-            raise errors.InputError(f'{path}: cannot read it as a vocabulary file '
-                                    f'({e.strerror or e}); expected a readable file, one token '
-                                    f'a line.') from e
+        lines = text_files.ReadLines(path, 'a readable UTF-8 vocabulary file, one token a line, '
+                                           'as CharVocabulary.Save writes')
         if lines[-1] != '':
             raise errors.InputError(f'{path}: expected a vocabulary file ending in a newline.')
         try:

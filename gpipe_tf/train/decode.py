@@ -40,12 +40,6 @@ _IMAGE_SIGNATURES = ((b'\x89PNG\r\n\x1a\n', 'PNG'), (b'\xff\xd8\xff', 'JPEG'),
                      (b'GIF87a', 'GIF'), (b'GIF89a', 'GIF'), (b'BM', 'BMP'))
 
 
-def _Quoted(text: str, limit: int = 80) -> str:
-    """`text` quoted for an error message, cut to its first `limit` characters (then '...'): a
-    huge input line does not make a huge message."""
-    return f'{text[:limit]!r}...' if len(text) > limit else repr(text)
-
-
 def _Reason(error: Exception, path: str) -> str:
     """What an OpError or OSError about `path` says (`errors.Reason`), without the path, which
     the message names already: 'permission denied'."""
@@ -66,15 +60,15 @@ def _ImageFileBytes(path: str, size: int = -1) -> bytes:
         is not an image.
     """
     if not tf.io.gfile.exists(path) or tf.io.gfile.isdir(path):
-        raise FileNotFoundError(f'decode: no image file {_Quoted(path)}.')
+        raise FileNotFoundError(f'decode: no image file {errors.Excerpt(path)}.')
     try:
         with tf.io.gfile.GFile(path, 'rb') as f:
             data = f.read(size)
     except (tf.errors.OpError, OSError) as error:
-        raise errors.InputError(f'decode: cannot read the image file {_Quoted(path)} '
+        raise errors.InputError(f'decode: cannot read the image file {errors.Excerpt(path)} '
                                 f'({_Reason(error, path)}).') from None
     if not any(data.startswith(signature) for signature, _ in _IMAGE_SIGNATURES):
-        raise errors.InputError(f'decode: {_Quoted(path)} is not a PNG, JPEG, GIF or BMP image '
+        raise errors.InputError(f'decode: {errors.Excerpt(path)} is not a PNG, JPEG, GIF or BMP image '
                                 f'(it starts with {data[:8]!r}).')
     return data
 
@@ -145,7 +139,7 @@ def LoadImage(path: str, spec: ImageSpec):
     try:
         pixels = tf.io.decode_image(data, channels=0, expand_animations=False)
     except tf.errors.InvalidArgumentError as error:
-        raise errors.InputError(f'decode: {_Quoted(path)} is not a PNG, JPEG, GIF or BMP image '
+        raise errors.InputError(f'decode: {errors.Excerpt(path)} is not a PNG, JPEG, GIF or BMP image '
                                 f'({_Reason(error, path)}).') from None
     return spec.Normalize(_InChannels(pixels, spec.channels)).numpy()
 
