@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 from gpipe_tf import errors
+from gpipe_tf import model_registry
 from gpipe_tf.train import decode
 
 pytestmark = pytest.mark.unit
@@ -107,3 +108,23 @@ class LoadImageTest(tf.test.TestCase):
         with self.assertRaises(FileNotFoundError) as raised:
             self.Load(path, 1)
         self.assertEqual(str(raised.exception), f"decode: no image file '/{'x' * 79}'....")
+
+
+class TranslationRequestTest(tf.test.TestCase):
+    """What a translation request can be refused for, named as what it is."""
+
+    def setUp(self):
+        super().setUp()
+        self.p = model_registry.GetParams('mt.multilingual.TransformerTiny', 'Test')
+
+    def testASentenceTooLongIsNamedAsSuchNotAsTheLanguage(self):
+        with self.assertRaises(errors.InputError) as raised:
+            decode.CheckRequest(self.p, ['a' * 1000], 'de')
+        self.assertStartsWith(str(raised.exception), 'decode: ')
+        self.assertNotIn('--target_language', str(raised.exception))
+        self.assertLess(len(str(raised.exception)), 400)
+
+    def testAnUnknownLanguageIsNamedCut(self):
+        with self.assertRaisesRegex(ValueError, r"^decode: --target_language='z{80}'\.\.\.: "
+                                    r"Unknown target language 'z{80}'\.\.\."):
+            decode.CheckRequest(self.p, ['hello'], 'z' * 500)

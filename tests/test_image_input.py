@@ -226,7 +226,7 @@ class FashionMnistInputTest(tf.test.TestCase):
         self.assertEqual(next(iter(inp.TrainDataset())).images.shape, [4, 10, 12, 1])
 
     def testUnknownSplitIsRejected(self):
-        with self.assertRaisesRegex(ValueError, "split must be one of .* got 'validation'"):
+        with self.assertRaisesRegex(errors.ConfigError, "split must be one of .* got 'validation'"):
             self._Params('/tmp', split='validation').Instantiate()
 
     def testRealFashionMnist(self):
@@ -295,7 +295,7 @@ class DigitsInputTest(tf.test.TestCase):
         self.assertEqual(sum(b.weights.sum() for b in batches), test.NumExamples())
 
     def testBadTestFractionIsRejected(self):
-        with self.assertRaisesRegex(ValueError, r'test_fraction must lie in \(0, 1\), got 1.5'):
+        with self.assertRaisesRegex(errors.ConfigError, r'test_fraction must lie in \(0, 1\), got 1.5'):
             self._Params(test_fraction=1.5).Instantiate()
 
 

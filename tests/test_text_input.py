@@ -187,6 +187,13 @@ class VocabularyTest(tf.test.TestCase):
             f.write('\n'.join(vocabulary.SPECIAL_TOKENS) + '\n\\x\n')
         with self.assertRaisesRegex(ValueError, 'bad_vocab.txt: .*Bad escape'):
             vocabulary.CharVocabulary.Load(path)
+        # A huge line or language name is echoed cut to 80 characters.
+        with self.assertRaisesRegex(ValueError, r"Bad escape .* in vocabulary line 'a{80}'"
+                                    r'\.\.\.; expected'):
+            vocabulary.UnescapeToken('a' * 500 + '\\x')
+        with self.assertRaisesRegex(ValueError, r"Unknown target language 'z{80}'\.\.\.; the "
+                                    'vocabulary knows'):
+            vocab.LanguageId('z' * 500)
 
     def testLoadingWhatIsNoVocabularyFileIsAnInputErrorNamingIt(self):
         directory = self.get_temp_dir()
@@ -445,7 +452,7 @@ class ParallelTextInputTest(tf.test.TestCase):
         with self.assertRaisesRegex(errors.ConfigError, r'shipped train split \(min_count=2\) '
                                     r'has \d+ tokens but vocab_size is 100'):
             self._Input(vocab_size=100)
-        with self.assertRaisesRegex(ValueError, r'max_length must be >= 3.*got 2'):
+        with self.assertRaisesRegex(errors.ConfigError, r'max_length must be >= 3.*got 2'):
             self._Input(max_length=2)
 
 

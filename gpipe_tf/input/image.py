@@ -31,12 +31,12 @@ DIGITS_SPLIT_SEED = 20240607
 
 def _CheckSplit(p: hyperparams.Params) -> None:
     if p.split not in _SPLITS:
-        raise ValueError(f'{p.name}: split must be one of {_SPLITS}, got {p.split!r}.')
+        raise errors.ConfigError(f'{p.name}: split must be one of {_SPLITS}, got {p.split!r}.')
 
 
 def _CheckNormalisation(p: hyperparams.Params) -> None:
     if not p.std or p.std <= 0:
-        raise ValueError(f'{p.name}: std must be positive, got {p.std!r}.')
+        raise errors.ConfigError(f'{p.name}: std must be positive, got {p.std!r}.')
 
 
 def _Normalise(pixels: tf.Tensor, max_value: float, mean: float, std: float) -> tf.Tensor:
@@ -225,11 +225,11 @@ class DigitsInput(base_input.BaseInput):
         _CheckSplit(p)
         _CheckNormalisation(p)
         if not 0 < p.test_fraction < 1:
-            raise ValueError(f'{p.name}: test_fraction must lie in (0, 1), got '
-                             f'{p.test_fraction!r}.')
+            raise errors.ConfigError(f'{p.name}: test_fraction must lie in (0, 1), got '
+                                     f'{p.test_fraction!r}.')
         if not isinstance(p.image_size, int) or p.image_size < 1:
-            raise ValueError(f'{p.name}: image_size must be a positive integer, got '
-                             f'{p.image_size!r}.')
+            raise errors.ConfigError(f'{p.name}: image_size must be a positive integer, got '
+                                     f'{p.image_size!r}.')
 
     def SplitIndices(self) -> np.ndarray:
         """Indices of this split's examples in `load_digits()`, in the order they are stored."""
@@ -283,8 +283,8 @@ class SyntheticImageInput(base_input.BaseInput):
         for name in ('image_size', 'num_channels', 'num_classes', 'num_examples_total'):
             value = self.p.Get(name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f'{self.p.name}: {name} must be a positive integer, got '
-                                 f'{value!r}.')
+                raise errors.ConfigError(f'{self.p.name}: {name} must be a positive integer, '
+                                         f'got {value!r}.')
 
     def _LoadExamples(self) -> NestedMap:
         p = self.p

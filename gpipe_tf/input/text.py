@@ -140,8 +140,8 @@ class ParallelTextInput(base_input.BaseInput):
         super().__init__(params)
         p = self.p
         if p.max_length is None or p.max_length < 3:
-            raise ValueError(f'{p.name}: max_length must be >= 3 (a language token, a character '
-                             f'and </s>), got {p.max_length!r}.')
+            raise errors.ConfigError(f'{p.name}: max_length must be >= 3 (a language token, a '
+                                     f'character and </s>), got {p.max_length!r}.')
         self._vocab = (vocabulary.CharVocabulary.Load(p.vocab_file) if p.vocab_file
                        else DefaultVocabulary(p.min_count))
         if p.vocab_size is not None and self._vocab.size > p.vocab_size:
@@ -173,8 +173,8 @@ class ParallelTextInput(base_input.BaseInput):
                 continue
             if tgt_lang not in vocab.languages:
                 raise errors.InputError(f'{p.name}: {p.file_pattern} has target language '
-                                        f'{tgt_lang!r} (pair {errors.Excerpt(src)}); the vocabulary '
-                                        f'knows {list(vocab.languages)}.')
+                                        f'{tgt_lang!r} (pair {errors.Excerpt(src)}); the '
+                                        f'vocabulary knows {list(vocab.languages)}.')
             source = [vocab.LanguageId(tgt_lang)] + vocab.Encode(src) + [vocabulary.EOS_ID]
             target = vocab.Encode(tgt)
             if len(source) > p.max_length or len(target) + 1 > p.max_length:

@@ -68,7 +68,8 @@ def UnescapeToken(line: str) -> str:
             continue
         match = _ESCAPE.match(line, i)
         if not match:
-            raise ValueError(f'Bad escape {line[i:i + 2]!r} in vocabulary line {line!r}; expected '
+            raise ValueError(f'Bad escape {line[i:i + 2]!r} in vocabulary line '
+                             f'{errors.Excerpt(line)}; expected '
                              f'\\\\, \\uXXXX or \\UXXXXXXXX (lower-case hex).')
         escape = match.group(1)
         out.append('\\' if escape == '\\' else chr(int(escape[1:], 16)))
@@ -175,8 +176,8 @@ class CharVocabulary:
           ValueError: if the vocabulary has no token for `language`.
         """
         if language not in self._language_ids:
-            raise ValueError(f'Unknown target language {language!r}; the vocabulary knows '
-                             f'{list(self.languages)}.')
+            raise ValueError(f'Unknown target language {errors.Excerpt(language)}; the '
+                             f'vocabulary knows {list(self.languages)}.')
         return self._language_ids[language]
 
     def Encode(self, text: str) -> list[int]:

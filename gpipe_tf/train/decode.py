@@ -68,8 +68,8 @@ def _ImageFileBytes(path: str, size: int = -1) -> bytes:
         raise errors.InputError(f'decode: cannot read the image file {errors.Excerpt(path)} '
                                 f'({_Reason(error, path)}).') from None
     if not any(data.startswith(signature) for signature, _ in _IMAGE_SIGNATURES):
-        raise errors.InputError(f'decode: {errors.Excerpt(path)} is not a PNG, JPEG, GIF or BMP image '
-                                f'(it starts with {data[:8]!r}).')
+        raise errors.InputError(f'decode: {errors.Excerpt(path)} is not a PNG, JPEG, GIF or BMP '
+                                f'image (it starts with {data[:8]!r}).')
     return data
 
 
@@ -139,8 +139,8 @@ def LoadImage(path: str, spec: ImageSpec):
     try:
         pixels = tf.io.decode_image(data, channels=0, expand_animations=False)
     except tf.errors.InvalidArgumentError as error:
-        raise errors.InputError(f'decode: {errors.Excerpt(path)} is not a PNG, JPEG, GIF or BMP image '
-                                f'({_Reason(error, path)}).') from None
+        raise errors.InputError(f'decode: {errors.Excerpt(path)} is not a PNG, JPEG, GIF or BMP '
+                                f'image ({_Reason(error, path)}).') from None
     return spec.Normalize(_InChannels(pixels, spec.channels)).numpy()
 
 
@@ -202,8 +202,11 @@ def CheckRequest(task_params, lines: list[str], target_language: str | None) -> 
         _RequireTargetLanguage(target_language)
         try:
             task_params.input.Instantiate().EncodeSources(lines, target_language)
-        except ValueError as error:
-            raise ValueError(f'decode: --target_language={target_language}: {error}') from None
+        except errors.InputError as error:  # A sentence the model cannot take.
+            raise errors.InputError(f'decode: {error}') from None
+        except ValueError as error:  # The vocabulary has no such language.
+            raise ValueError(f'decode: --target_language={errors.Excerpt(target_language)}: '
+                             f'{error}') from None
         return
     raise _CannotDecode(task_params.cls.__name__)
 

@@ -174,9 +174,10 @@ _PATH_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.EISDIR, errno.ENOT
 
 @contextlib.contextmanager
 def Writing(path: str | None, what: str):
-    """A failure of the file system while writing `what` at `path` (None: where TensorFlow's
-    message says; the logdir's summaries, params, an export) as one line: a path the user must fix as UnwritableLogdirError, any
-    other (a full disk) as DiskFault. A cluster's failures (a task gone) pass through."""
+    """A failure of the file system while writing `what` (the logdir's summaries, params, an
+    export) at `path` (None: where TensorFlow's message says) as one line: a path the user must
+    fix as UnwritableLogdirError, any other (a full disk) as DiskFault. A cluster's failures (a
+    task gone) pass through."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     try:
         yield
