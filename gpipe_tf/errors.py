@@ -42,15 +42,23 @@ def Warn(text: str) -> None:
     print(f'warning: {text}', file=sys.stderr, flush=True)
 
 
-def Reason(error: BaseException) -> str:
+def Reason(error: BaseException, path: str | None = None) -> str:
     """The first line of an error's message that says something, without TensorFlow's
-    decorations ('{{function_node ...}}' before it, '[Op:...]' after it); '' if none."""
-    lines = [l.strip() for l in str(getattr(error, 'message', error)).splitlines()
-             if any(c.isalpha() for c in l) and not l.startswith('Graph execution error')]
-    if not lines:
-        return ''
-    line = re.sub(r'^\{\{[^}]*\}\}\s*', '', lines[0])
-    return re.sub(r'\s*\[Op:[^\]]*\].*$', '', line)
+    decorations ('{{function_node ...}}' before it, '[Op:...]' after it); an OSError's
+    strerror; '' if none. With `path`, which the caller's message names already, without the
+    path it starts with ('/x/params.txt; Is a directory' -> 'Is a directory')."""
+    if isinstance(error, OSError) and error.strerror:
+        line = error.strerror
+    else:
+        lines = [l.strip() for l in str(getattr(error, 'message', error)).splitlines()
+                 if any(c.isalpha() for c in l) and not l.startswith('Graph execution error')]
+        if not lines:
+            return ''
+        line = re.sub(r'^\{\{[^}]*\}\}\s*', '', lines[0])
+        line = re.sub(r'\s*\[Op:[^\]]*\].*$', '', line)
+    if path and line.startswith(path):
+        line = line[len(path):].lstrip(';: ')
+    return line
 
 
 def Excerpt(text: str, limit: int = 80) -> str:

@@ -384,4 +384,4 @@ def _Store(cache_file: str, costs: dict[str, LayerCost]) -> None:
         tf.io.gfile.rename(temporary, cache_file, overwrite=True)
     except (OSError, tf.errors.OpError) as error:
         errors.Warn(f'could not write the costs file {cache_file} '
-                    f'({str(error).strip().splitlines()[0]}); the next run measures again.')
+                    f'({errors.Reason(error)}); the next run measures again.')

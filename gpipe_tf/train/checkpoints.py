@@ -109,7 +109,7 @@ def Unfinished(directory: str) -> list[str]:
 def FirstLine(error: Exception) -> str:
     """`Type: the first line of the message that says something`, at most 200 characters of
     it."""
-    line = cluster_lib.FirstLine(error)[:200]
+    line = errors.Reason(error)[:200]
     return f'{type(error).__name__}: {line}' if line else type(error).__name__
 
 

@@ -150,12 +150,6 @@ def CallWithin(fn, timeout_s: float) -> Outcome | None:
     return outcomes[0] if outcomes else None
 
 
-def FirstLine(error: Exception) -> str:
-    """The first line of a TensorFlow error's message that says something ('' if none;
-    `errors.Reason`)."""
-    return errors.Reason(error)
-
-
 _SILENT = 'it accepts connections but does not answer within {:g} s (stopped or hung?)'
 
 
@@ -202,7 +196,7 @@ def UnreachableError(cluster: tf.train.ClusterSpec, error: Exception, job: str =
     if statuses is None:
         statuses = Diagnose(cluster, job, probe_timeout_s)
     bad = [s for s in statuses if s.problem]
-    line = FirstLine(error)
+    line = errors.Reason(error)
     what = f'{type(error).__name__}' + (f' ({line[:200]})' if line else '')
     if not bad:
         return ClusterError(f'A step failed on the cluster ({what}), but every task of job '

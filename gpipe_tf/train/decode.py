@@ -41,12 +41,9 @@ _IMAGE_SIGNATURES = ((b'\x89PNG\r\n\x1a\n', 'PNG'), (b'\xff\xd8\xff', 'JPEG'),
 
 
 def _Reason(error: Exception, path: str) -> str:
-    """What an OpError or OSError about `path` says (`errors.Reason`), without the path, which
-    the message names already: 'permission denied'."""
-    message = (error.strerror if isinstance(error, OSError) and error.strerror else
-               errors.Reason(error))
-    if message.startswith(path):
-        message = message[len(path):].lstrip(';: ')
+    """What an OpError or OSError about `path` says (`errors.Reason`), in lower case where it
+    follows our words: 'permission denied'."""
+    message = errors.Reason(error, path)
     return message[:1].lower() + message[1:]
 
 

@@ -192,13 +192,10 @@ def WriteFault(path: str | None, what: str, error: Exception) -> Exception:
     """The one-line error for `error` (an OSError or a TensorFlow OpError), raised writing
     `what` at `path` (`Writing`)."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    why = errors.Reason(error, path) or type(error).__name__
     if isinstance(error, OSError):
-        why = error.strerror or str(error)
         user = error.errno in _PATH_ERRNOS
     else:
-        why = errors.Reason(error) or type(error).__name__
-        if path:  # TensorFlow's message names the path the line names already.
-            why = why.replace(f'{path}; ', '').replace(f'{path}: ', '')
         user = isinstance(error, (tf.errors.PermissionDeniedError,
                                   tf.errors.FailedPreconditionError,
                                   tf.errors.AlreadyExistsError))
@@ -340,9 +337,9 @@ def ReadParams(logdir: str) -> str | None:
     except (tf.errors.NotFoundError, UnicodeDecodeError):
         return None
     except tf.errors.OpError as error:  # A directory there, or one this user may not read.
-        why = errors.Reason(error).replace(f'{path}; ', '')
-        raise UnwritableLogdirError(f'cannot read {path}: {why}; make it a file this user may '
-                                    'read and write, or pass another --logdir.') from None
+        raise UnwritableLogdirError(f'cannot read {path}: {errors.Reason(error, path)}; make it a '
+                                    'file this user may read and write, or pass another '
+                                    '--logdir.') from None
 
 
 def WriteParams(text: str, logdir: str) -> str:

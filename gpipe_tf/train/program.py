@@ -64,7 +64,7 @@ def _WritingCheckpoint(directory: str, step: int, cluster: tf.train.ClusterSpec 
         statuses = cluster_lib.Diagnose(cluster, job) if cluster is not None else []
         if any(s.problem for s in statuses):
             raise cluster_lib.UnreachableError(cluster, error, job, statuses=statuses) from error
-        why = cluster_lib.FirstLine(error) or type(error).__name__
+        why = errors.Reason(error) or type(error).__name__
         raise CheckpointWriteError(
             f'could not write the checkpoint of step {step} in {directory}: {why}. The '
             'checkpoints written before it are kept; free space (or fix the cause) and run the '

@@ -26,6 +26,7 @@ import tensorflow as tf
 from tensorflow.compiler.xla import xla_data_pb2  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.compiler.xla.experimental import xla_sharding  # pylint: disable=g-direct-tensorflow-import
 
+from gpipe_tf import errors
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.train import cluster as cluster_lib
 
@@ -189,7 +190,7 @@ def Connect(address: str, timeout_s: float = 600.0):
         error = outcome.error
         where = 'on this machine' if address == 'local' else f'at {address}'
         raise TpuError(f'--tpu={address}: no usable TPU {where} ({type(error).__name__}: '
-                       f'{cluster_lib.FirstLine(error)[:300]}). On a Cloud TPU VM use '
+                       f'{errors.Reason(error)[:300]}). On a Cloud TPU VM use '
                        '--tpu=local; for a TPU node give its name or grpc://<ip>:8470.')
     return outcome.value
 
