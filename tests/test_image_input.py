@@ -295,7 +295,8 @@ class DigitsInputTest(tf.test.TestCase):
         self.assertEqual(sum(b.weights.sum() for b in batches), test.NumExamples())
 
     def testBadTestFractionIsRejected(self):
-        with self.assertRaisesRegex(errors.ConfigError, r'test_fraction must lie in \(0, 1\), got 1.5'):
+        with self.assertRaisesRegex(errors.ConfigError,
+                                    r'test_fraction must lie in \(0, 1\), got 1.5'):
             self._Params(test_fraction=1.5).Instantiate()
 
 
