@@ -101,12 +101,12 @@ def Run(config) -> None:
 
 def _WritesLogdir(mode: str, p) -> bool:
     """Whether `mode` may write into the logdir. inspect_model writes nothing there; decode only
-    reads the checkpoints, but for partition_method="time", whose measured layer costs it caches
-    there (`setup.PartitionOnTime`)."""
+    reads the checkpoints, but for partition_method="time", whose measured layer costs it
+    caches there (`setup.PartitionOnTime`)."""
     if mode == 'inspect_model':
         return False
     if mode == 'decode':
-        return 'partition_method' in p.model and p.model.partition_method == 'time'
+        return setup.PartitionsOnTime(p)
     return True
 
 

@@ -235,6 +235,12 @@ def SetUpDevices(config, target: Target, p, plan, plan_only: bool = False) -> No
         p.model.devices = devices
 
 
+def PartitionsOnTime(p) -> bool:
+    """Whether task Params `p`'s model is a pipeline partitioned on measured time, whose layer
+    costs `PartitionOnTime` measures (and caches in the logdir unless costs_file says where)."""
+    return plan_lib.IsPipeline(p.model) and p.model.partition_method == 'time'
+
+
 def PartitionOnTime(p, logdir: str):
     """partition_method="time": measures the layers on the devices just set up (cached in
     `<logdir>/layer_costs.json`, so a restart finds the same cells without measuring again)
@@ -242,7 +248,7 @@ def PartitionOnTime(p, logdir: str):
     not yet placed: its cells are those boundaries' (None for a model that is not a pipeline
     partitioned on time)."""
     model = p.model
-    if not plan_lib.IsPipeline(model) or model.partition_method != 'time':
+    if not PartitionsOnTime(p):
         return None
     if model.costs_file is None:
         model.costs_file = os.path.join(logdir, measured_costs.COSTS_FILE)
