@@ -460,3 +460,42 @@ def EventScalars(directory: str, tag: str, files=None) -> dict[int, float]:
                 if value.tag == tag:
                     values[event.step] = float(tf.make_ndarray(value.tensor))
     return values
+
+
+def KerasSgdStepInSequence(layers, x, y, learning_rate: float, num_micro_batches: int):
+    """The oracle of one training step of Keras layers on the batch (x, y), from Keras's calls
+    alone: the layers called in sequence on each micro-batch as a pipeline splits the batch
+    (min(M, N) of them, as equal as can be, the first N mod M one larger: np.array_split),
+    each from the same state (batch norm normalises with the micro-batch's statistics); Keras's
+    mean squared error of each weighted by its examples; plain SGD.
+
+    Returns:
+      (the loss, the trainable weights after the step, the non-trainable ones: the
+      examples-weighted mean over micro-batches of what each call assigns, as gpipe_tf.keras
+      documents). The layers are left as they were.
+    """
+    import keras  # pylint: disable=g-import-not-at-top  # Only the Keras tests need it.
+    weights = [w for layer in layers for w in layer.weights]
+    state = [w.numpy() for w in weights]
+
+    def Restore():
+        for w, value in zip(weights, state):
+            w.assign(value)
+
+    trainable = [w for layer in layers for w in layer.trainable_weights]
+    parts = min(num_micro_batches, len(x))
+    loss, assigned = 0.0, []
+    with tf.GradientTape() as tape:
+        for part_x, part_y in zip(np.array_split(x, parts), np.array_split(y, parts)):
+            Restore()
+            outputs = tf.constant(part_x)
+            for layer in layers:
+                outputs = layer(outputs, training=True)
+            weight = len(part_x) / len(x)
+            loss += weight * keras.losses.MeanSquaredError()(part_y, outputs)
+            assigned.append([weight * w.numpy() for layer in layers
+                             for w in layer.non_trainable_weights])
+    grads = tape.gradient(loss, trainable)
+    after = [w.numpy() - learning_rate * g.numpy() for w, g in zip(trainable, grads)]
+    Restore()
+    return float(loss), after, [sum(values) for values in zip(*assigned)]

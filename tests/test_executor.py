@@ -282,7 +282,7 @@ class AssignNestTest(tf.test.TestCase):
         nest = NestedMap(x=tf.zeros([2]))
         self.assertIs(executor.AssignNest(None, 3, nest), nest)
 
-    def testAssignsEveryLeafToTheCellDensifyingSlicesAndKeepingNone(self):
+    def testAssignsEveryLeafToTheCellKeepingSlicesSparseAndNone(self):
         calls = []
 
         def Assign(tensor, k):
@@ -294,7 +294,9 @@ class AssignNestTest(tf.test.TestCase):
         self.assertEqual(calls, [5, 5])
         self.assertAllEqual(got[0], [2.0, -2.0])
         self.assertIsNone(got[1])
-        self.assertAllEqual(got[2], [[0.0, 0.0], [2.0, 4.0], [0.0, 0.0]])
+        self.assertIsInstance(got[2], tf.IndexedSlices)
+        self.assertAllEqual(got[2].indices, [1])
+        self.assertAllEqual(tf.convert_to_tensor(got[2]), [[0.0, 0.0], [2.0, 4.0], [0.0, 0.0]])
 
 
 class ExecutionOrderTest(tf.test.TestCase, parameterized.TestCase):

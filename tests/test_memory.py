@@ -18,6 +18,7 @@ from gpipe_tf import optimizer  # pylint: disable=g-import-not-at-top
 from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import conv  # pylint: disable=g-import-not-at-top
+from gpipe_tf.layers import embedding  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import fprop_context  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import normalization  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import pooling  # pylint: disable=g-import-not-at-top
@@ -240,6 +241,25 @@ class ScheduleTest(parameterized.TestCase):
         text = plan.Format(device_bytes=plan.peak_device_bytes)
         self.assertIn('K=2 v=2 schedule=interleaved_1f1b M=4 batch=1024', text)
         self.assertIn('device 1 (cells 1,3)', text)
+
+    def testAnEmbeddingsGradientIsTheRowsItRead(self):
+        # A 4096 x 256 table read at 64 x 8 ids, alone in cell 0: its gradient, summed over
+        # the M micro-batches, is the 512 rows read (values and an index each), 0.5 MiB and a
+        # bit, where the table is 4 MiB; it grows by a quarter at each of the 4 backwards.
+        layers = [embedding.EmbeddingLayer.Params().Set(vocab_size=4096, embedding_dim=256),
+                  basic.DenseLayer.Params().Set(input_dim=256, output_dim=256)]
+        p = pipelining_layer.PipeliningLayer.Params().Set(
+            name='pipe', num_cells=2, num_micro_batches=4, layer_tpl=layers,
+            partition_method=[0, 1, 2], input_shapes=[64, 8], devices=DEVICES[:2])
+        cell = memory.PlanMemory(p, slots_per_param=0).cells[0]
+        rows = 64 * 8 * (256 * 4 + 8)
+        self.assertEqual(cell.params, 4096 * 256 * 4)
+        self.assertEqual(cell.after_backward - cell.params, rows)
+        # After backward j: j quarters of the rows, and the ids (16 x 8 of 4 bytes: 512 bytes
+        # a micro-batch) of the micro-batches still to go back.
+        ends = [end - cell.params for action, _, end in cell.profile
+                if action.kind == schedule.BACKWARD]
+        self.assertEqual(ends, [j * rows // 4 + (4 - j) * 512 for j in range(1, 5)])
 
     def testFromPlanWalksThePlansSchedule(self):
         pipeline_plan = plan_lib.MakePlan(_Dense(num_cells=4, m=8).Set(schedule='1f1b'),

@@ -9,6 +9,7 @@ from gpipe_tf import errors
 from gpipe_tf import test_utils
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import normalization
+from gpipe_tf.pipeline import devices
 from gpipe_tf.pipeline import pipelining_layer
 
 DEVICES = test_utils.ConfigureVirtualCpus()
@@ -52,6 +53,37 @@ class MeshDevicesTest(parameterized.TestCase):
             pipelining_layer.MeshDevices(['a', 'b', 'c'], 2, 2, round_robin=False)
         with self.assertRaisesRegex(ValueError, 'num_replicas must be >= 1'):
             pipelining_layer.MeshDevices(None, 0, 2)
+
+    def testAListShorterThanTheStagesIsRefusedUnlessSharingIsAskedFor(self):
+        with self.assertRaisesRegex(errors.ConfigError, r'1 replicas of 4 cells need 4 devices, '
+                                    r"but only 2 were given \(\['a', 'b'\]\): give one per "
+                                    'stage, or set round_robin=True'):
+            pipelining_layer.MeshDevices(['a', 'b'], 1, 4, round_robin=None)
+        self.assertEqual(pipelining_layer.MeshDevices(['a', 'b'], 1, 4, round_robin=True),
+                         [['a', 'b', 'a', 'b']])
+        # One device for every stage says what it means.
+        self.assertEqual(pipelining_layer.MeshDevices(['a'], 1, 3, round_robin=None),
+                         [['a', 'a', 'a']])
+
+    def testSharedDevicesSayHowManyStagesShareWhich(self):
+        self.assertIsNone(devices.SharedDevices([['a', 'b'], ['c', 'd']]))
+        line = devices.SharedDevices([['a', 'b', 'a', 'b']])
+        self.assertRegex(line, r'^4 pipeline stages share 2 device\(s\) \(a, b\): ')
+        self.assertIn('VirtualCpus', line)
+        self.assertNotIn('\n', line)
+
+    def testALayerOnTooFewDevicesPresentWarnsOnceWhenBuilt(self):
+        # More stages than the 8 virtual CPUs, none named.
+        layers = [basic.DenseLayer.Params().Set(input_dim=DIM, output_dim=DIM)
+                  for _ in range(10)]
+        p = pipelining_layer.PipeliningLayer.Params().Set(
+            name='pipe', layer_tpl=layers, num_cells=10, num_micro_batches=1,
+            input_shapes=[BATCH, DIM])
+        with self.assertLogs('absl', level='WARNING') as logs:
+            p.Instantiate()
+        shared = [line for line in logs.output if 'share' in line]
+        self.assertLen(shared, 1)
+        self.assertIn('10 pipeline stages share 8 device(s)', shared[0])
 
     def testLogicalDevicesAndDeviceSpecsGiveTheirNames(self):
         # As tf.device takes them: the list tf.config.list_logical_devices returns, flat or

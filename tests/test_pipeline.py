@@ -526,6 +526,55 @@ class AnyBatchSizeTest(tf.test.TestCase, parameterized.TestCase):
                 self.assertAllClose(l.vars.moving_mean, expected[l.path][0], atol=1e-5)
                 self.assertAllClose(l.vars.moving_variance, expected[l.path][1], atol=1e-5)
 
+    @staticmethod
+    def _ForwardCalls(graph) -> set:
+        """The (cell, micro-batch) pairs whose forward call op is in `graph`."""
+        calls = set()
+        for op in graph.get_operations():
+            match = re.match(r'(?:replica_(\d+)/)?cell_(\d+)_mb_(\d+)_fwd/', op.name)
+            if match and op.type in ('PartitionedCall', 'StatefulPartitionedCall'):
+                calls.add((int(match[1] or 0), int(match[2]), int(match[3])))
+        return calls
+
+    @parameterized.parameters(True, False)
+    def testAStaticBatchSmallerThanMRunsNoEmptyMicroBatch(self, unroll):
+        # 3 examples, M = 4: three micro-batches of one example, no fourth (empty) one.
+        layer = self._Pipeline(4, 'always', batch_norm=False, unroll=unroll).Instantiate()
+        x = RandomInputs((3, DIM)) + 0.5
+        step = tf.function(lambda x: self._Step(layer, layer, x))
+        got = step(x)
+        want = self._Step(lambda x: test_utils.Unpartitioned(layer, x, [1, 1, 1]), layer, x)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+        if unroll:
+            self.assertEqual(self._ForwardCalls(step.get_concrete_function(x).graph),
+                             {(0, k, m) for k in range(3) for m in range(3)})
+
+    def testFewerExamplesThanReplicasRunOnFewerReplicas(self):
+        # 1 example, R = 2: replica 1 would have none; replica 0 runs it alone.
+        layer = self._Pipeline(2, 'always', batch_norm=False, num_replicas=2,
+                               devices=DEVICES[:6]).Instantiate()
+        x = RandomInputs((1, DIM)) + 0.5
+        step = tf.function(lambda x: self._Step(layer, layer, x))
+        got = step(x)
+        want = self._Step(lambda x: test_utils.Unpartitioned(layer, x), layer, x)
+        self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE)
+        self.assertEqual(self._ForwardCalls(step.get_concrete_function(x).graph),
+                         {(0, k, 0) for k in range(3)})
+
+    @parameterized.parameters(True, False)
+    def testAnEmptyShardOfABatchKnownOnlyWhenItRunsIsSkipped(self, unroll):
+        # 1 example, R = 2, M = 2, traced with an unknown batch: replica 1's shard is empty.
+        layer = self._Pipeline(2, 'always', batch_norm=False, num_replicas=2, unroll=unroll,
+                               devices=DEVICES[:6]).Instantiate()
+        step = tf.function(lambda x: self._Step(layer, layer, x),
+                           input_signature=[tf.TensorSpec([None, DIM])])
+        for batch in (1, 3):
+            x = RandomInputs((batch, DIM)) + 0.5
+            got = step(x)
+            want = self._Step(lambda x: test_utils.Unpartitioned(layer, x, [1] * batch),
+                              layer, x)
+            self.assertLess(test_utils.MaxRelativeError(got, want), TOLERANCE, batch)
+
     def testReplicasSplitUnevenlyToo(self):
         # R = 2 shards of 8 and 7 examples, each in M = 2 micro-batches: 4, 4 and 4, 3.
         layer = self._Pipeline(2, 'always', num_replicas=2, devices=DEVICES[:6]).Instantiate()
@@ -555,7 +604,7 @@ class BadInputTest(tf.test.TestCase):
             PipelineParams(4, 1).Set(devices=DEVICES[:2], round_robin=False).Instantiate()
 
     def testRoundRobinSharesDevices(self):
-        layer = PipelineParams(4, 1).Set(devices=DEVICES[:2]).Instantiate()
+        layer = PipelineParams(4, 1).Set(devices=DEVICES[:2], round_robin=True).Instantiate()
         self.assertEqual(layer.devices, [DEVICES[0], DEVICES[1], DEVICES[0], DEVICES[1]])
 
     def testBoundariesThatDoNotCoverTheLayers(self):

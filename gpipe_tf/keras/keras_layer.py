@@ -69,6 +69,7 @@ import tensorflow as tf
 
 from gpipe_tf import errors
 from gpipe_tf.layers import base_layer
+from gpipe_tf.layers import embedding
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
 
@@ -290,10 +291,7 @@ class KerasLayer(base_layer.BaseLayer):
             return
         batch_dim = fprop_context.Current().batch_dim
         count = tf.cast(tf.shape(tf.nest.flatten(inputs)[0])[batch_dim], tf.float32)
-        # An empty micro-batch (a batch smaller than M) may change state by NaN; it adds
-        # nothing.
-        stats = stats.Transform(
-            lambda delta: tf.math.multiply_no_nan(delta, tf.cast(count, delta.dtype)))
+        stats = stats.Transform(lambda delta: delta * tf.cast(count, delta.dtype))
         stats.count = count
         self.AddUpdate(stats)
 
@@ -332,9 +330,17 @@ class KerasLayer(base_layer.BaseLayer):
         # Positions of the first input: its elements per channel (the last dimension).
         first = input_shapes[0]
         positions = first.num_elements() // max(first[-1], 1) if first.rank else 1
+        # An Embedding's table (keras_hub's token embeddings are Embeddings too) gets a
+        # gather's gradient, a row per id of the layer's first input.
+        tables = [e for e in (layer if layer.built else clone)._flatten_layers()
+                  if isinstance(e, keras.layers.Embedding)]
         return base_layer.LayerMeta(
             out_shapes=out_shapes, flops=2 * trainable * positions, num_params=num_params,
-            activation_bytes=base_layer.ActivationBytes(out_shapes, p))
+            activation_bytes=base_layer.ActivationBytes(out_shapes, p),
+            sparse_params=sum(e.input_dim * e.output_dim for e in tables),
+            sparse_gradient_bytes=sum(embedding.SparseGradientBytes(
+                first.num_elements() if first.rank else 1, e.output_dim, e.embeddings.dtype)
+                for e in tables))
 
 
 def SplitKeywords(inputs: tuple) -> tuple[tuple, dict | None]:

@@ -136,6 +136,11 @@ class LayerMeta:
         without an activation and batch norm do not). An output that neither its layer nor the
         next layer reads is freed after the forward: `sequential.ChainMeta` leaves it out. The
         defaults count every output kept.
+      sparse_params: of num_params, those whose gradient is sparse (IndexedSlices: a
+        gather's, an embedding table's), which the pipeline sums over micro-batches as the
+        rows they read, not the table (`pipeline/gradient_sums.py`).
+      sparse_gradient_bytes: the bytes of those gradients for one forward pass: per row read,
+        its values and its index (counted as 8 bytes: int32 or int64).
     """
     out_shapes: Any
     flops: int = 0
@@ -143,6 +148,8 @@ class LayerMeta:
     activation_bytes: int = 0
     reads_input: bool = True
     reads_output: bool = True
+    sparse_params: int = 0
+    sparse_gradient_bytes: int = 0
 
 
 def FlattenShapes(shapes) -> list[tf.TensorShape]:

@@ -51,5 +51,14 @@ class EmbeddingLayer(BaseLayer):
                              f'{ids_shape}.')
         out = ids_shape.concatenate([p.embedding_dim])
         flops = out.num_elements() if p.scale_sqrt_depth else 0
-        return LayerMeta(out, flops, p.vocab_size * p.embedding_dim,
-                         base_layer.ActivationBytes(out, p))
+        table = p.vocab_size * p.embedding_dim
+        return LayerMeta(out, flops, table, base_layer.ActivationBytes(out, p),
+                         sparse_params=table,
+                         sparse_gradient_bytes=SparseGradientBytes(ids_shape.num_elements(),
+                                                                   p.embedding_dim, p.dtype))
+
+
+def SparseGradientBytes(rows: int, width: int, dtype) -> int:
+    """The bytes of a gather's gradient of `rows` rows of `width` values of `dtype` (the
+    table's): the values, and an index per row (8 bytes: int32 or int64)."""
+    return rows * (width * tf.as_dtype(dtype).size + 8)

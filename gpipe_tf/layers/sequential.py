@@ -76,7 +76,9 @@ def ChainMeta(layer_params: list, *input_shapes) -> tuple[LayerMeta, list[LayerM
     total = LayerMeta(out, sum(m.flops for m in metas), sum(m.num_params for m in metas),
                       sum(m.activation_bytes for m in metas) - unread,
                       reads_input=metas[0].reads_input if metas else False,
-                      reads_output=metas[-1].reads_output if metas else False)
+                      reads_output=metas[-1].reads_output if metas else False,
+                      sparse_params=sum(m.sparse_params for m in metas),
+                      sparse_gradient_bytes=sum(m.sparse_gradient_bytes for m in metas))
     return total, metas
 
 

@@ -6,7 +6,9 @@ walking each stage's actions in the order its device runs them (`pipeline/schedu
 
 * Stage s's device holds its variables, the running sum of its weight gradients (from the
   first weight gradient on: a fused backward B allocates it as it frees the micro-batch's
-  activations, so the first holds the larger of the two), and the optimizer's slots
+  activations, so the first holds the larger of the two; a sparse gradient, an embedding
+  table's, grows by the rows each micro-batch read: `LayerMeta.sparse_gradient_bytes`), and
+  the optimizer's slots
   (`slots_per_param` copies: Adam and RMSProp with momentum keep 2, Momentum 1, SGD 0; the GPipe
   paper's 12 bytes per parameter is one slot).
 * From its forward until its backward (B, or the input gradient I of a split backward) starts,
@@ -328,10 +330,12 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1,
     # compute in (half of float32's with a bfloat16 or float16 fprop_dtype).
     bytes_per = tf.as_dtype(p.dtype).size
     activation_dtype = base_layer.FPropDtype(p)
-    before_params = 0
+    before_params = before_sparse = before_sparse_bytes = 0
     if p.before_tpl:
         before_meta, _ = sequential.ChainMeta(p.before_tpl, *shapes)
         before_params = before_meta.num_params
+        before_sparse = before_meta.sparse_params
+        before_sparse_bytes = before_meta.sparse_gradient_bytes
         shapes = base_layer.AsArgs(before_meta.out_shapes)
     num = len(cells)
     plan = []
@@ -353,8 +357,12 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1,
         # Its weights cast to fprop_dtype, as its layers read them.
         weight_copy = (params * activation_dtype.size // bytes_per
                        if activation_dtype != tf.as_dtype(p.dtype) else 0)
+        sparse = (meta.sparse_params + (before_sparse if k == 0 else 0)) * bytes_per
         sizes = _MicroBatchBytes(
             params=params, slots=slots_per_param * params, num_micro_batches=m,
+            dense_gradients=params - sparse,
+            sparse_gradient=(meta.sparse_gradient_bytes +
+                             (before_sparse_bytes if k == 0 else 0)) // m,
             # What the forward keeps for the backward: the cell's input, and every layer's
             # output unless re-materializing (less the cell's own output, which is the next
             # cell's input, or the pipeline's output: counted there). Inference keeps none.
@@ -390,6 +398,8 @@ class _MicroBatchBytes:
     params: int
     slots: int
     num_micro_batches: int
+    dense_gradients: int  # The sum of its dense weight gradients (the weights' size).
+    sparse_gradient: int  # What each micro-batch's weight gradients add to its sparse ones.
     kept: int  # From its forward until its backward (B or I) starts.
     input: int  # Its input, while its backward runs.
     activations: int  # Its activations, recomputed or kept, while its backward runs.
@@ -408,6 +418,7 @@ def _CellMemory(cell: int, remat: bool, sizes: _MicroBatchBytes, actions: list) 
     end of each, as (gradients, stored, working); the cell's peak is the largest (the first
     of equals)."""
     waiting = window = forwarded = consumed = 0  # consumed: backwards (B or I) done.
+    summed = 0  # Micro-batches whose weight gradients were summed (B or W done).
     has_gradients = False
 
     def Output():
@@ -417,7 +428,9 @@ def _CellMemory(cell: int, remat: bool, sizes: _MicroBatchBytes, actions: list) 
             alive = forwarded - consumed
         return sizes.output * alive // sizes.num_micro_batches
 
-    def Point(working=0, running=False, gradients=None):
+    def Point(working=0, running=False, gradients=None, summing=0):
+        """(gradients, stored, working) with `summing` more micro-batches' weight gradients
+        being summed."""
         if gradients is None:
             gradients = has_gradients
         # A running backward's micro-batch holds its input; its activations are working.
@@ -429,7 +442,9 @@ def _CellMemory(cell: int, remat: bool, sizes: _MicroBatchBytes, actions: list) 
                        ) * sizes.pending_input
         if sizes.joins_output and forwarded == sizes.num_micro_batches:
             stored += sizes.output
-        return (sizes.params if gradients else 0), stored, working
+        grads = (sizes.dense_gradients + (summed + summing) * sizes.sparse_gradient
+                 if gradients else 0)
+        return grads, stored, working
 
     base = sizes.params + sizes.slots
     profile, points, backwards = [], [], []
@@ -442,12 +457,13 @@ def _CellMemory(cell: int, remat: bool, sizes: _MicroBatchBytes, actions: list) 
             # A fused backward's first weight gradients are allocated as its activations are
             # freed: it holds the larger of the two. A split I computes no weight gradient.
             fused_first = action.kind == schedule_lib.BACKWARD and not has_gradients
-            working = (max(sizes.activations, sizes.params) if fused_first
+            working = (max(sizes.activations, sizes.dense_gradients) if fused_first
                        else sizes.activations) + sizes.transient + sizes.weight_copy
             start = Point(working, running=True)
             backwards.append(start)
         elif action.kind == schedule_lib.WEIGHT_GRAD:
-            start = Point(gradients=True)  # The first W allocates the sum as it goes.
+            # The first W allocates the sum as it goes; a sparse one grows by its rows.
+            start = Point(gradients=True, summing=1)
         else:
             start = Point(sizes.forward_working if action.kind == schedule_lib.FORWARD else 0)
         if action.kind == schedule_lib.FORWARD:
@@ -462,6 +478,7 @@ def _CellMemory(cell: int, remat: bool, sizes: _MicroBatchBytes, actions: list) 
             window -= 1
         if action.kind in (schedule_lib.BACKWARD, schedule_lib.WEIGHT_GRAD):
             has_gradients = True
+            summed += 1
         end = Point()
         points += [start, end]
         profile.append((action, base + sum(start), base + sum(end)))

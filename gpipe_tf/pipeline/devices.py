@@ -165,7 +165,7 @@ def DefaultDevices() -> list[str]:
 
 
 def MeshDevices(devices, num_replicas: int, num_cells: int,
-                round_robin: bool = True) -> list[list[str]]:
+                round_robin: bool | None = True) -> list[list[str]]:
     """Device string of each (replica, stage): R lists of K.
 
     Args:
@@ -175,7 +175,11 @@ def MeshDevices(devices, num_replicas: int, num_cells: int,
         string, a tf.config.LogicalDevice or a tf.DeviceSpec (`_DeviceName`).
       num_replicas: R, the pipelines run side by side for data parallelism.
       num_cells: K.
-      round_robin: whether stages may share devices when a flat list has fewer than R * K.
+      round_robin: whether stages may share devices round-robin when there are fewer than
+        R * K: True; False never; None for the devices present (`SharedDevices` says when
+        they are shared) and a list of one device (every stage on it), but not for a longer
+        list given, whose length must then be R * K (a list of 2 for 4 stages is more likely
+        a mistake than a wish to share).
 
     Raises:
       errors.ConfigError (a ValueError): for devices of another type (a string rather than a
@@ -212,13 +216,32 @@ def MeshDevices(devices, num_replicas: int, num_cells: int,
         return _DeviceStrings([list(row) for row in devices], 'devices gives')
     available = list(devices) if devices else DefaultDevices()
     needed = num_replicas * num_cells
-    if len(available) < needed and not round_robin:
-        raise errors.ConfigError(f'{num_replicas} replicas of {num_cells} cells need {needed} devices, '
-                         f'but only {len(available)} were given ({available}) and round_robin '
-                         'is off.')
+    shares = round_robin or (round_robin is None and (not devices or len(devices) == 1))
+    if len(available) < needed and not shares:
+        why = ('round_robin is off' if round_robin is False else
+               'set round_robin=True to share them round-robin')
+        raise errors.ConfigError(f'{num_replicas} replicas of {num_cells} cells need {needed} '
+                                 f'devices, but only {len(available)} were given ({available}): '
+                                 f'give one per stage, or {why}.')
     return _DeviceStrings([[available[(r * num_cells + k) % len(available)]
                             for k in range(num_cells)] for r in range(num_replicas)],
                           'devices gives')
+
+
+def SharedDevices(mesh: list[list[str]]) -> str | None:
+    """A line saying how stages share devices where the mesh (R lists of K) puts several on
+    one device (fewer devices present than R x K); None where each has its own. The stages
+    then run one after another on each device: the math is the same, without the pipeline's
+    overlap or its memory split."""
+    stages = [device for row in mesh for device in row]
+    distinct = sorted(set(stages))
+    if len(distinct) == len(stages):
+        return None
+    replicas = f' x {len(mesh)} replicas' if len(mesh) > 1 else ''
+    return (f'{len(mesh[0])} pipeline stages{replicas} share {len(distinct)} device(s) '
+            f'({", ".join(distinct)}): the stages of a device run in turn. For one device per '
+            'stage, make logical devices before TensorFlow starts (gpipe_tf.pipeline.devices.'
+            'VirtualCpus(n) splits the CPU), or pass devices.')
 
 
 def _DeviceStrings(mesh: list[list], given: str) -> list[list[str]]:

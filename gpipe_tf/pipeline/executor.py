@@ -10,7 +10,12 @@ runs too): F keeps the residuals I reads, or I re-runs the forward once on a re-
 stage, and I keeps what W reads. Each device
 runs its actions in its list's order: every action waits (a control dependency) for what the
 device's previous action produced. Weight gradients are summed over micro-batches on the
-stage's device as they come.
+stage's device as they come; a sparse one (a gather's IndexedSlices) stays sparse
+(`gradient_sums`). A batch known only when the step runs may leave micro-batches empty (fewer
+examples than M): each action then runs inside a tf.cond that skips it for no example, so no
+layer runs on zero examples; a stage that keeps its activations then keeps them as residuals
+(`residuals.SplitCell`), which pass through the tf.cond, instead of differentiating its
+forward's call.
 
 What an executor offers, whichever runs the step (this one, or `looped.LoopedSchedule`, which
 runs the schedule's clock as a loop), is stated once, as the protocol `Executor`. Two ways to
@@ -30,6 +35,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import tensorflow as tf
 
+from gpipe_tf.pipeline import gradient_sums
 from gpipe_tf.pipeline import leaves
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import recompute
@@ -88,7 +94,7 @@ def MicroBatchLoss(loss_fn, outputs, loss_inputs, loss_scale=None):
         tape.watch(ys)
         value, weight = loss_fn(leaves.Identity(outputs), loss_inputs)
         weight = tf.stop_gradient(tf.cast(weight, value.dtype))
-        # An empty micro-batch (a batch smaller than M) has weight 0 and may have a NaN mean.
+        # A micro-batch of no weight (every token padding) may have a NaN mean.
         total = tf.math.multiply_no_nan(value, weight)
         scaled = total if loss_scale is None else total * tf.cast(loss_scale, total.dtype)
     # From a constant 1, the loss's gradient up to its first data-dependent op (a mean's
@@ -106,13 +112,32 @@ def AssignNest(assign, cell: int, nest):
       assign: a function (tensor, k) -> tensor (`PipeliningLayer.Params().logical_device_fn`),
         or None, which returns `nest` itself.
       cell: k, the logical device.
-      nest: tensors, IndexedSlices (made dense) or None, in any tf.nest structure.
+      nest: tensors, IndexedSlices (each of their tensors assigned) or None, in any tf.nest
+        structure.
     """
     if assign is None:
         return nest
-    # Sparse gradients (IndexedSlices) are made dense, as the gradient sums make them anyway.
     return tf.nest.map_structure(
-        lambda x: None if x is None else assign(tf.convert_to_tensor(x), cell), nest)
+        lambda x: gradient_sums.Placed(x, lambda t: assign(t, cell)), nest)
+
+
+def AssignWeights(assign, cell: int, theta):
+    """A cell's theta (weights) assigned to logical device `cell` as `AssignNest` assigns, their
+    gradients passed back as they come, assigned alike: an IndexedSlices (a gather's) stays
+    sparse, where the gradient of XLA's sharding op would make it dense."""
+    if assign is None:
+        return theta
+
+    def Assigned(weight):
+        @tf.custom_gradient
+        def Assign(x):
+            def Grad(dy):
+                with tf.name_scope(f'cell_{cell}_weight_grad'):
+                    return gradient_sums.Placed(dy, lambda g: assign(g, cell))
+            return assign(x, cell), Grad
+        return Assign(weight)
+
+    return tf.nest.map_structure(lambda x: None if x is None else Assigned(x), theta)
 
 
 def _SumStats(per_micro_batch: list) -> list:
@@ -295,6 +320,11 @@ class UnrolledSchedule:
             self._first_examples = [tf.cast(self._first_example, tf.int64) + start
                                     for start in starts]
             self._sizes = microbatch.Sizes(batch_size, m_count)
+        # A batch known only when the step runs may leave micro-batches empty (fewer examples
+        # than M): each action then runs in a tf.cond that skips it for no example
+        # (`_UnlessEmpty`). A static batch is split into no empty micro-batch
+        # (`schedule.FirstMicroBatches`).
+        self._dynamic = not isinstance(batch_size, int)
         self._acts = [first] + self._Grid()  # Stage s's input of micro-batch m: acts[s][m].
         self._stats = self._Grid()
         self._thetas = list(thetas)
@@ -343,17 +373,24 @@ class UnrolledSchedule:
                 produced = [produced, self._d_thetas[k]]
             self._last[device] = produced
 
+    def _UnlessEmpty(self, m, run, carried=lambda built: ()):
+        """`run()`'s (carried, new) values, skipped for an empty micro-batch m (a batch known
+        only when the step runs, smaller than M): `microbatch.UnlessEmpty`."""
+        return microbatch.UnlessEmpty(self._sizes[m], run, carried)
+
+    def _Fused(self, k) -> bool:
+        """Whether cell k's training backward differentiates its forward's call (kept
+        activations, unsplit backward): not for a batch known only when the step runs, whose
+        empty micro-batches are skipped inside a tf.cond that tf.gradients would have to look
+        into; its forward then keeps its residuals explicitly (`residuals.SplitCell`), as a
+        split backward's does."""
+        return (self._training and not self._recomputes[k] and not self._schedule.splits_backward
+                and not self._dynamic)
+
     def _F(self, k, m):
         fn, first = self._functions[k], self._first_examples[m]
-        if not self._training or self._recomputes[k]:
-            self._inputs[k][m] = self._Assign(k, self._acts[k][m])
-            outputs, self._stats[k][m] = fn.Forward(
-                self._thetas[k], self._inputs[k][m], self._step, first, training=self._training)
-        elif self._schedule.splits_backward:  # I reads the residuals this forward keeps.
-            self._inputs[k][m] = self._Assign(k, self._acts[k][m])
-            outputs, self._stats[k][m], self._kept[k][m] = self._Split(k, m).Forward(
-                self._thetas[k], self._inputs[k][m], self._step, first)
-        else:
+        keeps = self._training and not self._recomputes[k]
+        if self._Fused(k):
             # Fresh identities as differentiation sources: tf.gradients would otherwise also
             # differentiate the op that produced them (the previous cell's call).
             with self._tape or contextlib.nullcontext(), tf.device(self._devices[k]):
@@ -363,22 +400,36 @@ class UnrolledSchedule:
                 if self._tape:
                     self._tape.watch(tf.nest.flatten(self._thetas[k]) +
                                      leaves.FloatLeaves(self._inputs[k][m]))
-                outputs, self._stats[k][m] = fn.Forward(
-                    self._thetas[k], self._inputs[k][m], self._step, first)
-        outputs = self._Assign(k, outputs)
-        self._acts[k + 1][m] = self._outputs[k][m] = outputs
-        if k == self._num_cells - 1 and self._loss_fn is not None:
-            with tf.device(self._devices[k]), tf.name_scope('loss'):
-                self._d_acts[k][m] = self._Loss(m, outputs)
-            return [outputs, self._d_acts[k][m]], None
-        return outputs, None
+        else:
+            self._inputs[k][m] = self._Assign(k, self._acts[k][m])
+        last = k == self._num_cells - 1 and self._loss_fn is not None
 
-    def _Loss(self, m, outputs):
-        """Records micro-batch m's (value * weight, weight); returns its outputs' gradient."""
-        total, weight, d_y = MicroBatchLoss(self._loss_fn, outputs, self._loss_inputs[m],
-                                            self._loss_scale)
-        self._losses[m] = (total, weight)
-        return d_y
+        def Run():
+            kept = None
+            with self._tape if self._Fused(k) and self._tape else contextlib.nullcontext():
+                if keeps and not self._Fused(k):  # The backward reads the residuals it keeps.
+                    outputs, stats, kept = self._Split(k, m).Forward(
+                        self._thetas[k], self._inputs[k][m], self._step, first)
+                else:
+                    outputs, stats = fn.Forward(self._thetas[k], self._inputs[k][m], self._step,
+                                                first, training=self._training)
+            outputs = self._Assign(k, outputs)
+            new = {'outputs': outputs, 'stats': stats, 'kept': kept}
+            if last:
+                with tf.device(self._devices[k]), tf.name_scope('loss'):
+                    new['loss'] = MicroBatchLoss(self._loss_fn, outputs, self._loss_inputs[m],
+                                                 self._loss_scale)
+            return (), new
+
+        _, new = self._UnlessEmpty(m, Run)
+        self._acts[k + 1][m] = self._outputs[k][m] = new['outputs']
+        self._stats[k][m] = new['stats']
+        self._kept[k][m] = new['kept']
+        if last:
+            total, weight, self._d_acts[k][m] = new['loss']
+            self._losses[m] = (total, weight)
+            return [new['outputs'], self._d_acts[k][m]], None
+        return new['outputs'], None
 
     def _IncomingGradient(self, k, m):
         return self._Assign(k, leaves.FloatLeaves(self._d_acts[k][m]))
@@ -393,39 +444,46 @@ class UnrolledSchedule:
 
     def _Sum(self, k, m, d_theta):
         # A running sum in schedule order, freed as it goes, instead of one add_n that keeps
-        # all M gradients alive. Sparse gradients (an embedding's gather) are made dense:
-        # summed over micro-batches they mostly are. The sum is in the variables' dtype
-        # (float32) under any fprop_dtype: a cell casts its weights inside its traced
-        # function (`BaseLayer.ToFPropDtype`), so each micro-batch's gradient comes back
-        # through that cast in the dtype of theta.
+        # all M gradients alive. Sparse gradients (an embedding's gather) stay IndexedSlices
+        # (`gradient_sums`). The sum is in the variables' dtype (float32) under any
+        # fprop_dtype: a cell casts its weights inside its traced function
+        # (`BaseLayer.ToFPropDtype`), so each micro-batch's gradient comes back through that
+        # cast in the dtype of theta.
         with tf.device(self._devices[k]), tf.name_scope(OpScope(k, m, 'grad_sum')):
-            d_theta = [None if g is None else self._IfNotEmpty(m, tf.convert_to_tensor(g))
-                       for g in d_theta]
-            self._d_thetas[k] = d_theta if self._d_thetas[k] is None else [
-                None if a is None else a + b for a, b in zip(self._d_thetas[k], d_theta)]
+            if self._d_thetas[k] is None:
+                self._d_thetas[k] = list(d_theta)
+            else:
+                self._d_thetas[k] = [gradient_sums.Add(a, b)
+                                     for a, b in zip(self._d_thetas[k], d_theta)]
 
-    def _IfNotEmpty(self, m, value):
-        """`value`, or zeros for an empty micro-batch (a batch smaller than M). Its cells run on
-        no example, but a reduction over none can be NaN where a layer multiplies it by another
-        (batch norm's scale gradient: the sum of nothing times 1 / sqrt(variance of nothing)),
-        and no weighting by its 0 examples takes a NaN back out of a sum."""
-        size = self._sizes[m]
-        if isinstance(size, int):
-            return value if size else tf.zeros_like(value)
-        return tf.where(size > 0, value, tf.zeros_like(value))
+    def _NoGradient(self, k):
+        """The `carried` of an action that gives cell k's weight gradients (`_UnlessEmpty`):
+        for an empty micro-batch, gradients that add nothing, of the kinds the action's are
+        (dense zeros, or IndexedSlices of no row)."""
+        weights = tf.nest.flatten(self._thetas[k])
+        return lambda built: [None if g is None else gradient_sums.Zero(w, g)
+                              for w, g in zip(weights, built)]
 
     def _B(self, k, m):
-        d_y = self._IncomingGradient(k, m)
-        if self._recomputes[k]:
-            d_theta, d_x = self._functions[k].Backward(
-                self._thetas[k], self._inputs[k][m], self._step, self._first_examples[m], d_y)
-        else:
-            with tf.device(self._devices[k]):
-                d_theta, d_x = recompute.Differentiate(
-                    self._outputs[k][m], self._thetas[k], self._inputs[k][m], d_y,
-                    self._functions[k].trainable,
-                    tape=self._tape)
-        d_theta, d_x = self._Assign(k, (d_theta, d_x))
+        def Run():
+            d_y = self._IncomingGradient(k, m)
+            if self._recomputes[k]:
+                d_theta, d_x = self._functions[k].Backward(
+                    self._thetas[k], self._inputs[k][m], self._step, self._first_examples[m],
+                    d_y)
+            elif not self._Fused(k):
+                d_theta, d_x = self._Split(k, m).Backward(
+                    self._thetas[k], self._kept[k][m], self._step, self._first_examples[m],
+                    d_y)
+            else:
+                with tf.device(self._devices[k]):
+                    d_theta, d_x = recompute.Differentiate(
+                        self._outputs[k][m], self._thetas[k], self._inputs[k][m], d_y,
+                        self._functions[k].trainable, tape=self._tape)
+            return self._Assign(k, (d_theta, d_x))
+
+        d_theta, d_x = self._UnlessEmpty(m, Run, self._NoGradient(k))
+        self._kept[k][m] = None
         self._PassOn(k, m, d_x)
         # The next action waits for this one's input gradient (the first cell's is left out:
         # nothing may need it, and waiting would force it to be computed).
@@ -438,42 +496,54 @@ class UnrolledSchedule:
                                          tf.TensorSpec([], tf.int64))
 
     def _I(self, k, m):
-        d_y = self._IncomingGradient(k, m)
-        kept, first = self._kept[k][m], self._first_examples[m]
-        if kept is None:
-            # A re-materializing stage runs its forward once more, here, when the incoming
-            # gradient exists, for the residuals; its statistics were the first forward's.
-            with tf.device(self._devices[k]), tf.name_scope(recompute.RECOMPUTE_SCOPE):
-                with tf.control_dependencies(d_y):
-                    inputs = leaves.Identity(self._inputs[k][m])
-                _, _, kept = self._Split(k, m).Forward(self._thetas[k], inputs, self._step, first)
-        d_x, self._saved[k][m] = self._Split(k, m).Input(self._thetas[k], kept, self._step,
-                                                         first, d_y)
+        def Run():
+            d_y = self._IncomingGradient(k, m)
+            kept, first = self._kept[k][m], self._first_examples[m]
+            if kept is None:
+                # A re-materializing stage runs its forward once more, here, when the incoming
+                # gradient exists, for the residuals; its statistics were the first forward's.
+                with tf.device(self._devices[k]), tf.name_scope(recompute.RECOMPUTE_SCOPE):
+                    with tf.control_dependencies(d_y):
+                        inputs = leaves.Identity(self._inputs[k][m])
+                    _, _, kept = self._Split(k, m).Forward(self._thetas[k], inputs, self._step,
+                                                           first)
+            d_x, saved = self._Split(k, m).Input(self._thetas[k], kept, self._step, first, d_y)
+            return (), (self._Assign(k, d_x), saved)
+
+        _, (d_x, self._saved[k][m]) = self._UnlessEmpty(m, Run)
         self._kept[k][m] = None
-        d_x = self._Assign(k, d_x)
         self._PassOn(k, m, d_x)
         return [d_x if k else None, self._saved[k][m]], None
 
     def _W(self, k, m):
-        d_theta = self._Split(k, m).Weight(self._thetas[k], self._saved[k][m], self._step,
-                                           self._first_examples[m])
+        def Run():
+            d_theta = self._Split(k, m).Weight(self._thetas[k], self._saved[k][m], self._step,
+                                               self._first_examples[m])
+            return self._Assign(k, d_theta), ()
+
+        d_theta, _ = self._UnlessEmpty(m, Run, self._NoGradient(k))
         self._saved[k][m] = None
-        return None, self._Assign(k, d_theta)
+        return None, d_theta
 
     # ---- results ----------------------------------------------------------------------------
+    def _Joined(self, micro_batches):
+        """The micro-batches' nests joined along the batch (`microbatch.Concat`)."""
+        return microbatch.Concat(micro_batches, self._batch_dim,
+                                 self._sizes if self._dynamic else None)
+
     def _Outputs(self):
         with tf.device(self._devices[-1]):
-            return microbatch.Concat(self._acts[-1], self._batch_dim)
+            return self._Joined(self._acts[-1])
 
     def _Updates(self) -> list:
         updates = []
         for k in range(self._num_cells):
             with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_stats'):
-                stats = [tf.nest.map_structure(lambda x, m=m: self._IfNotEmpty(m, x), layers)
-                         for m, layers in enumerate(self._stats[k])]
-                updates.append(self._Assign(k, _SumStats(stats)) if self._training else [])
+                # A skipped micro-batch's statistics are zeros (`_UnlessEmpty`).
+                updates.append(self._Assign(k, _SumStats(self._stats[k])) if self._training
+                               else [])
         return updates
 
     def _Gradients(self):
         with tf.device(self._devices[0]):
-            return self._d_thetas, microbatch.Concat(self._d_inputs, self._batch_dim)
+            return self._d_thetas, self._Joined(self._d_inputs)

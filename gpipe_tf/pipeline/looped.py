@@ -20,8 +20,11 @@ carries only the state its actions read or write. A batch known only when the st
 as the unrolled executor splits it (`microbatch.Sizes`: the first N mod M micro-batches one
 larger, the last ones empty when N < M): micro-batch m is a slice whose start and size are
 computed in the graph, the TensorArrays' elements have an unknown batch dimension, and an
-empty micro-batch adds nothing to the sums (`_Added`). Weight gradients (a sum per weight) and
-training statistics are summed in loop variables on each stage's device. The values equal the
+action on an empty micro-batch takes its switch's idle branch, so no layer runs on zero
+examples and nothing is read, written or sent for it (`_written`). Dense weight gradients (a
+sum per weight) and training statistics are summed in loop variables on each stage's device; a
+sparse one (a gather's IndexedSlices) is kept per micro-batch in TensorArrays and concatenated
+after the loop (`_SparseSum`), as the unrolled executor concatenates them. The values equal the
 unrolled executor's: the same traced cell functions run on the same micro-batches, and each
 device runs its actions in its list's order.
 
@@ -38,6 +41,7 @@ layer's pre-activation gradient, the residuals W needs) to 'saved'; W runs no fo
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -162,6 +166,11 @@ class LoopedSchedule:
             first = [None if x is None else self._batch.View(x) for x in tf.nest.flatten(inputs)]
             self._input_structure = tf.nest.pack_sequence_as(
                 inputs, [None if x is None else self._batch.Slice(x, 0) for x in first])
+            # A batch known only when the step runs may leave the last micro-batches empty
+            # (fewer examples than M): the loop then runs the first `_written` only (actions on
+            # the others take the idle branch), the int32 count of non-empty micro-batches.
+            self._written = (None if self._batch.sizes is None else
+                             tf.math.count_nonzero(self._batch.sizes, dtype=tf.int32))
         # acts[b]: the TensorArrays of boundary b (b = 0 the input, b = S the output), one per
         # leaf; d_acts[b]: those of its float leaves' gradients.
         self._structures = [self._input_structure]
@@ -236,17 +245,6 @@ class LoopedSchedule:
         the layers draw their randomness per example."""
         return tf.cast(self._first_example, tf.int64) + self._batch.Start(m)
 
-    def _Added(self, m, sums, add):
-        """`add()`: `sums` (a nest) with micro-batch m's contribution added; for an empty
-        micro-batch (a batch smaller than M, known only when the step runs) `sums` as they are.
-        Its cells run on no example, as the unrolled executor's do, but a reduction over none
-        can be NaN where the layer multiplies it by another (batch norm's scale gradient: the
-        sum of nothing times 1 / sqrt(variance of nothing)), and no weighting by its 0
-        examples takes a NaN back out. (Its loss has weight 0: `MicroBatchLoss`.)"""
-        if self._batch.sizes is None:
-            return add()
-        return tf.cond(self._batch.sizes[m] > 0, add, lambda: sums)
-
     def _Slot(self, key, m):
         """Micro-batch m's index in `key`'s TensorArrays: m modulo its ring's size."""
         size = self._RingSize(key)
@@ -286,16 +284,27 @@ class LoopedSchedule:
             self._loop_keys.update(self._Reads(device_branches) + self._Writes(device_branches))
         state = self._State()
         fetches = self._CrossReads(ticks)
+        # Per device, its copy of the count of micro-batches to run (`_written`): read at every
+        # tick, a value of another device would cost a send per tick.
+        written = [None] * sched.num_devices
+        if self._written is not None:
+            for d in range(sched.num_devices):
+                with tf.device(self._devices[branches[d][0][1]] if branches[d] else
+                               self._devices[0]):
+                    written[d] = tf.identity(self._written, name=f'device_{d}_written')
 
         def Body(t, *flat):
             self._SetState(flat)
             # Micro-batches a device reads from another's TensorArrays, read at the tick's start
             # on the device that holds them, under its own clock.
             self._fetched = {}
-            for key, (owner, reader, slots) in fetches.items():
+            for key, (owner, reader, slots, micro_batches) in fetches.items():
                 with tf.name_scope(f'fetch_{key[0]}_{key[1]}'):
                     with tf.device(self._Owner(key)):
                         slot = tf.constant(slots, tf.int32)[self._clocks[owner]]
+                        if written[owner] is not None:  # Nothing to read of a skipped one.
+                            m = tf.constant(micro_batches, tf.int32)[self._clocks[owner]]
+                            slot = tf.where(m < written[owner], slot, -1)
                         values = _Fetched(self._Value(key), slot)
                     # On the reader's device before its switch_case takes them, so that the
                     # switch and its branches' ops stay on the reader's device.
@@ -317,6 +326,8 @@ class LoopedSchedule:
                         keys = self._Writes(switch.branches) + [('token', d)]
                         branch = tf.constant(switch.index, tf.int32)[clock]
                         m = tf.constant(switch.micro_batches, tf.int32)[clock]
+                        if written[d] is not None:  # An empty micro-batch: idle instead.
+                            branch = tf.where(m < written[d], branch, 0)
                         fns = [lambda keys=keys: self._Get(keys)] + [
                             (lambda kind=kind, s=s, keys=keys, m=m:
                              self._Action(kind, s, m, keys)) for kind, s in switch.branches]
@@ -355,10 +366,12 @@ class LoopedSchedule:
                     owner = self._schedule.DeviceOf(self._OwnerStage(key))
                     assert self._clocks[owner] is not None, (key, owner)
                     assert key not in self._packings, key  # Residuals are read where kept.
-                    _, _, slots = tables.setdefault(
-                        key, (owner, self._devices[action.stage], [-1] * len(ticks)))
+                    _, _, slots, micro_batches = tables.setdefault(
+                        key, (owner, self._devices[action.stage], [-1] * len(ticks),
+                              [0] * len(ticks)))
                     assert slots[t] == -1, (key, t)  # One action a tick reads it.
                     slots[t] = action.micro_batch % self._RingSize(key)
+                    micro_batches[t] = action.micro_batch
         return tables
 
     def _InitSums(self, kinds):
@@ -370,19 +383,41 @@ class LoopedSchedule:
                     # the dtype of theta). Each backward adds its gradients to them one by one:
                     # packing them into one vector cost a copy of the stage's gradients per
                     # backward. Zeros filled each step: folded, they were held (`unfolded`).
-                    self._grads[s] = [unfolded.ZerosLike(t) for t in self._Trainable(s)]
+                    self._grads[s] = [
+                        _SparseSum.Empty(t, self._num_micro_batches, tf.int64) if sparse else
+                        unfolded.ZerosLike(t)
+                        for t, sparse in zip(self._Trainable(s), self._SparseGradients(s))]
                 if F in kinds and self._training:
                     self._stats[s] = tf.nest.map_structure(
                         lambda spec: unfolded.Zeros(spec.shape, spec.dtype), self._stat_specs[s])
+
+    def _SparseGradients(self, s) -> list:
+        """Per trainable leaf of stage s's theta, whether its gradient is IndexedSlices (a
+        gather's): as its backward gives it, the split one's or the re-materializing one's."""
+        if self._splits[s] is not None:
+            flags = self._splits[s].sparse_gradients
+        else:
+            flags = self._functions[s].BackwardGradientKinds(
+                self._thetas[s], leaves.Specs(self._structures[s]), tf.TensorSpec([], tf.int64))
+        return [flag for flag, keep in zip(flags, self._functions[s].trainable) if keep]
 
     def _Trainable(self, s) -> list:
         return [t for t, keep in zip(tf.nest.flatten(self._thetas[s]),
                                      self._functions[s].trainable) if keep]
 
     def _Unpack(self, s, sums) -> list:
-        """Stage s's gradient sums as its flat list (None for non-trainable leaves)."""
-        sums = iter(sums)
-        return [next(sums) if keep else None for keep in self._functions[s].trainable]
+        """Stage s's gradient sums as its flat list (None for non-trainable leaves), a sparse
+        one as IndexedSlices."""
+        sums = iter(zip(sums, self._Trainable(s)))
+        flat = []
+        for keep in self._functions[s].trainable:
+            if not keep:
+                flat.append(None)
+                continue
+            total, weight = next(sums)
+            flat.append(total.Result(weight, self._written) if isinstance(total, _SparseSum)
+                        else total)
+        return flat
 
     # The loop's state: a dict of named nests, flattened for the while loop.
     def _StateKeys(self):
@@ -515,9 +550,7 @@ class LoopedSchedule:
                 outputs, stats = fn.Forward(theta, x, step, first, training=self._training)
             self._Write(values, ('act', s + 1), m, tf.nest.flatten(outputs))
             if self._stats[s] is not None:
-                sums = values[('stats', s)]
-                values[('stats', s)] = self._Added(
-                    m, sums, lambda: tf.nest.map_structure(tf.add, sums, stats))
+                values[('stats', s)] = tf.nest.map_structure(tf.add, values[('stats', s)], stats)
             if s == self._num_stages - 1 and self._loss_fn is not None:
                 total, weight, d_y = self._Loss(outputs, m)
                 self._Write(values, ('d_act', s + 1), m, d_y)
@@ -525,9 +558,8 @@ class LoopedSchedule:
                                        values[('loss', 0)][1] + weight]
             return
         if kind == W:
-            sums = values[('grad', s)]
-            values[('grad', s)] = self._Added(
-                m, sums, lambda: _Add(sums, split.Weight(theta, x, step, first)))
+            values[('grad', s)] = _Add(values[('grad', s)], split.Weight(theta, x, step, first),
+                                       m)
             return
         if kind == B and self._keeps[s]:
             d_theta, d_x = split.Backward(theta, x, step, first, d_y)
@@ -540,8 +572,7 @@ class LoopedSchedule:
             d_x, saved = split.Input(theta, x, step, first, d_y)
             self._Write(values, ('saved', s), m, saved)
         if kind == B:
-            sums = values[('grad', s)]
-            values[('grad', s)] = self._Added(m, sums, lambda: _Add(sums, d_theta))
+            values[('grad', s)] = _Add(values[('grad', s)], d_theta, m)
         self._Write(values, ('d_act', s), m, [g for g in d_x if g is not None])
 
     def _Loss(self, outputs, m):
@@ -555,6 +586,12 @@ class LoopedSchedule:
     def _Joined(self, array):
         """The micro-batches of a TensorArray joined into the mini-batch along batch_dim
         (along 0, one copy; `concat` takes micro-batches of different sizes)."""
+        if self._written is not None:
+            return _JoinedWritten(array, self._written, self._batch_dim, self._JoinedAll)
+        return self._JoinedAll(array)
+
+    def _JoinedAll(self, array):
+        """`_Joined` of a TensorArray whose every micro-batch was written."""
         if self._batch_dim == 0:
             return array.concat()
         if self._batch.sizes is not None:  # Of different sizes: stack needs them equal.
@@ -635,15 +672,82 @@ def _Fetched(stores, slot) -> list:
     return values
 
 
-def _Add(sums: list, grads: list) -> list:
-    """Each sum plus its gradient (`grads` flat over theta, None for non-trainable leaves),
-    of the sum's static shape: a gradient whose shape TF cannot infer (a 1x1 convolution's
-    filter gradient, say) would otherwise loosen the loop variable's shape."""
+def _Add(sums: list, grads: list, m) -> list:
+    """Each sum plus its gradient of micro-batch m (`grads` flat over theta, None for
+    non-trainable leaves). A dense sum keeps its static shape: a gradient whose shape TF cannot
+    infer (a 1x1 convolution's filter gradient, say) would otherwise loosen the loop
+    variable's shape. A sparse one (`_SparseSum`) is written to its TensorArrays at m."""
     grads = [g for g in grads if g is not None]
-    added = [total + tf.convert_to_tensor(g) for total, g in zip(sums, grads)]
-    for total, new in zip(sums, added):
+    added = []
+    for total, grad in zip(sums, grads):
+        if isinstance(total, _SparseSum):
+            added.append(total.Write(m, grad))
+            continue
+        new = total + tf.convert_to_tensor(grad)
         new.set_shape(total.shape)
+        added.append(new)
     return added
+
+
+class _SparseSum(NamedTuple):
+    """A sparse weight gradient (IndexedSlices, a gather's) summed over a loop's
+    micro-batches: each micro-batch's rows and values in TensorArrays, concatenated once the
+    loop ends (`Result`), as `gradient_sums.Add` joins them unrolled. A dense sum of a
+    32k-row table would be the table's size; these are the batch's rows."""
+    values: tf.TensorArray
+    indices: tf.TensorArray
+
+    @classmethod
+    def Empty(cls, weight, num_micro_batches: int, indices_dtype) -> '_SparseSum':
+        return cls(tf.TensorArray(weight.dtype, size=num_micro_batches,
+                                  element_shape=[None] + weight.shape[1:].as_list()),
+                   tf.TensorArray(indices_dtype, size=num_micro_batches, element_shape=[None]))
+
+    def Write(self, m, grad: tf.IndexedSlices) -> '_SparseSum':
+        return _SparseSum(self.values.write(m, grad.values),
+                          self.indices.write(m, tf.cast(grad.indices, self.indices.dtype)))
+
+    def Result(self, weight, written) -> tf.IndexedSlices:
+        """The IndexedSlices of every micro-batch's rows; `written`: the micro-batches the
+        loop ran (an int32 scalar; None: all), the others left empty."""
+        concat = lambda array: array.concat()
+        if written is None:
+            values, indices = self.values.concat(), self.indices.concat()
+        else:
+            values = _JoinedWritten(self.values, written, 0, concat)
+            indices = _JoinedWritten(self.indices, written, 0, concat)
+        return tf.IndexedSlices(values, indices, tf.constant(weight.shape.as_list(), tf.int64))
+
+
+def _JoinedWritten(array: tf.TensorArray, written, axis: int, join):
+    """`join(array)`, the micro-batches of `array` joined along `axis`, when the loop wrote
+    every element; when it wrote only the first `written` (an int32 scalar; the others were
+    skipped as empty: a batch of fewer examples than M), those joined (none: zeros of no
+    example, 0 in every dimension unknown statically). A TensorArray's concat
+    would read an element never written as one of the written ones' shape. With fewer
+    examples than M every micro-batch run holds one example, so those elements are alike:
+    gathered, then merged into one dimension at `axis`."""
+    shape = array.element_shape
+    if shape.rank is not None:
+        axis %= shape.rank
+
+    def Written():
+        stacked = array.gather(tf.range(written))  # [written, *element]
+        moved = tf.experimental.numpy.moveaxis(stacked, 0, axis)
+        shape = tf.shape(moved)
+        merged = tf.concat([shape[:axis], [shape[axis] * shape[axis + 1]], shape[axis + 2:]],
+                           axis=0)
+        return tf.reshape(moved, merged)
+
+    def NoneWritten():  # A replica's shard of no example (fewer than R).
+        return tf.zeros([0 if d is None or i == axis else d
+                         for i, d in enumerate(shape.as_list())], array.dtype)
+
+    joined = tf.cond(written < array.size(),
+                     lambda: tf.cond(written > 0, Written, NoneWritten), lambda: join(array))
+    if shape.rank is not None:
+        joined.set_shape(shape[:axis].concatenate([None]).concatenate(shape[axis + 1:]))
+    return joined
 
 
 def _AsList(results):

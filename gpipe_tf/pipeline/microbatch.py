@@ -174,6 +174,56 @@ def Split(inputs, num_micro_batches: int, batch_dim: int = 0) -> list:
             for m in range(num_micro_batches)]
 
 
+def UnlessEmpty(size, run, carried):
+    """What `run()` gives for a micro-batch of `size` examples (an int, or an int64 scalar
+    tensor for a batch known only when the step runs), without running it when there are none:
+    a batch smaller than M leaves micro-batches empty, and a layer may not run on zero examples
+    (a convolution of an empty batch fails; a reduction over none is NaN).
+
+    Args:
+      size: the micro-batch's examples.
+      run: () -> (carried values, new values): what the action updates (running sums) and
+        what it makes (outputs, residuals, gradients), nests of tensors or IndexedSlices.
+      carried: (the carried values `run` built) -> the carried values as they are, which an
+        empty micro-batch leaves unchanged; it reads only the structure of what it is given.
+
+    Returns:
+      (carried, new): `run()`'s, or for no example the carried values unchanged and zeros in
+      place of the new ones, of their shapes with every unknown dimension (the batch's) 0. A
+      static size runs `run` (a static batch is split into no empty micro-batch:
+      `schedule.FirstMicroBatches`).
+    """
+    if isinstance(size, int):
+        return run()
+    built = []
+
+    def Run():
+        built.append(run())
+        return _NonNone(built[0])
+
+    def Skip():
+        changed, new = built[0]
+        return _NonNone((carried(changed), tf.nest.map_structure(_NoExamples, new)))
+
+    results = tf.cond(size > 0, Run, Skip)
+    values = iter(results or [])
+    return tf.nest.map_structure(lambda x: None if x is None else next(values), built[0])
+
+
+def _NonNone(nest) -> list:
+    """The leaves of `nest` that are not None (IndexedSlices are leaves), for a tf.cond."""
+    return [x for x in tf.nest.flatten(nest) if x is not None]
+
+
+def _NoExamples(x):
+    """Zeros like `x` with every dimension unknown statically made 0 (None stays None)."""
+    if x is None:
+        return None
+    if x.shape.rank is None:
+        return tf.zeros([0], x.dtype)
+    return tf.zeros([0 if d is None else d for d in x.shape.as_list()], x.dtype)
+
+
 def Padded(inputs, num_micro_batches: int, batch_dim: int = 0):
     """`inputs` with their last example repeated until M divides the batch (examples that are
     real values, so a layer computes nothing undefined on them), and the original batch size.
@@ -198,8 +248,16 @@ def Unpadded(outputs, batch_size, batch_dim: int = 0):
         lambda x: None if x is None else tf.gather(x, index, axis=batch_dim), outputs)
 
 
-def Concat(micro_batches: list, batch_dim: int = 0):
+def Concat(micro_batches: list, batch_dim: int = 0, sizes=None):
     """Concatenates a list of like-structured nests along `batch_dim`.
+
+    Args:
+      micro_batches: the nests.
+      batch_dim: the dimension to concatenate along.
+      sizes: None, or for micro-batches some of which may have been skipped as empty when the
+        step ran (`UnlessEmpty`), their examples (an int64 tensor of shape [M]): a skipped
+        one's zeros have 0 in every dimension unknown statically, which another dimension than
+        the batch's may be, so it is then replaced by the first micro-batch without examples.
 
     Raises:
       ValueError: for an empty list (there is nothing to give the result its structure).
@@ -207,6 +265,24 @@ def Concat(micro_batches: list, batch_dim: int = 0):
     if not micro_batches:
         raise ValueError('Concat needs at least one micro-batch, got none.')
     flats = [tf.nest.flatten(mb) for mb in micro_batches]
-    joined = [tf.concat(list(parts), axis=batch_dim) if parts[0] is not None else None
-              for parts in zip(*flats)]
+    joined = []
+    for parts in zip(*flats):
+        if parts[0] is None:
+            joined.append(None)
+            continue
+        if sizes is not None and not all(_OthersKnown(x.shape, batch_dim) for x in parts):
+            first = parts[0]
+            parts = [first] + [
+                tf.cond(sizes[m] > 0, lambda x=x: x,
+                        lambda: tf.gather(first, tf.zeros([0], tf.int32), axis=batch_dim))
+                for m, x in enumerate(parts[1:], 1)]
+        joined.append(tf.concat(list(parts), axis=batch_dim))
     return tf.nest.pack_sequence_as(micro_batches[0], joined)
+
+
+def _OthersKnown(shape: tf.TensorShape, batch_dim: int) -> bool:
+    """Whether every dimension of `shape` but the batch's is known statically."""
+    if shape.rank is None:
+        return False
+    return all(d is not None for i, d in enumerate(shape.as_list())
+               if i != batch_dim % shape.rank)

@@ -24,6 +24,7 @@ from absl import logging
 
 from gpipe_tf import errors
 from gpipe_tf import hyperparams
+from gpipe_tf import loss_scale as loss_scale_lib
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import precision
 from gpipe_tf.layers import sequential
@@ -32,6 +33,7 @@ from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import executor
+from gpipe_tf.pipeline import gradient_sums
 from gpipe_tf.pipeline import leaves
 from gpipe_tf.pipeline import looped
 from gpipe_tf.pipeline import microbatch
@@ -103,8 +105,12 @@ class PipeliningLayer(BaseLayer):
                  '(tpu.CoreDevices(K) on a TPU) to place every op of the cell; they default to '
                  '"" (no device scope). Graph mode only (a tf.function or strategy.run); the '
                  'replicas are the strategy\'s, so num_replicas stays 1.')
-        p.Define('round_robin', True,
-                 'Whether stages share devices round-robin when there are fewer devices than K.')
+        p.Define('round_robin', None,
+                 'Whether stages share devices round-robin when there are fewer devices than R '
+                 'x K: None (the default) shares the devices present (with a warning) and a '
+                 'devices list of one, and refuses a longer list shorter than R x K; True '
+                 'shares any; False none.',
+                 check=hyperparams.OneOf(None, True, False))
         p.Define('recompute', 'always',
                  'Re-materialization: "always" (every cell re-runs its forward in its '
                  'backward), "never" (every cell keeps its activations), "except_last" (the '
@@ -154,6 +160,11 @@ class PipeliningLayer(BaseLayer):
         self.plan = plan_lib.PlanFor(p, check_devices=True)
         # The variables live on the first replica's devices.
         self._devices = self.plan.mesh[0]
+        shared = (devices_lib.SharedDevices([row[:self.plan.num_devices]
+                                             for row in self.plan.mesh])
+                  if p.devices is None and p.logical_device_fn is None else None)
+        if shared:
+            logging.warning('%s: %s', self.path, shared)
         with tf.device(self._devices[0]):
             self._before = [self.CreateChild(lp.name, lp) for lp in self.plan.before]
         # The layers are this layer's children, named by their place in the model; a cell only
@@ -334,30 +345,38 @@ class PipeliningLayer(BaseLayer):
         # before this whole batch, under a strategy's replicas).
         shard_starts = microbatch.Starts(microbatch.RunBatchSize(inputs, p.batch_dim),
                                          p.num_replicas)
-        # The loop splits a static batch into equal micro-batches, a batch known only when the
-        # step runs as the unrolled executor does; a training step whose static batch M does
-        # not divide runs unrolled (inference pads the loop's batch).
-        even = batch_size is None or all(
-            size % num_micro_batches == 0
-            for size in microbatch.Sizes(batch_size, p.num_replicas))
-        run: type[executor.Executor] = (
-            looped.LoopedSchedule if self.plan.Loops(num_micro_batches) and (even or not training)
-            else executor.UnrolledSchedule)
-        runs: list[executor.Executor] = [
-            run(functions, self.plan.recompute, sched, p.batch_dim, tf.cast(ctx.step, tf.int64),
-                assign, first_example=tf.cast(ctx.first_example, tf.int64) + shard_starts[r])
-            for r, functions in enumerate(self._replica_functions)]
+        runs: list[executor.Executor] = []
+        for r, size in enumerate(_ShardSizes(batch_size, p.num_replicas)):
+            # No layer runs on zero examples: a static shard of fewer examples than M runs the
+            # schedule of its first micro-batches only (one example each), a batch of fewer
+            # examples than R on fewer replicas. A batch known only when the step runs skips
+            # its empty micro-batches when it runs (`executor`, `looped`).
+            shard_sched = (sched if size is None else
+                           schedule_lib.FirstMicroBatches(sched, max(1, size)))
+            m_count = shard_sched.num_micro_batches
+            # The loop splits a static batch into equal micro-batches, a batch known only when
+            # the step runs as the unrolled executor does; a training step whose static shard
+            # M does not divide runs unrolled (inference pads the loop's batch).
+            even = size is None or size % m_count == 0
+            run: type[executor.Executor] = (
+                looped.LoopedSchedule if self.plan.Loops(m_count) and (even or not training)
+                else executor.UnrolledSchedule)
+            runs.append(run(self._replica_functions[r], self.plan.recompute, shard_sched,
+                            p.batch_dim, tf.cast(ctx.step, tf.int64), assign,
+                            first_example=tf.cast(ctx.first_example, tf.int64) +
+                            shard_starts[r]))
         thetas = []
         for k in range(self.plan.num_cells):
             with tf.name_scope(f'cell_{k}_theta'):
-                thetas.append(executor.AssignNest(assign, k, self._cells[k].Theta(theta)))
+                thetas.append(executor.AssignWeights(assign, k, self._cells[k].Theta(theta)))
         return inputs, runs, thetas
 
     def _Infer(self, runs: list[executor.Executor], thetas: list, inputs):
         """The outputs of every replica's forward-only schedule: micro-batched, no
         re-materialization, nothing recorded for a backward."""
         return self._Replicated(
-            lambda r, shard: runs[r].Forward(thetas, shard, training=False)[0], inputs)
+            lambda r, shard: runs[r].Forward(thetas, shard, training=False)[0], inputs,
+            len(runs))
 
     def _ApplyUpdates(self, updates: list) -> None:
         """Hands each cell's layers their training statistics, summed over micro-batches (and
@@ -396,20 +415,28 @@ class PipeliningLayer(BaseLayer):
         """Replica r's name scope; none with one replica, so op names stay `cell_<k>_mb_<m>_*`."""
         return tf.name_scope(f'replica_{r}') if self.p.num_replicas > 1 else contextlib.nullcontext()
 
-    def _Replicated(self, fn, inputs):
-        """Concatenation over replicas of `fn(r, replica r's shard of inputs)`; with one
-        replica, `fn(0, inputs)`."""
-        num_replicas, batch_dim = self.p.num_replicas, self.p.batch_dim
+    def _Replicated(self, fn, inputs, num_replicas: int):
+        """Concatenation over `num_replicas` replicas (fewer than R for a static batch of
+        fewer examples) of `fn(r, replica r's shard of inputs)`; with one, `fn(0, inputs)`."""
         if num_replicas == 1:
             return fn(0, inputs)
         with tf.device(self._devices[0]):
-            shards = microbatch.Split(inputs, num_replicas, batch_dim)
+            shards = microbatch.Split(inputs, num_replicas, self.p.batch_dim)
         outputs = []
         for r, shard in enumerate(shards):
             with self._ReplicaScope(r):
                 outputs.append(fn(r, shard))
         with tf.device(self._devices[-1]):
-            return microbatch.Concat(outputs, batch_dim)
+            return self._Joined(outputs, inputs)
+
+    def _Joined(self, shards: list, inputs):
+        """The replicas' shards of a nest joined along the batch (`microbatch.Concat`: a shard
+        of a batch known only when the step runs may be empty, fewer examples than R)."""
+        batch_dim = self.p.batch_dim
+        sizes = None
+        if microbatch.BatchSize(inputs, batch_dim) is None:
+            sizes = microbatch.Sizes(microbatch.RunBatchSize(inputs, batch_dim), len(shards))
+        return microbatch.Concat(shards, batch_dim, sizes)
 
     def _Train(self, runs: list[executor.Executor], thetas: list, inputs):
         """The unrolled step of every replica as one custom-gradient op, so that its backward is
@@ -421,7 +448,7 @@ class PipeliningLayer(BaseLayer):
           (outputs, per cell its layers' training statistics summed over micro-batches and
           replicas).
         """
-        num_replicas, batch_dim = self.p.num_replicas, self.p.batch_dim
+        num_replicas, batch_dim = len(runs), self.p.batch_dim
         results = []
 
         @tf.custom_gradient
@@ -434,7 +461,8 @@ class PipeliningLayer(BaseLayer):
                 replica_updates.append(updates)
                 return outputs
 
-            outputs = self._Replicated(Forward, tf.nest.pack_sequence_as(inputs, flat[offset:]))
+            outputs = self._Replicated(Forward, tf.nest.pack_sequence_as(inputs, flat[offset:]),
+                                       num_replicas)
             results.append((outputs, self._SumOverReplicas(replica_updates)))
 
             def Grad(*d_flat):
@@ -456,7 +484,7 @@ class PipeliningLayer(BaseLayer):
                         with self._ReplicaScope(r):
                             d_inputs.append(Backward(r, d_shard))
                     with tf.device(self._devices[0]):
-                        d_inputs = microbatch.Concat(d_inputs, batch_dim)
+                        d_inputs = self._Joined(d_inputs, d_outputs)
                 d_thetas = self._SumOverReplicas(replica_d_thetas)
                 return [g for cell in d_thetas for g in cell] + tf.nest.flatten(d_inputs)
 
@@ -477,7 +505,7 @@ class PipeliningLayer(BaseLayer):
         Returns:
           (outputs, per cell its training statistics, loss, weight).
         """
-        num_replicas, batch_dim = self.p.num_replicas, self.p.batch_dim
+        num_replicas = len(runs)
         loss_scale = fprop_context.Current().loss_scale
         if loss_scale is not None:
             loss_scale = tf.cast(loss_scale, tf.float32)
@@ -495,14 +523,15 @@ class PipeliningLayer(BaseLayer):
                 return steps[-1][0]
 
             outputs = self._Replicated(
-                Step, (tf.nest.pack_sequence_as(inputs, flat[offset:]), loss_inputs))
+                Step, (tf.nest.pack_sequence_as(inputs, flat[offset:]), loss_inputs),
+                num_replicas)
             with tf.device(self._devices[-1]):
                 total = tf.add_n([s[2][0] for s in steps])
                 weight = tf.add_n([s[2][1] for s in steps])
                 loss = tf.math.divide_no_nan(total, weight)
             with tf.device(self._devices[0]):
                 d_inputs = (steps[0][4] if num_replicas == 1 else
-                            microbatch.Concat([s[4] for s in steps], batch_dim))
+                            self._Joined([s[4] for s in steps], inputs))
             d_thetas = self._SumOverReplicas([s[3] for s in steps])
             results.append((outputs, self._SumOverReplicas([s[1] for s in steps]), weight))
 
@@ -515,8 +544,7 @@ class PipeliningLayer(BaseLayer):
                     with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_grad_scale'):
                         scale = tf.math.divide_no_nan(
                             d_loss, weight if loss_scale is None else weight * loss_scale)
-                        grads += [None if g is None else g * tf.cast(scale, g.dtype)
-                                  for g in piece]
+                        grads += [loss_scale_lib.ScaleGradient(g, scale) for g in piece]
                 return grads
 
             return loss, Grad
@@ -535,7 +563,8 @@ class PipeliningLayer(BaseLayer):
         for k, cells in enumerate(zip(*per_replica)):
             with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_replica_sum'):
                 summed.append(tf.nest.map_structure(
-                    lambda *xs: None if xs[0] is None else tf.add_n(list(xs)), *cells))
+                    lambda *xs: None if xs[0] is None else gradient_sums.AddAll(list(xs)),
+                    *cells))
         return summed
 
     @classmethod
@@ -548,6 +577,15 @@ class PipeliningLayer(BaseLayer):
             layers += list(p.layer_tpl or [])
         layers = [lp.Copy().Set(name=plan_lib.LayerName(lp, i)) for i, lp in enumerate(layers)]
         return sequential.ChainMeta(layers, *input_shapes)[0]
+
+
+def _ShardSizes(batch_size: int | None, num_replicas: int) -> list:
+    """Per replica that runs, its shard's examples (`microbatch.Sizes`): all R with None
+    (a batch known only when the step runs); of a static batch, only those with examples
+    (one, of no example, for an empty batch)."""
+    if batch_size is None:
+        return [None] * num_replicas
+    return [size for size in microbatch.Sizes(batch_size, num_replicas) if size] or [0]
 
 
 def _ArrayLikesAsTensors(inputs: tuple) -> tuple:

@@ -216,6 +216,16 @@ class CellFunctions:
             lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype),
             concrete.structured_outputs)
 
+    def BackwardGradientKinds(self, theta, input_spec, step_spec) -> list:
+        """Per leaf of the cell's flat theta, whether its gradient in `Backward` (the
+        re-materializing backward) on inputs of `input_spec` is sparse (IndexedSlices, a
+        gather's), tracing it if it was not; False for leaves not trainable."""
+        outputs, _ = self.ForwardSpecs(theta, input_spec, step_spec)
+        concrete = _DeviceFree(self._For('bwd').backward, self._LayerThetas(theta), input_spec,
+                               step_spec, step_spec, leaves.FloatLeaves(outputs))
+        return [isinstance(g, tf.IndexedSlices)
+                for g in self.Flat(concrete.structured_outputs[0])]
+
     def Forward(self, theta, inputs, step, first_example, training: bool = True):
         """(outputs, update stats) of the cell on one micro-batch whose first example has index
         `first_example` (scalar int64 tensor) in the mini-batch; one call op on the device."""
@@ -266,6 +276,9 @@ class CellSplit:
         self._input_spec = input_spec
         self.kept_specs = split.kept_specs
         self.saved_specs = split.saved_specs
+        # Per leaf of the cell's flat theta, whether its gradient (in Backward and Weight) is
+        # sparse (IndexedSlices, a gather's).
+        self.sparse_gradients = [bool(x) for x in functions.Flat(split.sparse_gradients)]
 
     def _Call(self, part, theta, *args):
         fn = self._functions

@@ -113,6 +113,9 @@ class SplitCell:
         kept = Residuals(input_ops | weight_ops, d_theta + d_x, _Refs(d_ys))
         for_input = Residuals(input_ops, d_x, _Refs(d_ys))
         saved = Residuals(weight_ops, d_theta)
+        # In theta's structure, whether each leaf's gradient is IndexedSlices (a gather's;
+        # None for leaves not trainable).
+        self.sparse_gradients = self._Theta([isinstance(g, tf.IndexedSlices) for g in d_theta])
         self.kept_specs = [tf.TensorSpec(t.shape, t.dtype) for t in kept]
         self.saved_specs = [tf.TensorSpec(t.shape, t.dtype) for t in saved]
         # The kept residuals that are the cell's input are handed on, not fetched.

@@ -295,6 +295,23 @@ def FromLists(lists, num_micro_batches: int, virtual_stages: int = 1,
                     placement=placement)
 
 
+def FirstMicroBatches(sched: Schedule, count: int) -> Schedule:
+    """`sched` over its first `count` micro-batches only (all of them for a larger count): each
+    device's list without the other micro-batches' actions, in its order. What a batch of
+    fewer examples than M runs, so that no micro-batch is empty. It is valid where `sched` is:
+    an action needs only actions of its own micro-batch and its device's earlier ones, and
+    dropping whole micro-batches keeps the order of the rest.
+
+    Raises:
+      ScheduleError: for a count below 1.
+    """
+    if count >= sched.num_micro_batches:
+        return sched
+    lists = [[a for a in device if a.micro_batch < count] for device in sched.actions]
+    return FromLists(lists, count, sched.virtual_stages, kind=sched.kind,
+                     placement=sched.placement)
+
+
 # ---- validation ---------------------------------------------------------------------------------
 def Validate(lists, num_micro_batches: int, virtual_stages: int = 1,
              placement: str = 'round') -> list[Action]:

@@ -233,6 +233,9 @@ def SetUpDevices(config, target: Target, p, plan, plan_only: bool = False) -> No
         return
     if not p.model.devices:  # The Params' own placement wins; the plan checks it exists.
         p.model.devices = devices
+        if p.model.round_robin is None:
+            # Fewer devices than stages (--num_devices): the run asked to share them.
+            p.model.round_robin = True
 
 
 def PartitionsOnTime(p) -> bool:

@@ -89,7 +89,9 @@ def _DropoutMeta(params, shape: tf.TensorShape) -> LayerMeta:
 
 def _SumMetas(out, metas) -> LayerMeta:
     return LayerMeta(out, sum(m.flops for m in metas), sum(m.num_params for m in metas),
-                     sum(m.activation_bytes for m in metas))
+                     sum(m.activation_bytes for m in metas),
+                     sparse_params=sum(m.sparse_params for m in metas),
+                     sparse_gradient_bytes=sum(m.sparse_gradient_bytes for m in metas))
 
 
 def SinusoidalPositions(length, dim: int, dtype=tf.float32) -> tf.Tensor:
@@ -231,11 +233,18 @@ class TransformerEmbeddingLayer(BaseLayer):
                        tgt_labels=shapes.tgt_labels, tgt_weights=shapes.tgt_weights)
         else:
             out.update(paddings=shapes.paddings, labels=shapes.labels, weights=shapes.weights)
+        # Both tables' gradients are gathers' (IndexedSlices): the token table's rows are the
+        # streams' ids, the positions' those of each stream's length.
         num_params = p.vocab_size * p.model_dim
+        rows = sum(shapes[ids_key].num_elements() for ids_key, _ in cls._Streams(p).values())
         if p.position_embedding == 'learned':
             num_params += p.max_length * p.model_dim
+            rows += sum(shapes[ids_key][1] for ids_key, _ in cls._Streams(p).values())
         total = _SumMetas(out, metas)
-        return LayerMeta(out, total.flops, num_params, total.activation_bytes)
+        return LayerMeta(out, total.flops, num_params, total.activation_bytes,
+                         sparse_params=num_params,
+                         sparse_gradient_bytes=embedding.SparseGradientBytes(
+                             rows, p.model_dim, p.dtype))
 
 
 class HandOffLayer(BaseLayer):
