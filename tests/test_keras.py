@@ -122,12 +122,13 @@ class WeightsTest(tf.test.TestCase):
         self.assertEqual([w.value for w in layer.trainable_weights],
                          [v for _, v in pipe.vars.FlattenItems() if v.trainable])
         self.assertEqual([w.value for w in layer.non_trainable_weights],
-                         [v for _, v in pipe.vars.FlattenItems() if not v.trainable] +
-                         [layer.step.value])
+                         [v for _, v in pipe.vars.FlattenItems() if not v.trainable])
         self.assertLen(layer.trainable_weights, 6)  # w, beta, gamma of each block.
         self.assertEqual([w.name for w in layer.non_trainable_weights],
                          ['layer_001.moving_mean', 'layer_001.moving_variance',
-                          'layer_004.moving_mean', 'layer_004.moving_variance', 'step'])
+                          'layer_004.moving_mean', 'layer_004.moving_variance'])
+        # The count of training calls is saved with the weights but is not a parameter.
+        self.assertNotIn(id(layer.step), [id(w.value) for w in layer.weights])
 
     def testKerasWeightsShareTheVariablesStorage(self):
         layer = MakePipeline()
@@ -141,7 +142,7 @@ class WeightsTest(tf.test.TestCase):
         layer = MakePipeline()
         cell_of = {l.p.name: k for k, cell in enumerate(layer.pipeline.cells)
                    for l in cell.sequence}
-        for weight in layer.weights[:-1]:
+        for weight in layer.weights:
             k = cell_of[weight.name.split('.')[0]]
             self.assertEqual(tf.DeviceSpec.from_string(weight.value.device).device_index, k,
                              weight.path)

@@ -2,11 +2,15 @@
 Transformer blocks) pipelined give the outputs and gradients of the same layer objects called
 one after another on each micro-batch, with their weights built on their cells' devices."""
 
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import zipfile
 
+import h5py
 import keras
 import numpy as np
 import pytest
@@ -16,6 +20,8 @@ from gpipe_tf import errors
 from gpipe_tf import test_utils
 from gpipe_tf.keras import Pipeline
 from gpipe_tf.keras import Sequential
+from gpipe_tf.layers import basic
+from gpipe_tf.layers import normalization
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 TOLERANCE = 1e-5
@@ -857,32 +863,6 @@ def SmallConvNet():
             keras.layers.Dense(3)]
 
 
-def OneSgdStepInSequence(layers, x, y, learning_rate):
-    """The oracle of one `fit` step on the batch (x, y), from Keras's calls alone: each of M
-    micro-batches through the layers in sequence (from the same state: batch norm normalises
-    with the micro-batch's statistics), Keras's mean squared error of each weighted by its
-    examples, plain SGD. Returns (the loss, the trainable weights after the step, the
-    non-trainable ones: the examples-weighted mean over micro-batches of what each call
-    assigns, as the pipeline documents). The layers are left as they were."""
-    state = Snapshot(layers)
-    trainable = [w for layer in layers for w in layer.trainable_weights]
-    loss, assigned = 0.0, []
-    with tf.GradientTape() as tape:
-        for part_x, part_y in zip(np.array_split(x, M), np.array_split(y, M)):
-            Restore(layers, state)
-            outputs = tf.constant(part_x)
-            for layer in layers:
-                outputs = layer(outputs, training=True)
-            weight = len(part_x) / len(x)
-            loss += weight * keras.losses.MeanSquaredError()(part_y, outputs)
-            assigned.append([weight * v.numpy() for layer in layers
-                             for v in layer.non_trainable_weights])
-    grads = tape.gradient(loss, trainable)
-    after = [w.numpy() - learning_rate * g.numpy() for w, g in zip(trainable, grads)]
-    Restore(layers, state)
-    return float(loss), after, [sum(values) for values in zip(*assigned)]
-
-
 class ScheduleMatrixTest(tf.test.TestCase):
     """One SGD step inside `fit` equals the layers run in sequence per micro-batch (outputs,
     loss, every weight, batch norm's moving statistics) for every schedule and every recompute
@@ -898,7 +878,7 @@ class ScheduleMatrixTest(tf.test.TestCase):
                            devices=DEVICES[:2], schedule=schedule, **params)
         model.build((None,) + x.shape[1:])
         model.compile(keras.optimizers.SGD(0.1), 'mse')
-        loss, trainable, non_trainable = OneSgdStepInSequence(layers, x, y, 0.1)
+        loss, trainable, non_trainable = test_utils.KerasSgdStepInSequence(layers, x, y, 0.1, M)
         history = model.fit(x, y, batch_size=len(x), verbose=0, shuffle=False).history
         self.assertAllClose(loss, history['loss'][0], atol=TOLERANCE, rtol=TOLERANCE)
         for want, weight in zip(trainable,
@@ -984,3 +964,256 @@ class ErrorsTest(tf.test.TestCase):
         del built
         self.assertConfigError(r'built before the pipeline, with its weights on .*CPU:0, not on '
                                r"its cell's device .*CPU:1", layers=layers)
+
+
+def SummaryLines(model, **kwargs) -> list[str]:
+    """`model.summary(**kwargs)`'s lines."""
+    lines = []
+    model.summary(print_fn=lambda text, **_: lines.extend(text.splitlines()), **kwargs)
+    return lines
+
+
+def SummaryRows(model, **kwargs) -> list[tuple[str, str, int]]:
+    """(name and class, output shape, parameters) of each row of `model.summary(**kwargs)`'s
+    table, a row's lines joined (the table wraps a long name)."""
+    rows, row = [], []
+    for line in SummaryLines(model, **kwargs) + ['']:
+        if line.startswith('│'):
+            row.append([c.strip() for c in line.split('│')[1:-1]])
+            continue
+        if row:
+            name, shape, params = (' '.join(filter(None, column)) for column in zip(*row))
+            rows.append((name, shape, int(params.replace(',', ''))))
+        row = []
+    return rows
+
+
+def TotalParams(model) -> int:
+    line, = [l for l in SummaryLines(model) if 'Total params:' in l]
+    return int(line.split(':')[1].split('(')[0].replace(',', ''))
+
+
+def DropoutStack():
+    """DenseStack with a Dropout: what the step seeds."""
+    return [keras.layers.Dense(8, activation='tanh'), keras.layers.BatchNormalization(),
+            keras.layers.Dropout(0.5), keras.layers.Dense(2)]
+
+
+@pytest.mark.unit
+class RegisteredNameTest(tf.test.TestCase):
+    """The classes are registered as gpipe_tf.keras>Sequential and gpipe_tf.keras>Pipeline,
+    and files saved under the old names (gpipe_tf>...) load."""
+
+    def setUp(self):
+        super().setUp()
+        self.dir = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.dir)
+
+    def SavedModel(self):
+        keras.utils.set_random_seed(0)
+        model = Sequential([keras.layers.Dense(3), keras.layers.Dense(2)], num_cells=2,
+                           num_micro_batches=M, input_shape=(4,), devices=DEVICES[:2])
+        path = os.path.join(self.dir, 'm.keras')
+        model.save(path)
+        return model, path
+
+    def testLoadingWithoutTheImportNamesThePackage(self):
+        _, path = self.SavedModel()
+        # A fresh process that imports Keras only: Keras's error must say what to import.
+        script = ('import sys, keras\n'
+                  'try:\n'
+                  f'    keras.models.load_model({path!r})\n'
+                  'except TypeError as error:\n'
+                  '    print(error)\n'
+                  'print("imported gpipe_tf:", "gpipe_tf" in sys.modules)\n')
+        result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
+                                timeout=120, check=True)
+        self.assertIn("Could not locate class 'Sequential'", result.stdout)
+        self.assertIn("'registered_name': 'gpipe_tf.keras>Sequential'", result.stdout)
+        self.assertIn("'registered_name': 'gpipe_tf.keras>Pipeline'", result.stdout)
+        self.assertIn('imported gpipe_tf: False', result.stdout)
+
+    def testAFileOfTheOldRegisteredNamesLoads(self):
+        model, path = self.SavedModel()
+        old, older = (os.path.join(self.dir, name) for name in ('old.keras', 'older.keras'))
+        # What the file would say had it been saved before the names changed.
+        test_utils.TamperKerasFile(self, path, old, '"gpipe_tf.keras>Sequential"',
+                                   '"gpipe_tf>Sequential"')
+        test_utils.TamperKerasFile(self, old, older, '"gpipe_tf.keras>Pipeline"',
+                                   '"gpipe_tf>Pipeline"')
+        loaded = keras.models.load_model(older)
+        self.assertIsInstance(loaded, Sequential)
+        x = np.random.RandomState(0).randn(4, 4).astype(np.float32)
+        self.assertAllClose(model.predict(x, verbose=0), loaded.predict(x, verbose=0),
+                            atol=1e-6)
+        # Saved again, it takes the new names.
+        loaded.save(path)
+        with zipfile.ZipFile(path) as saved:
+            config = json.loads(saved.read('config.json'))
+        self.assertEqual(config['registered_name'], 'gpipe_tf.keras>Sequential')
+        self.assertEqual(config['config']['pipeline']['registered_name'],
+                         'gpipe_tf.keras>Pipeline')
+
+
+@pytest.mark.unit
+class SummaryTest(tf.test.TestCase):
+    """summary() and count_params() count what keras.Sequential counts on the same layers (the
+    step is no parameter), and summary(expand_nested=True) lists each cell's layers."""
+
+    def setUp(self):
+        super().setUp()
+        self.dir = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.dir)
+
+    def ModelAndReference(self):
+        keras.utils.set_random_seed(0)
+        layers = DropoutStack()
+        reference = keras.Sequential([keras.Input((6,))] + Copies(layers))
+        model = Sequential(layers, num_cells=2, num_micro_batches=M, input_shape=(6,),
+                           devices=DEVICES[:2], balance=[2, 2])
+        model(tf.zeros([2, 6]))
+        return model, reference
+
+    def testCountsAsKerasSequential(self):
+        model, reference = self.ModelAndReference()
+        # Dense 6x8 + 8, batch norm 4 x 8 (2 x 8 of them moving statistics), Dense 8x2 + 2.
+        self.assertEqual(56 + 32 + 18, reference.count_params())
+        self.assertEqual(reference.count_params(), model.count_params())
+        self.assertEqual(reference.count_params(), model.pipeline.count_params())
+        self.assertEqual(TotalParams(reference), TotalParams(model))
+        self.assertEqual(len(reference.non_trainable_weights),
+                         len(model.non_trainable_weights))
+
+    def testExpandedSummaryListsEachCellsLayers(self):
+        model, _ = self.ModelAndReference()
+        dense, norm, dropout, head = model.pipeline.keras_layers
+        rows = SummaryRows(model, expand_nested=True)
+        self.assertEqual(
+            [(name, params) for name, _, params in rows],
+            [('pipeline (Pipeline)', 106),
+             ('└ cell_0 (Cell)', 88), (f'└ {dense.name} (Dense)', 56),
+             (f'└ {norm.name} (BatchNormalization)', 32),
+             ('└ cell_1 (Cell)', 18), (f'└ {dropout.name} (Dropout)', 0),
+             (f'└ {head.name} (Dense)', 18)])
+        self.assertEqual([shape for _, shape, _ in rows[:3]],
+                         ['(None, 2)', '(None, 8)', '(None, 8)'])
+        # The layers are nested deeper than the cells.
+        lines = SummaryLines(model, expand_nested=True)
+        depths = {name: line.index('└') for name in ('cell_0', dense.name)
+                  for line in lines if f'└ {name} (' in line}
+        self.assertGreater(depths[dense.name], depths['cell_0'])
+        # Without expand_nested, the one Pipeline row.
+        self.assertEqual([name for name, _, _ in SummaryRows(model)], ['pipeline (Pipeline)'])
+
+    def testAPipelineOfGpipeLayersInAKerasModel(self):
+        layers = [basic.DenseLayer.Params().Set(input_dim=6, output_dim=4),
+                  basic.DenseLayer.Params().Set(input_dim=4, output_dim=3)]
+        pipe = Pipeline.FromLayers(layers, num_cells=2, num_micro_batches=M,
+                                   devices=DEVICES[:2], name='pipeline')
+        model = keras.Sequential([keras.Input((6,)), pipe, keras.layers.Dense(1)])
+        rows = SummaryRows(model, expand_nested=True)
+        # DenseLayer: a weight input_dim x output_dim and a bias output_dim.
+        self.assertEqual(rows, [('pipeline (Pipeline)', '(None, 3)', 28 + 15),
+                                ('└ cell_0 (Cell)', '(None, 4)', 28),
+                                ('└ layer_000 (DenseLayer)', '(None, 4)', 28),
+                                ('└ cell_1 (Cell)', '(None, 3)', 15),
+                                ('└ layer_001 (DenseLayer)', '(None, 3)', 15),
+                                (f'{model.layers[1].name} (Dense)', '(None, 1)', 4)])
+        self.assertEqual(TotalParams(model), 28 + 15 + 4)
+
+    def FitModel(self, epochs):
+        """A Sequential of DropoutStack fit on 16 examples in batches of 8 (2 steps an
+        epoch)."""
+        model, _ = self.ModelAndReference()
+        model.compile(keras.optimizers.SGD(0.1), 'mse')
+        x, y, _ = Data()
+        model.fit(x, y, batch_size=8, epochs=epochs, verbose=0, shuffle=False)
+        return model, x
+
+    def testStepIsSavedAndRestoredWithTheWeights(self):
+        model, x = self.FitModel(epochs=2)
+        self.assertEqual(int(model.pipeline.step.numpy()), 4)
+        weights_path = os.path.join(self.dir, 'm.weights.h5')
+        model.save_weights(weights_path)
+        fresh, _ = self.ModelAndReference()
+        fresh.load_weights(weights_path)
+        self.assertEqual(int(fresh.pipeline.step.numpy()), 4)
+        path = os.path.join(self.dir, 'm.keras')
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        self.assertEqual(int(loaded.pipeline.step.numpy()), 4)
+        self.assertAllClose(model.predict(x, verbose=0), loaded.predict(x, verbose=0),
+                            atol=1e-6)
+
+    def testStepIsStoredWhereItWasAWeight(self):
+        # Files saved when the step was the layer's last weight (key "<weights>") load, and
+        # the layer's weights keep their keys: "0"... in trainable, then non-trainable order.
+        layers = [basic.DenseLayer.Params().Set(input_dim=6, output_dim=4),
+                  normalization.BatchNormLayer.Params().Set(dim=4)]
+        pipe = Pipeline.FromLayers(layers, num_cells=2, num_micro_batches=M,
+                                   devices=DEVICES[:2])
+        model = keras.Sequential([keras.Input((6,)), pipe])
+        pipe.step.assign(7)
+        path = os.path.join(self.dir, 'm.weights.h5')
+        model.save_weights(path)
+        own = pipe.trainable_weights + pipe.non_trainable_weights
+        with h5py.File(path) as f:
+            stored = f['layers/pipeline/vars']
+            self.assertEqual(sorted(stored, key=int), [str(i) for i in range(len(own) + 1)])
+            for i, weight in enumerate(own):
+                self.assertAllEqual(weight.numpy(), stored[str(i)][()])
+            self.assertEqual(stored[str(len(own))][()], 7)
+            self.assertEqual(stored[str(len(own))].dtype, np.int64)
+
+
+@pytest.mark.unit
+class BuiltAtConstructionTest(tf.test.TestCase):
+    """A Sequential given input_shape is built when made, as a keras.Sequential that starts
+    with a keras.Input."""
+
+    def testBuiltBeforeTheFirstCall(self):
+        keras.utils.set_random_seed(0)
+        layers = DenseLayers()
+        reference = keras.Sequential([keras.Input((6,))] + Copies(layers))
+        model = Sequential(layers, num_cells=2, num_micro_batches=4, input_shape=(6,),
+                           devices=DEVICES[:2])
+        self.assertTrue(model.built)
+        self.assertEqual(reference.count_params(), model.count_params())
+        self.assertEqual(SummaryRows(model), [('pipeline (Pipeline)', '(None, 2)',
+                                               reference.count_params())])
+
+    def testBackupAndRestoreResumesAsAnUninterruptedFit(self):
+        # Dropout's masks are seeded by the step: the resumed fit draws the uninterrupted
+        # one's only if the backup restored the step with the weights.
+        x, y, _ = Data()
+        backup = tempfile.mkdtemp()
+        # A fit that ends removes its backup.
+        self.addCleanup(shutil.rmtree, backup, ignore_errors=True)
+
+        def Model():
+            keras.utils.set_random_seed(0)
+            model = Sequential(DropoutStack(), num_cells=2, num_micro_batches=M,
+                               input_shape=(6,), devices=DEVICES[:2], schedule='1f1b')
+            model.compile(keras.optimizers.SGD(0.1), 'mse')
+            return model
+
+        class Interrupt(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                if epoch == 2:
+                    raise RuntimeError('interrupted')
+
+        def Fit(model, callbacks):
+            return model.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False,
+                             callbacks=callbacks).history['loss']
+
+        uninterrupted = Model()
+        want = Fit(uninterrupted, [])
+        with self.assertRaisesRegex(RuntimeError, 'interrupted'):
+            Fit(Model(), [keras.callbacks.BackupAndRestore(backup), Interrupt()])
+        resumed = Model()
+        got = Fit(resumed, [keras.callbacks.BackupAndRestore(backup)])
+        self.assertLen(got, 1)  # Only the third epoch ran.
+        self.assertAllClose(want[-1], got[0], atol=1e-6)
+        self.assertEqual(int(resumed.pipeline.step.numpy()), 6)
+        AssertSameWeights(self, resumed.pipeline.keras_layers,
+                          uninterrupted.pipeline.keras_layers)

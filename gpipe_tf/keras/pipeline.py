@@ -26,7 +26,8 @@ layer's own variables, would update the copy Keras does not see.
 **Training mode and batch norm.** Keras's `training` becomes `fprop_context`'s, as the trainer
 sets it: `fit` calls the layer with training=True, `evaluate` and `predict` with False. The step
 of the context (which seeds dropout masks, as the trainer's global step does) is the layer's
-`step` weight, the number of training calls so far, saved with the other weights. In training
+`step`, the number of training calls so far: a tf.Variable saved and restored with the weights
+(`save_own_variables`) but not one of them, so it counts as no parameter. In training
 the pipeline sums each batch norm layer's statistics over the M micro-batches and assigns the
 moving statistics once per call, an op of the traced step that `tf.function` runs (its automatic
 control dependencies keep stateful ops); in inference it normalises with them and changes no
@@ -44,14 +45,20 @@ that set fprop_dtype themselves keep it under the global policy.
 **Saving.** `get_config` carries the Params as Params text, read back by the same safe parser as
 the trainer's `params.txt` (`pipeline_params.FromText`); weights are ordered by layer name, so
 `save_weights` of one partition loads into another. Import `gpipe_tf.keras` before
-`keras.models.load_model`, which finds the class by its registered name `gpipe_tf>Pipeline`.
+`keras.models.load_model`, which finds the class by its registered name
+`gpipe_tf.keras>Pipeline` (`names`; files saved as `gpipe_tf>Pipeline` load too).
+
+**Summary.** `model.summary(expand_nested=True)` lists one row per cell, its layers nested under
+it (`summary`); the parameter counts are the layers' own, as in keras.Sequential.
 
 **Any batch size.** A batch of N examples splits into M micro-batches as equal as they can be
-(the first N mod M one example larger; with N < M the last ones are empty), also when N is
-known only when the step runs (Keras traces a second batch size with an unknown batch): so
-`predict` on one example, `evaluate` on a number M does not divide, and `fit` whose last batch
-is partial all run. A training step's gradient is the un-pipelined model's whatever the sizes
-(Keras's loss comes after the pipeline, over the whole batch). The looped schedule
+(the first N mod M one example larger), also when N is known only when the step runs (Keras
+traces a second batch size with an unknown batch): so `predict` on one example, `evaluate` on
+a number M does not divide, and `fit` whose last batch is partial all run, for every layer. No
+layer runs on zero examples: with N < M a static batch runs N micro-batches of one example, and
+one known only when the step runs skips the empty ones' work. A training step's gradient is
+the un-pipelined model's whatever the sizes (Keras's loss comes after the pipeline, over the
+whole batch), an Embedding's as the IndexedSlices Keras's own model gives its optimizer. The looped schedule
 (`unroll=False`, or 'auto' from 64 cell calls) pads an inference batch with copies of its last
 example and drops their outputs; it trains on the uneven micro-batches of a batch known only
 when the step runs, and a training step whose static batch M does not divide is unrolled
@@ -67,6 +74,7 @@ not supported: the pipeline places its cells itself (`num_replicas` gives data p
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 # The XLA context a jit_compile tf.function traces in is not public API; tf.function's own
 # OptionalXlaContext reads it this way.
@@ -75,14 +83,17 @@ from tensorflow.python.ops import control_flow_util  # pylint: disable=g-direct-
 from gpipe_tf import errors
 from gpipe_tf import hyperparams
 from gpipe_tf.keras import keras_layer
+from gpipe_tf.keras import names
 from gpipe_tf.keras import pipeline_params
+from gpipe_tf.keras import summary
 from gpipe_tf.keras import weights
 from gpipe_tf.layers import fprop_context
+from gpipe_tf.layers import sequential
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import schedule as schedule_lib
 
 
-@keras.saving.register_keras_serializable(package='gpipe_tf')
+@names.Registered
 class Pipeline(keras.layers.Layer):
     """A GPipe pipeline (`gpipe_tf.PipeliningLayer`) inside a Keras model.
 
@@ -127,8 +138,11 @@ class Pipeline(keras.layers.Layer):
              if name not in {layer.p.name for layer in cells}})
         with keras.name_scope(self.name, caller=self):
             self._pipeline_weights = weights.Wrap(gpipe_vars)
-        self._step = self.add_weight(name='step', shape=(), dtype='int64',
-                                     initializer='zeros', trainable=False)
+        # The count of training calls is state, not a parameter: a tf.Variable, which Keras
+        # does not track as a weight, so count_params, summary and get_weights leave it out
+        # (as keras.Sequential's of the same layers) and no optimizer sees it. Keras saves it
+        # through save_own_variables, where the weight was before.
+        self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name='step')
         self._devices = _DistinctDevices(self._pipeline.mesh)
         self.supports_jit = len(self._devices) <= 1
 
@@ -192,14 +206,22 @@ class Pipeline(keras.layers.Layer):
         return self._pipeline.p
 
     @property
-    def step(self) -> keras.Variable:
-        """The number of training calls so far: the step that seeds the layers' randomness."""
+    def step(self) -> tf.Variable:
+        """The number of training calls so far: the step that seeds the layers' randomness.
+        Saved and restored with the weights (`save_own_variables`), but not one of them."""
         return self._step
+
+    @property
+    def layers(self) -> list:
+        """What `model.summary(expand_nested=True)` lists inside the pipeline: one row per
+        cell (`cell_0`, ...), its layers nested under it (`summary.Rows`)."""
+        return summary.Rows(self._pipeline, self._LayerOutputShapes)
 
     # ---- Keras's layer interface ----------------------------------------------------------------
     def build(self, input_shape) -> None:
         # The variables exist since __init__; building checks that the input fits the layers.
         self.compute_output_shape(input_shape)
+        self._input_shape = input_shape  # For the summary's shapes (`_LayerOutputShapes`).
 
     def compute_output_shape(self, input_shape) -> tuple:
         """The output shape for `input_shape`, from the layers' FPropMeta (no TF op runs): a
@@ -211,37 +233,62 @@ class Pipeline(keras.layers.Layer):
           errors.ConfigError: if the input does not fit the first layer, or the output is not
             a tensor or a tuple of them.
         """
-        p = self._pipeline.p
-        shapes = _InputShapes(input_shape)
-        batch = None
-        for i, shape in enumerate(shapes):
-            if not -len(shape) <= p.batch_dim < len(shape):
-                raise errors.ConfigError(
-                    f'{self.name}: the input of shape {tuple(shape)} has no batch dimension '
-                    f'{p.batch_dim} (Params batch_dim).')
-            batch = batch or shape[p.batch_dim]
-            # FPropMeta needs whole shapes; the batch size does not change the others.
-            shape[p.batch_dim] = shape[p.batch_dim] or 1
-            shapes[i] = tf.TensorShape(shape)
+        shapes, batch = self._WholeShapes(input_shape)
         try:
-            meta = pipelining_layer.PipeliningLayer.FPropMeta(p, *shapes)
+            meta = pipelining_layer.PipeliningLayer.FPropMeta(self._pipeline.p, *shapes)
         except (ValueError, TypeError) as error:
             raise errors.ConfigError(f'{self.name}: an input of shape {input_shape} does not '
                                      f'fit the pipeline: {error}') from None
+        out = self._WithBatch(meta.out_shapes, batch)
+        if out is None:
+            raise errors.ConfigError(f'{self.name}: the pipeline\'s output in a Keras model '
+                                     f'must be a tensor or a tuple of tensors; its layers give '
+                                     f'{meta.out_shapes}.')
+        return out
 
+    def _WholeShapes(self, input_shape) -> tuple[list, int | None]:
+        """(the positional inputs' TensorShapes for FPropMeta, the batch size) of Keras's
+        `input_shape`: FPropMeta needs whole shapes, and the batch size (1 where unknown) does
+        not change the others."""
+        batch_dim = self._pipeline.p.batch_dim
+        shapes = _InputShapes(input_shape)
+        batch = None
+        for i, shape in enumerate(shapes):
+            if not -len(shape) <= batch_dim < len(shape):
+                raise errors.ConfigError(
+                    f'{self.name}: the input of shape {tuple(shape)} has no batch dimension '
+                    f'{batch_dim} (Params batch_dim).')
+            batch = batch or shape[batch_dim]
+            shape[batch_dim] = shape[batch_dim] or 1
+            shapes[i] = tf.TensorShape(shape)
+        return shapes, batch
+
+    def _WithBatch(self, out_shapes, batch):
+        """FPropMeta's `out_shapes` as Keras shapes with the batch size `batch`: a tuple, or a
+        tuple of them; None for anything else (a NestedMap, keyword inputs passed on)."""
         def WithBatch(shape):
             out = shape.as_list()
-            out[p.batch_dim] = batch
+            out[self._pipeline.p.batch_dim] = batch
             return tuple(out)
 
-        if isinstance(meta.out_shapes, tf.TensorShape):
-            return WithBatch(meta.out_shapes)
-        if isinstance(meta.out_shapes, tuple) and all(
-                isinstance(shape, tf.TensorShape) for shape in meta.out_shapes):
-            return tuple(WithBatch(shape) for shape in meta.out_shapes)
-        raise errors.ConfigError(f'{self.name}: the pipeline\'s output in a Keras model must be '
-                                 f'a tensor or a tuple of tensors; its layers give '
-                                 f'{meta.out_shapes}.')
+        if isinstance(out_shapes, tf.TensorShape):
+            return WithBatch(out_shapes)
+        if isinstance(out_shapes, tuple) and all(
+                isinstance(shape, tf.TensorShape) for shape in out_shapes):
+            return tuple(WithBatch(shape) for shape in out_shapes)
+        return None
+
+    def _LayerOutputShapes(self) -> dict | None:
+        """Each layer's output shape (as `_WithBatch` gives it) by its name, for the input the
+        layer was built for; None before it is built."""
+        input_shape = getattr(self, '_input_shape', None)
+        if input_shape is None:
+            return None
+        shapes, batch = self._WholeShapes(input_shape)
+        layers = self._pipeline.Layers()
+        _, metas = sequential.ChainMeta([layer.p for layer in layers], *shapes)
+        return {layer.p.name: self._WithBatch(meta.out_shapes, batch)
+                for layer, meta in zip(layers, metas)}
 
     @tf.autograph.experimental.do_not_convert
     def call(self, inputs, training=None):
@@ -284,9 +331,9 @@ class Pipeline(keras.layers.Layer):
         return _WithoutKeywords(inputs, outputs), loss, weight
 
     def _InContext(self, training: bool, compute):
-        """`compute()` in the pipeline's forward context (Keras's training flag, the `step`
-        weight as the step that seeds randomness); a training call then counts one step."""
-        step = tf.convert_to_tensor(self._step.value)
+        """`compute()` in the pipeline's forward context (Keras's training flag, `step` as the
+        step that seeds randomness); a training call then counts one step."""
+        step = tf.convert_to_tensor(self._step)
         with fprop_context.Scope(training=training, step=step, first_example=0,
                                  update_collector=None):
             result = compute()
@@ -316,6 +363,27 @@ class Pipeline(keras.layers.Layer):
                   for c in config.pop('keras_layers', [])]
         _WithKerasLayers(params, layers)
         return cls(params, **config)  # The dtype policy saved agrees with the Params'.
+
+    # `step` is saved after the layer's own weights, under the key add_weight gave it when it
+    # was a weight: weight files (`.keras`, `.weights.h5`, BackupAndRestore's) keep their layout,
+    # so those saved before load here, and a resumed fit seeds dropout as an uninterrupted one.
+    def save_own_variables(self, store) -> None:
+        super().save_own_variables(store)
+        store[str(self._OwnWeightCount())] = self._step.numpy()
+
+    def load_own_variables(self, store) -> None:
+        count = self._OwnWeightCount()
+        if len(store.keys()) != count + 1:
+            raise ValueError(
+                f"Layer '{self.name}' expected {count + 1} variables (its {count} weights, "
+                f'then step), but received {len(store.keys())} variables during loading.')
+        self._step.assign(np.asarray(store[str(count)]))
+        super().load_own_variables({str(i): store[str(i)] for i in range(count)})
+
+    def _OwnWeightCount(self) -> int:
+        """The number of weights Keras's save_own_variables stores for this layer (its
+        sublayers' are stored with them)."""
+        return len(self._trainable_variables) + len(self._non_trainable_variables)
 
     # ---- checks -------------------------------------------------------------------------------
     def _CheckTraceable(self, inputs) -> None:

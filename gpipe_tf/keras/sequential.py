@@ -38,11 +38,13 @@ import keras
 import tensorflow as tf
 
 from gpipe_tf import errors
+from gpipe_tf.keras import keras_layer
+from gpipe_tf.keras import names
 from gpipe_tf.keras import pipeline as pipeline_lib
 from gpipe_tf.keras import pipeline_params
 
 
-@keras.saving.register_keras_serializable(package='gpipe_tf')
+@names.Registered
 class Sequential(keras.Model):
     """A Keras model whose layers run as one GPipe pipeline, with any schedule.
 
@@ -50,7 +52,9 @@ class Sequential(keras.Model):
       layers: Keras layers, applied in order (see `Pipeline.FromKeras`).
       num_cells: K.
       num_micro_batches: M (or give micro_batch_size=).
-      input_shape: one example's input shape (batch excluded), or a list of them.
+      input_shape: one example's input shape (batch excluded), or a list of them. The model
+        is then built, as a keras.Sequential that starts with a keras.Input: `summary`,
+        `count_params` and BackupAndRestore work before the first call.
       pipeline: instead of the layers, a `Pipeline` (what loading a saved model passes).
       name: the model's name.
       **params: `Pipeline.FromKeras`'s keywords: balance and any PipeliningLayer Param
@@ -71,6 +75,9 @@ class Sequential(keras.Model):
             raise errors.ConfigError(f'gpipe_tf.keras.Sequential takes layers or a pipeline; '
                                      f'got both.')
         self._pipeline_layer = pipeline
+        built_for = _InputShape(pipeline)
+        if built_for is not None:
+            self.build(built_for)
 
     @property
     def pipeline(self) -> pipeline_lib.Pipeline:
@@ -139,3 +146,14 @@ class Sequential(keras.Model):
             raise errors.ConfigError(f'{pipeline_params.LAYER}: a Sequential\'s config holds '
                                      f'a {type(pipeline).__name__}, not a Pipeline.')
         return cls(pipeline=pipeline, **config)
+
+
+def _InputShape(pipeline: pipeline_lib.Pipeline):
+    """The Keras input shape (batch None) of a pipeline whose first layer is a Keras layer, which
+    knows what it was built for (given as input_shape, or a keras.Sequential's, or read from a
+    saved config); None for gpipe_tf layers."""
+    first = pipeline.pipeline.Layers()[0]
+    if not isinstance(first, keras_layer.KerasLayer) or first.p.input_shapes is None:
+        return None
+    shapes = [tuple(shape) for shape in first.p.input_shapes]
+    return shapes[0] if len(shapes) == 1 else tuple(shapes)
