@@ -257,7 +257,8 @@ class TrainerReportTest(FakeSmiTest):
         from gpipe_tf.perf import pictures  # pylint: disable=g-import-not-at-top
         from gpipe_tf.tasks import base_task  # pylint: disable=g-import-not-at-top
         p = base_task.SyncInputShapes(model_registry.GetParams('examples.PipelinedMLP', 'Train'))
-        p.model.devices = ['/device:GPU:0', '/device:GPU:1']  # Round-robin: 4 cells on 2.
+        p.model.devices = ['/device:GPU:0', '/device:GPU:1']
+        p.model.round_robin = True  # 4 cells on 2 GPUs.
         self.Printing(TWO_GPUS.replace(', 2, 81559', ', 0, 81559'))  # GPU 1 is full.
         environ = {'PATH': self.dir + os.pathsep + os.environ.get('PATH', '')}
         with mock.patch.dict(os.environ, environ):
