@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from gpipe_tf import test_utils
+from gpipe_tf.keras import Pipeline
 from gpipe_tf.keras import Sequential
 
 DEVICES = test_utils.ConfigureVirtualCpus()
@@ -271,6 +272,40 @@ class ConvNetTrainingTest(NormTestCase):
                 self.assertNormClose(losses[1], losses[0], 'loss')
                 self.assertNormClose(Weights(reference.layers),
                                      Weights(model.pipeline.keras_layers), 'weights')
+
+
+class PipelineInAKerasModelTest(NormTestCase):
+    """`Pipeline.FromKeras` as one layer of a keras.Sequential (gpipe schedule, Keras's loss
+    after it) on batches smaller than M: as the same layers without the pipeline."""
+
+    def setUp(self):
+        super().setUp()
+        keras.utils.set_random_seed(0)
+        layers = ConvNet()
+        pipe = Pipeline.FromKeras(layers[:-1], num_cells=2, num_micro_batches=M,
+                                  input_shape=(8, 8, 1), devices=DEVICES[:2])
+        head = layers[-1]
+        self.model = keras.Sequential([keras.Input((8, 8, 1)), pipe, head])
+        self.reference = keras.Sequential([keras.Input((8, 8, 1))] + Copies(layers))
+        for layer, copy in zip(pipe.keras_layers + [head], self.reference.layers):
+            copy.set_weights(layer.get_weights())
+        for m in (self.model, self.reference):
+            m.compile(Sgd(), 'mse')
+        self.layers = pipe.keras_layers + [head]
+
+    def testPredictOnOneAndThreeExamples(self):
+        x, _ = Images(3)
+        for n in (1, 3):
+            self.assertNormClose(self.reference.predict(x[:n], verbose=0),
+                                 self.model.predict(x[:n], verbose=0), f'{n} examples')
+
+    def testFitWithAShortLastBatchAndTrainOnBatchOfOne(self):
+        x, y = Images(35)
+        losses = [FitLosses(m, x, y, batch_size=32) for m in (self.model, self.reference)]
+        self.assertNormClose(losses[1], losses[0], 'losses')
+        losses = [m.train_on_batch(x[:1], y[:1]) for m in (self.model, self.reference)]
+        self.assertNormClose(losses[1], losses[0], 'train_on_batch loss')
+        self.assertNormClose(Weights(self.reference.layers), Weights(self.layers), 'weights')
 
 
 class BatchNormConvNetTrainingTest(NormTestCase):
