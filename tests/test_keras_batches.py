@@ -320,7 +320,8 @@ class BatchNormConvNetTrainingTest(NormTestCase):
                 layers = BatchNormConvNet()
                 model = Pipelined(layers, (8, 8, 1), Sgd)
                 WithMovingStatistics(layers)
-                loss, trainable, non_trainable = test_utils.KerasSgdStepInSequence(layers, x, y, 0.1, M)
+                loss, trainable, non_trainable = test_utils.KerasSgdStepInSequence(
+                    layers, x, y, 0.1, M)
                 if batch == 'static':
                     got = model.train_on_batch(x, y)
                 else:

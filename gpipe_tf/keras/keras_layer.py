@@ -80,7 +80,7 @@ _COUNTER = itertools.count()
 _LOCK = threading.Lock()
 
 # The suffix of a `keras.random.SeedGenerator` state variable's name (dropout's, say).
-_SEED_STATE = 'seed_generator_state'
+SEED_STATE = 'seed_generator_state'
 
 
 def Handle(layer: keras.layers.Layer) -> str:
@@ -213,6 +213,19 @@ class KerasLayer(base_layer.BaseLayer):
     def __init__(self, params):
         super().__init__(params)
         layer = self.keras_layer
+        self._trainable, self._state = self._KerasVariables()
+        for i, variable in enumerate(self._trainable):
+            self._layer_vars[f'trainable_{i:04d}'] = variable.value
+        for i, variable in enumerate(self._state):
+            self._layer_vars[f'state_{i:04d}'] = variable.value
+        self._seed_states = [v.path.endswith(SEED_STATE) for v in self._state]
+        self._takes_training = _TakesTraining(layer)
+        self._keywords = Keywords(layer)
+
+    def _KerasVariables(self) -> tuple[list, list]:
+        """(the trainable Keras variables, the others) this layer maps in its call, building
+        the Keras layer first if it is not built."""
+        layer = self.keras_layer
         if not layer.built:
             if self.p.input_shapes is None:
                 raise errors.ConfigError(f'{self.path}: the Keras layer {layer.name} is not '
@@ -220,15 +233,7 @@ class KerasLayer(base_layer.BaseLayer):
             # Under the cell's tf.device, where the pipeline builds its layers: Keras's
             # TensorFlow backend creates the variables there.
             CallSymbolically(layer, self.p.input_shapes)
-        self._trainable = list(layer.trainable_variables)
-        self._state = list(layer.non_trainable_variables)
-        for i, variable in enumerate(self._trainable):
-            self._layer_vars[f'trainable_{i:04d}'] = variable.value
-        for i, variable in enumerate(self._state):
-            self._layer_vars[f'state_{i:04d}'] = variable.value
-        self._seed_states = [v.path.endswith(_SEED_STATE) for v in self._state]
-        self._takes_training = _TakesTraining(layer)
-        self._keywords = Keywords(layer)
+        return list(layer.trainable_variables), list(layer.non_trainable_variables)
 
     @property
     def placed_variables(self) -> list:
@@ -251,14 +256,12 @@ class KerasLayer(base_layer.BaseLayer):
         given = [_FoldedSeed(value, ctx) if seed else value
                  for value, seed in zip(state, self._seed_states)]
         inputs, keywords = SplitKeywords(inputs)
-        kwargs = {'training': bool(ctx.training)} if self._takes_training else {}
-        kwargs.update({k: v for k, v in (keywords or {}).items() if k in self._keywords})
         mapping = list(zip(self._trainable, trainable)) + list(zip(self._state, given))
         # Nothing to initialize: every variable is mapped (and initializing the variables
         # other code left uninitialized is not this call's business).
         with keras.StatelessScope(state_mapping=mapping, initialize_variables=False,
                                   collect_losses=True) as scope:
-            outputs = layer(*Arguments(layer, inputs), **kwargs)
+            outputs = self._Call(inputs, keywords, bool(ctx.training))
             new_state = [scope.get_current_value(v) for v in self._state]
         if scope.losses and ctx.training:
             raise errors.ConfigError(
@@ -272,6 +275,14 @@ class KerasLayer(base_layer.BaseLayer):
         if keywords is not None:
             return base_layer.AsArgs(outputs) + (keywords,)
         return outputs
+
+    def _Call(self, inputs: tuple, keywords: dict | None, training: bool):
+        """The Keras layer called on `inputs` (inside the call's stateless scope), with the
+        keyword inputs its `call` takes."""
+        layer = self.keras_layer
+        kwargs = {'training': training} if self._takes_training else {}
+        kwargs.update({k: v for k, v in (keywords or {}).items() if k in self._keywords})
+        return layer(*Arguments(layer, inputs), **kwargs)
 
     def _ReportState(self, state, given, new_state, inputs) -> None:
         """Hands the float state this call changed to the pipeline (`AddUpdate`), weighted by

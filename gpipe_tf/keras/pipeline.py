@@ -58,11 +58,11 @@ a number M does not divide, and `fit` whose last batch is partial all run, for e
 layer runs on zero examples: with N < M a static batch runs N micro-batches of one example, and
 one known only when the step runs skips the empty ones' work. A training step's gradient is
 the un-pipelined model's whatever the sizes (Keras's loss comes after the pipeline, over the
-whole batch), an Embedding's as the IndexedSlices Keras's own model gives its optimizer. The looped schedule
-(`unroll=False`, or 'auto' from 64 cell calls) pads an inference batch with copies of its last
-example and drops their outputs; it trains on the uneven micro-batches of a batch known only
-when the step runs, and a training step whose static batch M does not divide is unrolled
-instead.
+whole batch), an Embedding's as the IndexedSlices Keras's own model gives its optimizer.
+The looped schedule (`unroll=False`, or 'auto' from 64 cell calls) pads an inference batch
+with copies of its last example and drops their outputs; it trains on the uneven micro-batches
+of a batch known only when the step runs, and a training step whose static batch M does not
+divide is unrolled instead.
 
 **Limits.** XLA (`jit_compile`) compiles a step for one device, and cannot read
 variables that live on others: a pipeline on several devices says `supports_jit = False`, so
@@ -129,7 +129,9 @@ class Pipeline(keras.layers.Layer):
                  if isinstance(layer, keras_layer.KerasLayer)]
         # Keras layers in the cells are this layer's sublayers: Keras tracks their own weights
         # (training, saving) as it tracks any sublayer's.
-        self._keras_layers = [layer.keras_layer for layer in cells]
+        # Each once: the stages of a `Functional` all run the one model's layers.
+        self._keras_layers = list({id(layer.keras_layer): layer.keras_layer
+                                   for layer in cells}.values())
         _CheckKerasPlacement(self._pipeline)
         # An attribute holding Keras variables is how a Keras layer tracks them (weights,
         # saving, the optimizer); the name scope gives their paths (`pipeline/layer_003.w`).

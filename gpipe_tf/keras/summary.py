@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from gpipe_tf.keras import functional_stage
 from gpipe_tf.keras import keras_layer
 
 
@@ -106,15 +107,19 @@ def Rows(pipeline, output_shapes: Callable[[], dict | None]) -> list:
             return None if shapes is None else shapes[name]
         return Shape
 
-    def LayerRowOf(layer):
+    def LayerRowsOf(layer):
+        if isinstance(layer, functional_stage.FunctionalStage):
+            return layer.stage_layers  # A functional model's stage: the layers it calls.
         if isinstance(layer, keras_layer.KerasLayer):
-            return layer.keras_layer
-        return _RowClass(type(layer))(layer, ShapeOf(layer.p.name))
+            return [layer.keras_layer]
+        return [_RowClass(type(layer))(layer, ShapeOf(layer.p.name))]
 
     in_cells = {id(layer) for cell in pipeline.cells for layer in cell.sequence}
-    rows = [LayerRowOf(layer) for layer in pipeline.Layers() if id(layer) not in in_cells]
+    rows = [row for layer in pipeline.Layers() if id(layer) not in in_cells
+            for row in LayerRowsOf(layer)]
     for k, cell in enumerate(pipeline.cells):
         # A cell's output is its last layer's.
-        rows.append(Cell(f'cell_{k}', [LayerRowOf(layer) for layer in cell.sequence],
+        rows.append(Cell(f'cell_{k}', [row for layer in cell.sequence
+                                       for row in LayerRowsOf(layer)],
                          ShapeOf(cell.sequence[-1].p.name)))
     return rows

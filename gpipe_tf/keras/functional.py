@@ -1,0 +1,200 @@
+"""`Functional`: a Keras functional model run as a pipeline as it is, its graph cut into stages.
+
+    import keras
+    from gpipe_tf import keras as gpipe_keras
+
+    inputs = keras.Input((32, 32, 3))
+    ...                                   # any functional model: skips, several inputs, ...
+    model = keras.Model(inputs, outputs)
+    pipelined = gpipe_keras.Functional(model, num_micro_batches=8,
+                                       split_points=['block_2', 'block_4', 'block_6'],
+                                       schedule='1f1b')
+    pipelined.compile('adam', 'mse')
+    pipelined.fit(x, y, batch_size=64)
+
+The model's layer calls, in one topological order (`graph.Graph`), are cut into K stages: at the
+layers named in `split_points` (a new stage begins at each, K = len + 1; torch's
+`SplitPoint.BEGINNING`), or, given `num_cells=K`, where the stages' parameter counts are most
+even (or `balance=`, calls per stage). Each stage is a cell (`functional_stage.FunctionalStage`)
+on a device of its own: it receives every tensor an earlier stage made that it or a later one
+reads, and the model's inputs (a padding mask reaches every stage that reads it). A skip
+connection from stage 0 to stage 3 is carried through stages 1 and 2.
+
+The layers are the model's own objects. Their weights are moved, when the pipeline is made, to
+the device of the first stage that calls them (a layer's Keras variables keep their identity;
+their storage is made anew there): the given model then computes with them where they are, and
+its `get_weights()`, `save_weights` and `summary()` are the pipelined model's. A layer called by
+two stages (a tied embedding, a shared layer) is one set of weights on the first stage's device,
+read by the later one; its gradient is the sum over its calls and micro-batches, and it counts
+once in `count_params()`.
+
+The model's inputs and outputs are the given model's (several, in dicts or lists); its train
+step is `pipeline_model.PipelineModel`'s (the compiled loss per micro-batch on the last stage),
+so it trains with every schedule and recompute mode.
+
+Not yet supported, and why: a nested functional model (a keras_hub backbone inside a task) is one
+layer, called in one stage (its own graph is not looked into); Keras's implicit masks
+(`_keras_mask`) do not cross a cut (pass masks as inputs, as keras_hub's padding masks are).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from gpipe_tf import errors
+from gpipe_tf.keras import functional_stage
+from gpipe_tf.keras import graph as graph_lib
+from gpipe_tf.keras import keras_layer
+from gpipe_tf.keras import names
+from gpipe_tf.keras import pipeline as pipeline_lib
+from gpipe_tf.keras import pipeline_model
+from gpipe_tf.pipeline import pipelining_layer
+
+_MODEL = graph_lib.MODEL
+
+
+@names.Registered
+class Functional(pipeline_model.PipelineModel):
+    """A functional Keras model run as a GPipe pipeline (see the module docstring).
+
+    Args:
+      model: the functional `keras.Model`.
+      num_cells: K; None takes it from `split_points` (K = len + 1, over v with
+        virtual_stages).
+      num_micro_batches: M (or give micro_batch_size=).
+      split_points: the names of the layers at which a new stage begins, in the order the
+        model calls them; None cuts automatically (`balance`, or parameters balanced).
+      balance: the number of calls per stage, instead of split points.
+      name: the Keras model's name (default: the given model's with `_pipelined`).
+      **params: any PipeliningLayer Param: devices, recompute, schedule, virtual_stages,
+        num_replicas, unroll, ...
+
+    Raises:
+      errors.ConfigError: for a model that is not functional, split points that are no layers
+        or out of order, a K that does not agree with them, and the pipeline's own errors.
+    """
+
+    def __init__(self, model=None, num_cells: int | None = None,
+                 num_micro_batches: int | None = None, split_points=None, balance=None,
+                 name: str | None = None, **params):
+        graph = functional_stage.GraphOf(model)
+        super().__init__(name=name or f'{model.name}_pipelined')
+        self._arguments = dict(num_cells=num_cells, num_micro_batches=num_micro_batches,
+                               split_points=split_points, balance=balance, **params)
+        virtual = params.get('virtual_stages', 1)
+        if split_points is not None:
+            stages = len(split_points) + 1
+            if stages % virtual or (num_cells is not None and num_cells * virtual != stages):
+                raise errors.ConfigError(
+                    f'{_MODEL}: {len(split_points)} split points make {stages} stages, which '
+                    f'is not num_cells ({num_cells}) x virtual_stages ({virtual}).')
+            num_cells = stages // virtual
+        if num_cells is None:
+            raise errors.ConfigError(f'{_MODEL}: give num_cells=K or split_points=[...] (the '
+                                     'layers at which stages begin).')
+        num_stages = num_cells * virtual
+        if len(graph.calls) < num_stages:
+            raise errors.ConfigError(
+                f'{_MODEL}: {model.name} calls {len(graph.calls)} layers, fewer than the '
+                f'{num_stages} stages asked for.{graph.NestedNote()}')
+        stages = graph.Stages(graph.Bounds(num_stages, split_points, balance))
+        owners = graph.Owners(stages)
+        layer_params = []
+        for s, stage in enumerate(stages):
+            earlier = [l.name for l in graph.StageLayers(stage) if owners[id(l)] < s]
+            layer_params.append(functional_stage.FunctionalStage.Params().Set(
+                name=f'stage_{s}', layer=keras_layer.Handle(model), calls=list(stage.calls),
+                stage_inputs=list(stage.inputs), stage_outputs=list(stage.outputs),
+                earlier_layers=earlier))
+        p = pipelining_layer.PipeliningLayer.Params()
+        try:
+            p.Set(layer_tpl=layer_params, num_cells=num_cells,
+                  num_micro_batches=num_micro_batches,
+                  partition_method=list(range(num_stages + 1)))
+            p.Set(**params)
+        except (AttributeError, ValueError, TypeError) as error:
+            raise errors.ConfigError(f'{_MODEL}: {error}') from None
+        self._graph = graph
+        self._stages = stages
+        self._pipeline_layer = pipeline_lib.Pipeline(p, loss_inside=True, name='pipeline')
+        self.build(self._InputShapes())
+
+    @property
+    def model(self) -> keras.Model:
+        """The given functional model, whose layers (and weights) the pipeline runs (tracked
+        by the pipeline layer, not here: Keras would list it twice)."""
+        return self._graph.model
+
+    @property
+    def graph(self) -> graph_lib.Graph:
+        """The model's graph as the cut reads it (its calls in order, its tensors' keys)."""
+        return self._graph
+
+    @property
+    def stages(self) -> list[graph_lib.Stage]:
+        """The stages of the cut, in order."""
+        return list(self._stages)
+
+    def StageLayers(self, s: int) -> list:
+        """The layers stage `s` calls, in order."""
+        return self._graph.StageLayers(self._stages[s])
+
+    def StageReport(self, examples: int = 1) -> str:
+        """A table: per stage its device, the layers it calls (a layer an earlier stage
+        calls too marked `*`: its weights live there), its parameters, and the tensors it
+        receives and sends with their bytes for `examples` examples (a micro-batch's: '?'
+        where a dimension is known only when the step runs)."""
+        devices = self._pipeline_layer.pipeline.devices
+        rows = [('stage', 'device', 'params', 'receives', 'sends', 'layers')]
+        for s, stage in enumerate(self._stages):
+            earlier = set(self._pipeline_layer.params.layer_tpl[s].earlier_layers)
+            layers = self.StageLayers(s)
+            owned = sum(l.count_params() for l in layers if l.name not in earlier)
+            rows.append((
+                str(s), devices[s], f'{owned:,}',
+                self._Bytes(stage.inputs, examples), self._Bytes(stage.outputs, examples),
+                ', '.join(l.name + ('*' if l.name in earlier else '') for l in layers)))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+        return '\n'.join('  '.join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) +
+                         '  ' + row[-1] for row in rows)
+
+    def _Bytes(self, keys, examples: int) -> str:
+        """'<n> tensors, <bytes>' of the tensors `keys` for `examples` examples."""
+        total = 0
+        for key in keys:
+            tensor = self._graph.tensors[key]
+            dims = list(tensor.shape[1:])
+            if any(d is None for d in dims):
+                return f'{len(keys)}, ?'
+            total += examples * int(np.prod(dims, dtype=np.int64)) * tf.as_dtype(
+                tensor.dtype).size
+        return f'{len(keys)}, {total:,} B'
+
+    def _InputShapes(self):
+        shapes = [tuple(self._graph.tensors[key].shape) for key in self._graph.inputs]
+        return shapes[0] if len(shapes) == 1 else tuple(shapes)
+
+    def _PipelineInputs(self, inputs):
+        flat = keras.tree.flatten(inputs)
+        if len(flat) != len(self._graph.inputs):
+            expected = keras.tree.map_structure(lambda t: t.name, self._graph.input_structure)
+            raise errors.ConfigError(
+                f'{self.name}: {self.model.name} takes {len(self._graph.inputs)} input(s) '
+                f'({expected}); got {len(flat)}.')
+        return flat[0] if len(flat) == 1 else tuple(flat)
+
+    def _ModelOutputs(self, outputs):
+        flat = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        return keras.tree.pack_sequence_as(self._graph.output_structure, flat)
+
+    def get_config(self) -> dict:
+        return {'name': self.name, 'model': keras.saving.serialize_keras_object(self.model),
+                **self._arguments}
+
+    @classmethod
+    def from_config(cls, config: dict) -> 'Functional':
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(config.pop('model'))
+        return cls(model=model, **config)
