@@ -245,6 +245,24 @@ class StructureTest(FunctionalTestCase):
         self.assertEqual(sum(counts), model.count_params())
         self.assertLess(abs(counts[0] - counts[1]), max(counts) / 2)
 
+    def testTheMemoryPlanCountsOnlyGatheredTablesAsSparse(self):
+        # A table only gathered gets IndexedSlices (a row per id: 16 ids of 4 float32 values
+        # and an 8-byte index); a tied one, also multiplied by in its reverse call, a dense
+        # gradient.
+        import keras_hub  # pylint: disable=import-outside-toplevel
+        ids = keras.Input((8,), dtype='int32')
+        tied = keras_hub.layers.ReversibleEmbedding(20, 4, tie_weights=True, name='tied')
+        plain = keras.layers.Embedding(30, 4, name='plain')
+        h = keras.layers.Dense(4, name='d')(keras.layers.Add()([tied(ids), plain(ids)]))
+        pipelined = Functional(keras.Model(ids, tied(h, reverse=True)), num_micro_batches=2,
+                               split_points=['d'], devices=DEVICES[:2])
+        first, last = pipelined.pipeline.params.layer_tpl
+        meta = first.cls.FPropMeta(first, tf.TensorShape([2, 8]))
+        self.assertEqual((meta.sparse_params, meta.sparse_gradient_bytes),
+                         (30 * 4, 16 * (4 * 4 + 8)))
+        meta = last.cls.FPropMeta(last, tf.TensorShape([2, 8]))
+        self.assertEqual((meta.sparse_params, meta.sparse_gradient_bytes), (0, 0))
+
     def testSummaryListsEachStagesLayers(self):
         pipelined = Functional(SkipsAndTies(), num_micro_batches=M, devices=DEVICES[:4],
                                split_points=['d2', 'd3', 'mul'])

@@ -107,7 +107,8 @@ class FunctionalStage(keras_layer.KerasLayer):
         num_params = sum(l.count_params() for l in layers)
         # Keras reports no FLOPs: 2 per trainable parameter and position of each call's first
         # input (exact for Dense), as `KerasLayer.FPropMeta` estimates them.
-        flops, rows = 0, 0
+        flops, sparse_bytes = 0, 0
+        sparse = graph.SparseTables()
         for position in stage.calls:
             layer = graph.LayerOf(position)
             tensors = graph.nodes[position].arguments.keras_tensors
@@ -117,20 +118,16 @@ class FunctionalStage(keras_layer.KerasLayer):
             elements = math.prod(d or 1 for d in shape)
             positions = elements // max(shape[-1] or 1, 1) if len(shape) > 1 else elements
             flops += 2 * positions * sum(math.prod(v.shape) for v in layer.trainable_variables)
-            if isinstance(layer, keras.layers.Embedding):
-                rows += elements
-        tables = [l for l in layers if isinstance(l, keras.layers.Embedding)]
-        width = tables[0].output_dim if tables else 0
+            if id(layer) in sparse:  # A gather: a row per id.
+                sparse_bytes += embedding.SparseGradientBytes(elements, layer.output_dim,
+                                                              layer.embeddings.dtype)
         # A dimension unknown until the step runs (a sequence's length) counts as 1.
         known = tuple(tf.TensorShape([d or 1 for d in shape.as_list()]) for shape in out)
         return base_layer.LayerMeta(
             out_shapes=out_shapes, flops=flops, num_params=num_params,
             activation_bytes=base_layer.ActivationBytes(known, p),
-            sparse_params=sum(t.input_dim * t.output_dim for t in tables),
-            sparse_gradient_bytes=(embedding.SparseGradientBytes(rows, width, tables[0].
-                                                                 embeddings.dtype)
-                                   if tables else 0))
-
+            sparse_params=sum(l.input_dim * l.output_dim for l in layers if id(l) in sparse),
+            sparse_gradient_bytes=sparse_bytes)
 
 def _MoveHere(layer) -> None:
     """Gives each Keras variable of the built `layer` a new tf.Variable of its value, made on

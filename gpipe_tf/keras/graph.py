@@ -111,6 +111,20 @@ class Graph:
                 f'model.get_layer({first!r}); keras.Model(backbone.input, '
                 'backbone.token_embedding(backbone.output, reverse=True))).')
 
+    def SparseTables(self) -> set:
+        """The ids of the Embedding layers whose gradient is a gather's (IndexedSlices): every
+        call of theirs reads integer ids. A table also called on vectors (a tied embedding's
+        reverse call, a matrix product) gets a dense gradient, summed over its calls."""
+        tables, dense = set(), set()
+        for position in self.calls:
+            layer = self.LayerOf(position)
+            if not isinstance(layer, keras.layers.Embedding):
+                continue
+            tensors = self.nodes[position].arguments.keras_tensors
+            gathers = bool(tensors) and 'int' in str(tensors[0].dtype)
+            (tables if gathers else dense).add(id(layer))
+        return tables - dense
+
     def Costs(self) -> list[int]:
         """Per call, in order, the parameters it brings: its layer's, at the layer's first
         call (a shared layer's weights count once)."""

@@ -710,12 +710,11 @@ class _SparseSum(NamedTuple):
     def Result(self, weight, written) -> tf.IndexedSlices:
         """The IndexedSlices of every micro-batch's rows; `written`: the micro-batches the
         loop ran (an int32 scalar; None: all), the others left empty."""
-        concat = lambda array: array.concat()
-        if written is None:
-            values, indices = self.values.concat(), self.indices.concat()
-        else:
-            values = _JoinedWritten(self.values, written, 0, concat)
-            indices = _JoinedWritten(self.indices, written, 0, concat)
+        def Joined(array):
+            concat = lambda a: a.concat()
+            return concat(array) if written is None else _JoinedWritten(array, written, 0, concat)
+
+        values, indices = Joined(self.values), Joined(self.indices)
         return tf.IndexedSlices(values, indices, tf.constant(weight.shape.as_list(), tf.int64))
 
 
@@ -734,8 +733,8 @@ def _JoinedWritten(array: tf.TensorArray, written, axis: int, join):
     def Written():
         stacked = array.gather(tf.range(written))  # [written, *element]
         moved = tf.experimental.numpy.moveaxis(stacked, 0, axis)
-        shape = tf.shape(moved)
-        merged = tf.concat([shape[:axis], [shape[axis] * shape[axis + 1]], shape[axis + 2:]],
+        dims = tf.shape(moved)
+        merged = tf.concat([dims[:axis], [dims[axis] * dims[axis + 1]], dims[axis + 2:]],
                            axis=0)
         return tf.reshape(moved, merged)
 
