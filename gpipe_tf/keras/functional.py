@@ -32,9 +32,14 @@ The model's inputs and outputs are the given model's (several, in dicts or lists
 step is `pipeline_model.PipelineModel`'s (the compiled loss per micro-batch on the last stage),
 so it trains with every schedule and recompute mode.
 
-Not yet supported, and why: a nested functional model (a keras_hub backbone inside a task) is one
-layer, called in one stage (its own graph is not looked into); Keras's implicit masks
-(`_keras_mask`) do not cross a cut (pass masks as inputs, as keras_hub's padding masks are).
+A nested functional model called on its inputs (keras_hub's `GPT2CausalLM` calls its
+`GPT2Backbone`) is looked into: a split point may name a layer inside it (`transformer_layer_2`),
+and automatic cuts see its layers. A keras_hub task given here comes compiled by keras_hub; the
+pipelined model is compiled anew, and the task's own compile is not used.
+
+Not supported, and why: Keras's implicit masks (`_keras_mask`) do not cross a cut (pass masks as
+inputs, as keras_hub's padding masks are); a nested model called with other arguments than its
+inputs is one layer, in one stage.
 """
 
 from __future__ import annotations

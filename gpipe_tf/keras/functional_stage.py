@@ -76,19 +76,19 @@ class FunctionalStage(keras_layer.KerasLayer):
     def _Call(self, inputs: tuple, keywords, training: bool):
         del keywords  # A stage receives every tensor it reads positionally.
         graph = GraphOf(self.keras_layer)
-        values = {id(graph.tensors[key]): x for key, x in zip(self.p.stage_inputs, inputs)}
+        values = dict(zip(self.p.stage_inputs, inputs))  # key -> its value.
         for position in self.p.calls:
             node = graph.nodes[position]
-            args, kwargs = node.arguments.fill_in(values)
+            args, kwargs = graph.Fill(position, values)
             operation = node.operation
             # As Keras's functional call: the model's training flag reaches every layer that
             # takes one.
             if getattr(operation, '_call_has_training_arg', False):
                 kwargs['training'] = training
             outputs = operation(*args, **kwargs)
-            for tensor, value in zip(node.outputs, keras.tree.flatten(outputs)):
-                values[id(tensor)] = value
-        given = tuple(values[id(graph.tensors[key])] for key in self.p.stage_outputs)
+            for j, value in enumerate(keras.tree.flatten(outputs)):
+                values[f'{position}:{j}'] = value
+        given = tuple(values[key] for key in self.p.stage_outputs)
         return given[0] if len(given) == 1 else given
 
     @classmethod

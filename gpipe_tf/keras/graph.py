@@ -9,6 +9,11 @@ stage receives, from the stage before it, every tensor computed earlier that it 
 reads (a skip connection is carried through the stages between), and the model's inputs;
 the last stage gives the model's outputs.
 
+A nested functional model called on its inputs (a keras_hub backbone inside its task) is looked
+into: its calls take the place of its own, so a cut may fall between its layers and automatic
+cuts see them. A layer that is not a functional model (a `TransformerDecoder` block) is one
+call, never split.
+
 A layer called twice (a shared layer, a tied embedding) may be called in two stages: it is one
 layer with one set of weights, placed on the device of the first stage that calls it
 (`Owners`), and read by the later one. The gradient of a weight read by two stages is the sum of
@@ -58,33 +63,67 @@ class Graph:
     """
 
     def __init__(self, model):
-        if not isinstance(model, keras.Model) or not hasattr(model, '_nodes_by_depth'):
+        if not _IsFunctional(model):
             raise errors.ConfigError(
                 f'{MODEL} takes a functional keras.Model (built from keras.Input); got '
                 f'{type(model).__name__}. For a list of layers use gpipe_tf.keras.Sequential.')
         self.model = model
         # Keras's Functional keeps its graph in these (as keras.src.ops.function.Function
         # runs it); no public API gives the nodes.
-        by_depth = model._nodes_by_depth  # pylint: disable=protected-access
         self.input_structure = model._inputs_struct  # pylint: disable=protected-access
         self.output_structure = model._outputs_struct  # pylint: disable=protected-access
-        # Deepest first: a node's inputs are made by deeper nodes.
-        self.nodes = [node for depth in sorted(by_depth, reverse=True)
-                      for node in by_depth[depth]]
-        self._keys = {}  # id(KerasTensor) -> key.
+        self.nodes = []  # Input nodes and calls, nested models' calls in place of theirs.
+        self._keys = {}  # id(KerasTensor) -> key (a nested model's tensors too).
         self.tensors = {}  # key -> KerasTensor.
-        for i, node in enumerate(self.nodes):
-            for j, tensor in enumerate(node.outputs):
-                key = f'{i}:{j}'
-                self._keys[id(tensor)] = key
-                self.tensors[key] = tensor
+        self._opaque = []  # The nested functional models called as one layer.
+        self._Add(model, top=True)
         self.inputs = tuple(self.KeyOf(t) for t in keras.tree.flatten(self.input_structure))
         self.outputs = tuple(self.KeyOf(t) for t in keras.tree.flatten(self.output_structure))
         # The nodes that call something (not the inputs), in order.
         self.calls = tuple(i for i, node in enumerate(self.nodes) if not node.is_input)
 
+    def _Add(self, model, top: bool) -> None:
+        """Appends the nodes of `model`, deepest first (a node's inputs are made by deeper
+        nodes), a call of a nested functional model replaced by its own nodes: its inputs
+        are the call's arguments, the call's outputs its outputs. A nested model's input
+        nodes are not nodes of the graph (`top` False)."""
+        by_depth = model._nodes_by_depth  # pylint: disable=protected-access
+        for node in (n for depth in sorted(by_depth, reverse=True) for n in by_depth[depth]):
+            if node.is_input:
+                if top:
+                    self._Append(node)
+                continue
+            inner = _Inlined(node)
+            if inner is None:
+                if _IsFunctional(node.operation):
+                    self._opaque.append(node.operation)
+                self._Append(node)
+                continue
+            for outer, own in zip(keras.tree.flatten(node.arguments.args[0]),
+                                  keras.tree.flatten(inner._inputs_struct)):  # pylint: disable=protected-access
+                self._keys[id(own)] = self.KeyOf(outer)
+            self._Add(inner, top=False)
+            for outer, own in zip(node.outputs,
+                                  keras.tree.flatten(inner._outputs_struct)):  # pylint: disable=protected-access
+                self._keys[id(outer)] = self.KeyOf(own)
+
+    def _Append(self, node) -> None:
+        position = len(self.nodes)
+        self.nodes.append(node)
+        for j, tensor in enumerate(node.outputs):
+            key = f'{position}:{j}'
+            self._keys[id(tensor)] = key
+            self.tensors[key] = tensor
+
     def KeyOf(self, tensor) -> str:
+        """The key of a tensor of the model (or of a nested model's, looked into)."""
         return self._keys[id(tensor)]
+
+    def Fill(self, position: int, values: dict) -> tuple[tuple, dict]:
+        """The arguments of node `position`, its tensors taken from `values` (by key)."""
+        node = self.nodes[position]
+        return node.arguments.fill_in(
+            {id(t): values[self.KeyOf(t)] for t in node.arguments.keras_tensors})
 
     def Reads(self, position: int) -> list[str]:
         """The keys of the tensors node `position` reads."""
@@ -96,20 +135,15 @@ class Graph:
         return operation if isinstance(operation, keras.layers.Layer) else None
 
     def NestedNote(self) -> str:
-        """'' or a sentence naming the functional models the model calls as one layer each,
-        whose own layers a cut does not reach, and how to flatten one."""
-        nested = [self.LayerOf(p) for p in self.calls
-                  if isinstance(self.LayerOf(p), keras.Model) and
-                  hasattr(self.LayerOf(p), '_nodes_by_depth')]
-        if not nested:
+        """'' or a sentence naming the nested functional models called as one layer each (a
+        call the cut cannot follow into: not on one structure of its inputs), whose own layers
+        a cut does not reach."""
+        if not self._opaque:
             return ''
-        first = nested[0].name
-        what = 'is a functional model' if len(nested) == 1 else 'are functional models'
-        return (f' {", ".join(m.name for m in nested)} {what} '
-                'called as one layer, whose own layers are not cut yet: build the model '
-                f'from its graph instead (for a keras_hub causal LM, backbone = '
-                f'model.get_layer({first!r}); keras.Model(backbone.input, '
-                'backbone.token_embedding(backbone.output, reverse=True))).')
+        what = 'is a functional model' if len(self._opaque) == 1 else 'are functional models'
+        return (f' {", ".join(m.name for m in self._opaque)} {what} called as one layer '
+                '(with arguments other than one structure of its inputs), whose own layers '
+                'a cut does not reach: call it on its inputs alone to have it looked into.')
 
     def SparseTables(self) -> set:
         """The ids of the Embedding layers whose gradient is a gather's (IndexedSlices): every
@@ -228,3 +262,28 @@ class Graph:
             if layer is not None:
                 layers.setdefault(id(layer), layer)
         return list(layers.values())
+
+
+def _IsFunctional(model) -> bool:
+    """Whether `model` is a functional keras.Model (a graph of nodes from keras.Input)."""
+    return isinstance(model, keras.Model) and hasattr(model, '_nodes_by_depth')
+
+
+def _Inlined(node):
+    """The functional model `node` calls, if the cut can look into the call: the model is
+    called on one structure of its inputs (keras_hub's backbone in a task), with no argument
+    but Keras's own `mask` (None) and `training`; else None (called as one layer)."""
+    model = node.operation
+    if not _IsFunctional(model):
+        return None
+    arguments = node.arguments
+    if len(arguments.args) != 1 or any(
+            value is not None for key, value in arguments.kwargs.items()
+            if key not in ('mask', 'training')):
+        return None
+    try:
+        keras.tree.assert_same_structure(
+            arguments.args[0], model._inputs_struct)  # pylint: disable=protected-access
+    except (ValueError, TypeError):
+        return None
+    return model

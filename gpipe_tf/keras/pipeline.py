@@ -192,6 +192,15 @@ class Pipeline(keras.layers.Layer):
         return cls(p, loss_inside=loss_inside, name=name, dtype=dtype)
 
     @property
+    def metrics(self) -> list:
+        """The layers' metrics, but a compiled model's among them (a keras_hub task given to
+        `Functional` comes compiled): the model that trains is the pipelined one, and Keras
+        skips a nested model's own compile metrics so too."""
+        return list(self._metrics) + [metric for layer in self._layers
+                                      if not isinstance(layer, keras.Model)
+                                      for metric in layer.metrics]
+
+    @property
     def keras_layers(self) -> list:
         """The Keras layers in the cells, in order (empty for a pipeline of gpipe_tf
         layers)."""
