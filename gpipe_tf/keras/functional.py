@@ -15,10 +15,12 @@
 The model's layer calls, in one topological order (`graph.Graph`), are cut into K stages: at the
 layers named in `split_points` (a new stage begins at each, K = len + 1; torch's
 `SplitPoint.BEGINNING`), or, given `num_cells=K`, where the stages' parameter counts are most
-even (or `balance=`, calls per stage). Each stage is a cell (`functional_stage.FunctionalStage`)
-on a device of its own: it receives every tensor an earlier stage made that it or a later one
-reads, and the model's inputs (a padding mask reaches every stage that reads it). A skip
-connection from stage 0 to stage 3 is carried through stages 1 and 2.
+even (or their measured training time, `partition_method='time'`, on `example_inputs`: one
+micro-batch, as torch's `mb_args`; or `balance=`, calls per stage). Each stage is a cell
+(`functional_stage.FunctionalStage`) on a device of its own: it receives every tensor an
+earlier stage made that it or a later one reads, and the model's inputs (a padding mask reaches
+every stage that reads it). A skip connection from stage 0 to stage 3 is carried through stages
+1 and 2.
 
 The layers are the model's own objects. Their weights are moved, when the pipeline is made, to
 the device of the first stage that calls them (a layer's Keras variables keep their identity;
@@ -37,6 +39,9 @@ A nested functional model called on its inputs (keras_hub's `GPT2CausalLM` calls
 and automatic cuts see its layers. A keras_hub task given here comes compiled by keras_hub; the
 pipelined model is compiled anew, and the task's own compile is not used.
 
+A keras_hub causal LM's `predict`, `evaluate` and `score` run pipelined; `generate` is a
+ConfigError that names the given model, whose `generate` runs the same layers and weights.
+
 Not supported, and why: Keras's implicit masks (`_keras_mask`) do not cross a cut (pass masks as
 inputs, as keras_hub's padding masks are); a nested model called with other arguments than its
 inputs is one layer, in one stage.
@@ -49,15 +54,18 @@ import numpy as np
 import tensorflow as tf
 
 from gpipe_tf import errors
+from gpipe_tf.keras import call_costs
 from gpipe_tf.keras import functional_stage
 from gpipe_tf.keras import graph as graph_lib
 from gpipe_tf.keras import keras_layer
 from gpipe_tf.keras import names
 from gpipe_tf.keras import pipeline as pipeline_lib
 from gpipe_tf.keras import pipeline_model
+from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import pipelining_layer
 
 _MODEL = graph_lib.MODEL
+PARTITION_METHODS = ('params', 'time')
 
 
 @names.Registered
@@ -72,6 +80,13 @@ class Functional(pipeline_model.PipelineModel):
       split_points: the names of the layers at which a new stage begins, in the order the
         model calls them; None cuts automatically (`balance`, or parameters balanced).
       balance: the number of calls per stage, instead of split points.
+      partition_method: how automatic cuts balance the stages: "params" (parameters) or
+        "time" (each call's training forward and backward measured on one micro-batch on the
+        first cell's device, `call_costs`).
+      example_inputs: one micro-batch of the model's inputs (as the model takes them; torch's
+        `mb_args`): what "time" measures on, and what `StageReport` counts bytes of. None
+        synthesizes one of `micro_batch_size` (or 16) examples where every input's shape is
+        known but the batch.
       name: the Keras model's name (default: the given model's with `_pipelined`).
       **params: any PipeliningLayer Param: devices, recompute, schedule, virtual_stages,
         num_replicas, unroll, ...
@@ -83,11 +98,15 @@ class Functional(pipeline_model.PipelineModel):
 
     def __init__(self, model=None, num_cells: int | None = None,
                  num_micro_batches: int | None = None, split_points=None, balance=None,
+                 partition_method: str = 'params', example_inputs=None,
                  name: str | None = None, **params):
         graph = functional_stage.GraphOf(model)
         super().__init__(name=name or f'{model.name}_pipelined')
         self._arguments = dict(num_cells=num_cells, num_micro_batches=num_micro_batches,
                                split_points=split_points, balance=balance, **params)
+        if partition_method not in PARTITION_METHODS:
+            raise errors.ConfigError(f'{_MODEL}: partition_method must be one of '
+                                     f'{PARTITION_METHODS}; got {partition_method!r}.')
         virtual = params.get('virtual_stages', 1)
         if split_points is not None:
             stages = len(split_points) + 1
@@ -104,7 +123,26 @@ class Functional(pipeline_model.PipelineModel):
             raise errors.ConfigError(
                 f'{_MODEL}: {model.name} calls {len(graph.calls)} layers, fewer than the '
                 f'{num_stages} stages asked for.{graph.NestedNote()}')
-        stages = graph.Stages(graph.Bounds(num_stages, split_points, balance))
+        p = pipelining_layer.PipeliningLayer.Params()
+        try:
+            p.Set(num_cells=num_cells, num_micro_batches=num_micro_batches)
+            p.Set(**params)
+        except (AttributeError, ValueError, TypeError) as error:
+            raise errors.ConfigError(f'{_MODEL}: {error}') from None
+        self._example = None  # Per key, the tensors of example_inputs (`StageReport`).
+        if example_inputs is not None:
+            self._example = call_costs.Values(graph, call_costs.ExampleInputs(
+                graph, example_inputs, None, 'example_inputs'))
+        costs = None
+        if partition_method == 'time' and split_points is None and balance is None:
+            inputs = call_costs.ExampleInputs(graph, example_inputs, p.micro_batch_size,
+                                              'partition_method="time"')
+            device = devices_lib.MeshDevices(p.devices, p.num_replicas, p.num_cells)[0][0]
+            costs = call_costs.MeasuredSeconds(graph, p, inputs, device)
+        bounds = graph.Bounds(num_stages, split_points, balance, costs)
+        if costs is not None:  # A model loaded from its config is cut where this one is.
+            self._arguments['balance'] = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        stages = graph.Stages(bounds)
         owners = graph.Owners(stages)
         layer_params = []
         for s, stage in enumerate(stages):
@@ -113,14 +151,7 @@ class Functional(pipeline_model.PipelineModel):
                 name=f'stage_{s}', layer=keras_layer.Handle(model), calls=list(stage.calls),
                 stage_inputs=list(stage.inputs), stage_outputs=list(stage.outputs),
                 earlier_layers=earlier))
-        p = pipelining_layer.PipeliningLayer.Params()
-        try:
-            p.Set(layer_tpl=layer_params, num_cells=num_cells,
-                  num_micro_batches=num_micro_batches,
-                  partition_method=list(range(num_stages + 1)))
-            p.Set(**params)
-        except (AttributeError, ValueError, TypeError) as error:
-            raise errors.ConfigError(f'{_MODEL}: {error}') from None
+        p.Set(layer_tpl=layer_params, partition_method=list(range(num_stages + 1)))
         self._graph = graph
         self._stages = stages
         self._pipeline_layer = pipeline_lib.Pipeline(p, loss_inside=True, name='pipeline')
@@ -149,8 +180,9 @@ class Functional(pipeline_model.PipelineModel):
     def StageReport(self, examples: int = 1) -> str:
         """A table: per stage its device, the layers it calls (a layer an earlier stage
         calls too marked `*`: its weights live there), its parameters, and the tensors it
-        receives and sends with their bytes for `examples` examples (a micro-batch's: '?'
-        where a dimension is known only when the step runs)."""
+        receives and sends with their bytes: per micro-batch of the `example_inputs` given,
+        else for `examples` examples ('?' where a dimension is known only when the model
+        runs)."""
         devices = self._pipeline_layer.pipeline.devices
         rows = [('stage', 'device', 'params', 'receives', 'sends', 'layers')]
         for s, stage in enumerate(self._stages):
@@ -166,7 +198,10 @@ class Functional(pipeline_model.PipelineModel):
                          '  ' + row[-1] for row in rows)
 
     def _Bytes(self, keys, examples: int) -> str:
-        """'<n> tensors, <bytes>' of the tensors `keys` for `examples` examples."""
+        """'<n> tensors, <bytes>' of the tensors `keys`: of the example micro-batch, else for
+        `examples` examples."""
+        if self._example is not None:
+            return f'{len(keys)}, {call_costs.Bytes(self._example, keys):,} B'
         total = 0
         for key in keys:
             tensor = self._graph.tensors[key]
@@ -176,6 +211,38 @@ class Functional(pipeline_model.PipelineModel):
             total += examples * int(np.prod(dims, dtype=np.int64)) * tf.as_dtype(
                 tensor.dtype).size
         return f'{len(keys)}, {total:,} B'
+
+    def generate(self, *args, **kwargs):
+        """Not pipelined: a ConfigError naming the un-pipelined model, whose layers (and so
+        weights) are this one's."""
+        del args, kwargs
+        where = (f'call {self.model.name}.generate(...) instead (pipelined.model): it runs the '
+                 'same layers, and so the weights this model trains'
+                 if hasattr(self.model, 'generate') else
+                 f'{self.model.name} has no generate either')
+        raise errors.ConfigError(
+            f'{self.name}: generate is not pipelined (incremental decoding runs one token at '
+            f'a time, through every stage in turn, with a cache per layer); {where}.')
+
+    def score(self, token_ids, padding_mask=None, scoring_mode: str = 'logits',
+              target_ids=None, batch_size: int | None = None):
+        """keras_hub's `CausalLM.score`, pipelined: the logits of `token_ids` (batch, length)
+        from `predict`, or with scoring_mode="loss" each token's cross-entropy against
+        `target_ids` (keras_hub's layer_intercept_fn is not supported: the layers run inside
+        the stages)."""
+        if scoring_mode not in ('logits', 'loss'):
+            raise errors.ConfigError(f'{self.name}: scoring_mode must be "logits" or "loss"; '
+                                     f'got {scoring_mode!r}.')
+        if scoring_mode == 'loss' and target_ids is None:
+            raise errors.ConfigError(f'{self.name}: scoring_mode="loss" needs target_ids.')
+        if padding_mask is None:
+            padding_mask = np.ones(np.shape(token_ids), bool)
+        logits = self.predict({'token_ids': token_ids, 'padding_mask': padding_mask},
+                              batch_size=batch_size, verbose=0)
+        if scoring_mode == 'logits':
+            return logits
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)(
+            target_ids, logits)
 
     def _InputShapes(self):
         shapes = [tuple(self._graph.tensors[key].shape) for key in self._graph.inputs]

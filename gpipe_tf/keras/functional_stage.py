@@ -1,8 +1,8 @@
 """`FunctionalStage`: one stage of a Keras functional model (`graph.Stage`) as a gpipe_tf layer,
 a cell of `gpipe_tf.keras.Functional`.
 
-It runs its calls of the model's graph as the model runs them (`Functional._run_through_graph`:
-each node's layer on the tensors its node names, with Keras's `training` flag), on the tensors
+It runs its calls of the model's graph as the model runs them (`graph.Graph.Run`: each node's
+layer on the tensors its node names, with Keras's `training` flag), on the tensors
 it receives, and gives on the tensors later stages read. It is a `keras_layer.KerasLayer`
 whose Keras layer is the whole model but whose variables are those of the layers it calls,
 mapped in one stateless scope, so re-materialization, dropout seeds and batch norm's moving
@@ -76,18 +76,7 @@ class FunctionalStage(keras_layer.KerasLayer):
     def _Call(self, inputs: tuple, keywords, training: bool):
         del keywords  # A stage receives every tensor it reads positionally.
         graph = GraphOf(self.keras_layer)
-        values = dict(zip(self.p.stage_inputs, inputs))  # key -> its value.
-        for position in self.p.calls:
-            node = graph.nodes[position]
-            args, kwargs = graph.Fill(position, values)
-            operation = node.operation
-            # As Keras's functional call: the model's training flag reaches every layer that
-            # takes one.
-            if getattr(operation, '_call_has_training_arg', False):
-                kwargs['training'] = training
-            outputs = operation(*args, **kwargs)
-            for j, value in enumerate(keras.tree.flatten(outputs)):
-                values[f'{position}:{j}'] = value
+        values = graph.Run(self.p.calls, dict(zip(self.p.stage_inputs, inputs)), training)
         given = tuple(values[key] for key in self.p.stage_outputs)
         return given[0] if len(given) == 1 else given
 

@@ -99,13 +99,14 @@ class Graph:
                     self._opaque.append(node.operation)
                 self._Append(node)
                 continue
+            # pylint: disable=protected-access
             for outer, own in zip(keras.tree.flatten(node.arguments.args[0]),
-                                  keras.tree.flatten(inner._inputs_struct)):  # pylint: disable=protected-access
+                                  keras.tree.flatten(inner._inputs_struct)):
                 self._keys[id(own)] = self.KeyOf(outer)
             self._Add(inner, top=False)
-            for outer, own in zip(node.outputs,
-                                  keras.tree.flatten(inner._outputs_struct)):  # pylint: disable=protected-access
+            for outer, own in zip(node.outputs, keras.tree.flatten(inner._outputs_struct)):
                 self._keys[id(outer)] = self.KeyOf(own)
+            # pylint: enable=protected-access
 
     def _Append(self, node) -> None:
         position = len(self.nodes)
@@ -124,6 +125,20 @@ class Graph:
         node = self.nodes[position]
         return node.arguments.fill_in(
             {id(t): values[self.KeyOf(t)] for t in node.arguments.keras_tensors})
+
+    def Run(self, positions, values: dict, training) -> dict:
+        """Runs the calls `positions` in order as the model runs them (Keras's functional call:
+        each node's operation on the values its node names, the model's training flag to every
+        layer that takes one), adding their outputs to `values` (by key), which it returns."""
+        for position in positions:
+            node = self.nodes[position]
+            args, kwargs = self.Fill(position, values)
+            operation = node.operation
+            if getattr(operation, '_call_has_training_arg', False):
+                kwargs['training'] = training
+            for j, value in enumerate(keras.tree.flatten(operation(*args, **kwargs))):
+                values[f'{position}:{j}'] = value
+        return values
 
     def Reads(self, position: int) -> list[str]:
         """The keys of the tensors node `position` reads."""
@@ -172,10 +187,12 @@ class Graph:
             costs.append(layer.count_params())
         return costs
 
-    def Bounds(self, num_stages: int, split_points=None, balance=None) -> list[int]:
+    def Bounds(self, num_stages: int, split_points=None, balance=None,
+               costs=None) -> list[int]:
         """Stage boundaries over `calls` ([0, b_1, ..., len(calls)]): at the first call of each
         layer named in `split_points` (a new stage begins there, as torch's
-        SplitPoint.BEGINNING), else by `balance` (calls per stage), else balancing parameters.
+        SplitPoint.BEGINNING), else by `balance` (calls per stage), else balancing `costs`
+        (one per call; default: parameters, `Costs`).
 
         Raises:
           errors.ConfigError: for a name that is no layer of the model, split points out of
@@ -216,7 +233,8 @@ class Graph:
                 for n in balance:
                     bounds.append(bounds[-1] + n)
                 return bounds
-            return partition.OptimalBoundaries(self.Costs(), num_stages)
+            return partition.OptimalBoundaries(self.Costs() if costs is None else costs,
+                                               num_stages)
         except ValueError as error:
             raise errors.ConfigError(f'{MODEL}: {str(error).rstrip(".")}.') from None
 

@@ -19,6 +19,7 @@ from gpipe_tf import hyperparams
 from gpipe_tf.keras import keras_layer
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import sequential
+from gpipe_tf.perf import measured_costs
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import partition
@@ -213,7 +214,6 @@ def _MeasuredSeconds(p, layers: list, layer_params: list, shapes: list) -> list[
     the layers (`keras_layer.Clone`: the layers themselves stay unbuilt, for their cells'
     devices) on the first cell's device, on `p.micro_batch_size` examples or
     TIMED_MICRO_BATCH."""
-    from gpipe_tf.perf import measured_costs  # pylint: disable=g-import-not-at-top
     copies = [keras_layer.Clone(layer) for layer in layers]
     timed = [lp.Copy().Set(layer=keras_layer.Handle(copy))
              for lp, copy in zip(layer_params, copies)]
