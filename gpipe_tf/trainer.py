@@ -9,9 +9,13 @@ Modes: `train`, `eval` (the latest checkpoint on `task.train.eval_dataset`), `tr
 (from Params alone, building nothing: the partition table, per cell its layers, device, FLOPs,
 parameters and estimated activation memory, then the memory plan per device; with `--plot_dir`
 also the plan pictures as PNGs), `decode` (classify image files / translate sentences, given
-with `--decode_input` or in a file with `--decode_input_file`), and `export` (the latest
+with `--decode_input` or in a file with `--decode_input_file`), `export` (the latest
 checkpoint as a SavedModel in `<logdir>/export/<step>`, TensorFlow Serving's layout; see
-`gpipe_tf.train.export`).
+`gpipe_tf.train.export`), `tune` (with `--device_memory_gib`: searches schedule, M, recompute
+and partition for the fastest step that fits, on measured layer costs where the model runs
+here; prints the ranked table and writes `<logdir>/tuned_params.txt`) and `check` (one batch
+through the pipeline and through the same layers un-partitioned: losses and gradients compared,
+a failure above the tolerance).
 Restarting with the same `--logdir` resumes from the newest checkpoint that restores (a damaged
 one is skipped with a warning); a second trainer on the same logdir is refused while the first
 runs. A user's mistake is one line `error: ...` on stderr and exit status 2.

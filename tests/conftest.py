@@ -4,7 +4,8 @@ Tiers: `python -m pytest -q -m unit tests` runs the fast tier (pure Python and s
 contributor's inner loop; `python -m pytest -q -n 2 tests` runs everything on two worker processes
 (the README's and `.ci/run`'s command); docs/contributing.md says how long each takes. A test
 module joins the fast tier with `pytestmark = pytest.mark.unit`, a class with
-`@pytest.mark.unit`.
+`@pytest.mark.unit`; the marker is declared in pytest.ini, whose `--strict-markers` makes a
+mistyped one an error.
 """
 
 import os
@@ -15,12 +16,6 @@ os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')
 from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
 
 test_utils.ConfigureVirtualCpus()
-
-
-def pytest_configure(config):
-    config.addinivalue_line(
-        'markers', 'unit: the fast tier (pure Python and small graphs); '
-        '`python -m pytest -q -m unit tests`')
 
 
 def pytest_collection_modifyitems(config, items):

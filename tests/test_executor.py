@@ -1,7 +1,7 @@
 """The unrolled schedule (`pipeline/executor.py`): outputs and gradients equal the cells run in
-sequence on the whole batch (a numpy oracle), each cell runs every micro-batch exactly once per
-step in its schedule's order (DESIGN invariant 4, recorded as the ops run and read from the
-graph's dependencies), statistics are summed over micro-batches, and op names follow `OpScope`."""
+sequence on the whole batch (a numpy oracle), each cell runs every micro-batch exactly once per step
+in its schedule's order (docs/architecture.md's invariant 4, recorded as the ops run and read from
+the graph's dependencies), statistics are summed over micro-batches, and op names follow `OpScope`."""
 
 import inspect
 import re
@@ -300,7 +300,8 @@ class AssignNestTest(tf.test.TestCase):
 
 
 class ExecutionOrderTest(tf.test.TestCase, parameterized.TestCase):
-    """DESIGN invariant 4: each cell runs exactly M micro-batches per step, in schedule order."""
+    """Invariant 4 (docs/architecture.md): each cell runs exactly M micro-batches per step, in
+    schedule order."""
 
     def setUp(self):
         super().setUp()

@@ -1,7 +1,8 @@
-"""Every schedule keeps the contract (DESIGN invariant 6): loss, outputs and gradients of a pipeline
-run by gpipe, 1f1b, interleaved 1F1B or zero-bubble equal the same layers run in sequence on the
-whole batch, in eager mode, in a tf.function and in a v1 graph; batch norm's moving statistics are
-the same under every schedule; and each device runs its actions in its list's order."""
+"""Every schedule keeps the contract (docs/architecture.md's invariant 6): loss, outputs and
+gradients of a pipeline run by gpipe, 1f1b, interleaved 1F1B or zero-bubble equal the same layers
+run in sequence on the whole batch, in eager mode, in a tf.function and in a v1 graph; batch norm's
+moving statistics are the same under every schedule; and each device runs its actions in its list's
+order."""
 
 import re
 

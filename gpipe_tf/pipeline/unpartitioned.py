@@ -1,5 +1,5 @@
 """A pipeline's layers chained directly, without the pipeline: the reference that a pipeline's
-outputs and gradients equal (DESIGN.md, invariant 1), for the tests and `--mode=check`.
+outputs and gradients equal (docs/architecture.md's invariant 1), for the tests and `--mode=check`.
 
 It reads nothing of the pipeline but its Params' batch_dim and its layers
 (`PipeliningLayer.Layers()`, the same objects and so the same tf.Variables): no cell, schedule,
