@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+# NoDependency: no public API keeps an attribute of a tf.Module out of its checkpoint.
+from tensorflow.python.trackable import data_structures  # pylint: disable=g-direct-tensorflow-import
 
 from gpipe_tf import hyperparams
 from gpipe_tf.layers import fprop_context
@@ -141,6 +143,9 @@ class LayerMeta:
         rows they read, not the table (`pipeline/gradient_sums.py`).
       sparse_gradient_bytes: the bytes of those gradients for one forward pass: per row read,
         its values and its index (counted as 8 bytes: int32 or int64).
+      tied_params: parameters the layer reads from another layer's variable (a tied weight,
+        `tied_weights`), not in num_params: its cell holds their value, read there, and their
+        dense gradient, but no optimizer slots.
     """
     out_shapes: Any
     flops: int = 0
@@ -150,6 +155,7 @@ class LayerMeta:
     reads_output: bool = True
     sparse_params: int = 0
     sparse_gradient_bytes: int = 0
+    tied_params: int = 0
 
 
 def FlattenShapes(shapes) -> list[tf.TensorShape]:
@@ -281,6 +287,9 @@ class BaseLayer(tf.Module):
         self._path = f'{parent.path}.{params.name}' if parent else params.name
         self._layer_vars = {}
         self._layer_children = {}
+        # Other layers' variables read as this layer's (`TieVariable`): not a checkpoint
+        # dependency of this layer (tf.Module would track a dict attribute).
+        self._tied_vars = data_structures.NoDependency({})
 
     # -- configuration and identity
     @property
@@ -327,7 +336,8 @@ class BaseLayer(tf.Module):
             stack.pop()
 
     def _CheckNewName(self, name: str) -> None:
-        if name in self._layer_children or name in self._layer_vars:
+        if name in self._layer_children or name in self._layer_vars or (
+                name in self._tied_vars):
             raise ValueError(f'{self.path}: child or variable {name!r} already exists.')
 
     def Descendants(self) -> list:
@@ -365,10 +375,20 @@ class BaseLayer(tf.Module):
         self._layer_vars[name] = var
         return var
 
+    def TieVariable(self, name: str, var: tf.Variable) -> None:
+        """Makes another layer's variable `var` this layer's variable `name` too (a tied weight,
+        `tied_weights.Apply`): in this layer's vars and theta, read where `var` lives. It is
+        not tracked here: its name, seed and checkpoint key stay its creator's only (a
+        checkpoint of the layer holds it once, and one that has a value of this layer's own at
+        `name` does not restore silently into it), and a parent's `variables` lists it once."""
+        self._CheckNewName(name)
+        self._tied_vars[name] = var
+
     @property
     def vars(self) -> NestedMap:
         """NestedMap of this layer's and its children's tf.Variables."""
         out = NestedMap(self._layer_vars)
+        out.update(self._tied_vars)
         for name, child in self.children.items():
             out[name] = [c.vars for c in child] if isinstance(child, list) else child.vars
         return out
@@ -392,7 +412,7 @@ class BaseLayer(tf.Module):
         that is not trained (batch norm's moving statistics) stays in dtype.
         """
         dtype = tf.as_dtype(self.p.fprop_dtype)
-        own = [name for name, var in self._layer_vars.items()
+        own = [name for name, var in {**self._layer_vars, **self._tied_vars}.items()
                if self.WEIGHTS_IN_FPROP_DTYPE and var.trainable and var.dtype.is_floating and
                name in theta and theta[name].dtype != dtype]
         if own:

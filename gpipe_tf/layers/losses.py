@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from gpipe_tf import errors
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import precision
@@ -43,6 +44,10 @@ class SoftmaxCrossEntropyLayer(BaseLayer):
         p.Define('label_smoothing', 0.0, 'Label smoothing s in [0, 1).')
         p.Define('logits_clip', None, 'None, or c > 0: logits are clipped to [-c, c].')
         p.Define('has_bias', True, 'Whether the projection adds a bias.')
+        p.Define('tied_weight', False,
+                 'Whether the projection\'s weight is another layer\'s table [num_classes, '
+                 'input_dim] (a tied embedding): no variable of this layer; the parent puts it '
+                 'in theta as `w` (its tied_weights), and logits = features . w^T.')
         return p
 
     @classmethod
@@ -73,7 +78,8 @@ class SoftmaxCrossEntropyLayer(BaseLayer):
         super().__init__(params)
         p = self.p
         self._CheckParams(p, self.path)
-        self.CreateVariable('w', WeightParams((p.input_dim, p.num_classes)))
+        if not p.tied_weight:
+            self.CreateVariable('w', WeightParams((p.input_dim, p.num_classes)))
         if p.has_bias:
             self.CreateVariable('b', WeightParams((p.num_classes,),
                                                   base_layer.WeightInit.Constant(0.0)))
@@ -87,7 +93,16 @@ class SoftmaxCrossEntropyLayer(BaseLayer):
         if not labels.dtype.is_integer:
             raise ValueError(
                     f'{self.path}: expected integer labels, got dtype {labels.dtype.name}.')
-        logits = tf.tensordot(features, theta.w, axes=[[features.shape.rank - 1], [0]])
+        if p.tied_weight:  # A tied table is [num_classes, input_dim]: a row per class.
+            w = theta.get('w')
+            if w is None or w.shape != (p.num_classes, p.input_dim):
+                raise errors.ConfigError(
+                    f'{self.path}: tied_weight=True reads a [num_classes, input_dim] = '
+                    f'[{p.num_classes}, {p.input_dim}] table as w, which the parent\'s '
+                    'tied_weights give ([consumer, producer] paths); got '
+                    f'{"none" if w is None else list(w.shape)}.')
+        logits = tf.tensordot(features, theta.w,
+                              axes=[[features.shape.rank - 1], [1 if p.tied_weight else 0]])
         if p.has_bias:
             logits += theta.b
         # The softmax and the loss in float32 when the projection computed in bfloat16 or
@@ -128,6 +143,8 @@ class SoftmaxCrossEntropyLayer(BaseLayer):
         logits = rows * p.num_classes
         flops = 2 * rows * p.input_dim * p.num_classes + logits * int(p.has_bias)
         flops += logits * (_XENT_FLOPS_PER_LOGIT + int(p.logits_clip is not None))
-        num_params = p.input_dim * p.num_classes + p.num_classes * int(p.has_bias)
+        num_params = (p.input_dim * p.num_classes * int(not p.tied_weight) +
+                      p.num_classes * int(p.has_bias))
         loss_dtype = precision.AtLeastFloat32Dtype(base_layer.FPropDtype(p))
-        return LayerMeta(out, flops, num_params, base_layer.OutputBytes(out, loss_dtype))
+        return LayerMeta(out, flops, num_params, base_layer.OutputBytes(out, loss_dtype),
+                         tied_params=p.input_dim * p.num_classes * int(p.tied_weight))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import precision
+from gpipe_tf.layers import tied_weights
 from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
 
 
@@ -78,7 +79,8 @@ def ChainMeta(layer_params: list, *input_shapes) -> tuple[LayerMeta, list[LayerM
                       reads_input=metas[0].reads_input if metas else False,
                       reads_output=metas[-1].reads_output if metas else False,
                       sparse_params=sum(m.sparse_params for m in metas),
-                      sparse_gradient_bytes=sum(m.sparse_gradient_bytes for m in metas))
+                      sparse_gradient_bytes=sum(m.sparse_gradient_bytes for m in metas),
+                      tied_params=sum(m.tied_params for m in metas))
     return total, metas
 
 
@@ -94,12 +96,14 @@ class SequentialLayer(BaseLayer):
         p = super().Params()
         p.Define('sub', [], 'List of layer Params applied in order.')
         p.Define('repeat', 1, 'How many times `sub` is repeated (each repeat has own weights).')
+        p.Define('tied_weights', [], tied_weights.PARAM_HELP)
         return p
 
     def __init__(self, params):
         super().__init__(params)
         self._sequence = [self.CreateChild(sp.name, sp)
                           for sp in ExpandRepeats(self.p.sub, self.p.repeat)]
+        tied_weights.Apply(self._sequence, self.p.tied_weights, self.path)
 
     @property
     def sequence(self) -> list:

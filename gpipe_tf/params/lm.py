@@ -61,6 +61,8 @@ class TransformerLm:
     NUM_CELLS = 1
     NUM_MICRO_BATCHES = 32
     RECOMPUTE = 'always'
+    # The paper's counts: the softmax has its own weights (True ties them to the embedding).
+    SHARE_EMBEDDING_AND_SOFTMAX = False
 
     def ModelParams(self) -> hyperparams.Params:
         """The model's hyperparameters (transformer_model.LmParams())."""
@@ -68,7 +70,8 @@ class TransformerLm:
             vocab_size=self.VOCAB_SIZE, model_dim=self.MODEL_DIM, hidden_dim=self.HIDDEN_DIM,
             num_heads=self.NUM_HEADS, dim_per_head=self.DIM_PER_HEAD, num_layers=self.NUM_LAYERS,
             max_length=self.MAX_LENGTH, residual_dropout_keep_prob=self.DROPOUT_KEEP_PROB,
-            atten_dropout_keep_prob=self.DROPOUT_KEEP_PROB, logits_clip=self.LOGITS_CLIP)
+            atten_dropout_keep_prob=self.DROPOUT_KEEP_PROB, logits_clip=self.LOGITS_CLIP,
+            share_embedding_and_softmax=self.SHARE_EMBEDDING_AND_SOFTMAX)
 
     def Pipeline(self) -> hyperparams.Params:
         """The PipeliningLayer Params: embedding, L Transformer layers, softmax over K cells."""

@@ -349,7 +349,10 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1,
             pipeline_input_bytes = input_bytes
         shapes = base_layer.AsArgs(meta.out_shapes)
         remat = pipeline_plan.recompute[k]
-        params = (meta.num_params + (before_params if k == 0 else 0)) * bytes_per
+        own = (meta.num_params + (before_params if k == 0 else 0)) * bytes_per
+        # A tied weight read from another layer's variable (`tied_weights`): its value read
+        # here and its dense gradient, counted as on another cell's device; no slots.
+        params = own + meta.tied_params * bytes_per
         # The backward holds an activation's gradient and the gradient it computes from it,
         # an inference forward an activation and the next: two of the largest boundary
         # between the cell's layers.
@@ -359,7 +362,7 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1,
                        if activation_dtype != tf.as_dtype(p.dtype) else 0)
         sparse = (meta.sparse_params + (before_sparse if k == 0 else 0)) * bytes_per
         sizes = _MicroBatchBytes(
-            params=params, slots=slots_per_param * params, num_micro_batches=m,
+            params=params, slots=slots_per_param * own, num_micro_batches=m,
             dense_gradients=params - sparse,
             sparse_gradient=(meta.sparse_gradient_bytes +
                              (before_sparse_bytes if k == 0 else 0)) // m,

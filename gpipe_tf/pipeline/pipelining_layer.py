@@ -28,6 +28,7 @@ from gpipe_tf import loss_scale as loss_scale_lib
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import precision
 from gpipe_tf.layers import sequential
+from gpipe_tf.layers import tied_weights
 from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import cell as cell_lib
@@ -147,6 +148,8 @@ class PipeliningLayer(BaseLayer):
                  'Dtypes of the inputs (partition_method="time" synthesizes a micro-batch of '
                  'them): None (float32), one dtype name for every input, or a dict of names '
                  'by key for a NestedMap input (missing keys: float32).')
+        p.Define('tied_weights', [], tied_weights.PARAM_HELP + ' Across cells the consumer '
+                 'reads the variable on the producer\'s cell\'s device.')
         p.Define('costs_file', None,
                  'partition_method="time": a JSON file that keeps measured layer costs, so a '
                  'second run does not measure again (the trainer uses <logdir>/layer_costs.json);'
@@ -175,6 +178,7 @@ class PipeliningLayer(BaseLayer):
                 cells.append(cell_lib.Cell([self.CreateChild(lp.name, lp) for lp in layers],
                                            f'{self.path}.cell_{k}'))
         self._cells = tuple(cells)
+        tied_weights.Apply(self.Layers(), p.tied_weights, self.path)
         traced = {}  # Cells of one structure, and the replicas, share traced functions.
         self._replica_functions = [
             [recompute.CellFunctions(cell, device, p.batch_dim, traced)
@@ -201,7 +205,8 @@ class PipeliningLayer(BaseLayer):
             name=p.name, dtype=p.dtype, fprop_dtype=p.fprop_dtype,
             params_init=p.params_init.Copy(),
             random_seed=p.random_seed,
-            sub=plan.before + [lp for layers in plan.cells for lp in layers])
+            sub=plan.before + [lp for layers in plan.cells for lp in layers],
+            tied_weights=[list(tie) for tie in p.tied_weights])
 
     @staticmethod
     def InputShapes(p) -> tuple | None:

@@ -35,11 +35,11 @@ language-specific.
 Weight sharing. The source and target share the embedding table exactly: the first layer embeds
 both sides, and the target's embeddings travel through the encoder cells as `tgt_vec` to the
 hand-off layer. (Embedding the target in the hand-off layer would need the table on two cells.)
-The softmax always has weights of its own, never tied to the embedding: the embedding sits in the
-first cell and the softmax in the last, and a table shared by two cells would need its value sent
-to both devices and its two gradients summed, which a pipeline's per-cell weights do not do. The
-paper's parameter counts agree: they match two vocab x D matrices (embedding, softmax), e.g.
-282.2M for Transformer-L with 3 layers.
+By default the softmax has weights of its own: the paper's parameter counts match two vocab x D
+matrices (embedding, softmax), e.g. 282.2M for Transformer-L with 3 layers. With
+`share_embedding_and_softmax` the softmax's projection is the token table itself (tied, as
+GPT-2's): the pipeline's `tied_weights` give the last cell the embedding's variable, read on the
+first cell's device, and its gradient is the sum of the two cells' (`layers/tied_weights.py`).
 
 The paper's trainability fixes for deep models: the feed-forward layers' initialisation is scaled
 down by the number of Transformer layers (`ffn_init_scale`), and the softmax logits are clipped to
@@ -91,7 +91,8 @@ def _SumMetas(out, metas) -> LayerMeta:
     return LayerMeta(out, sum(m.flops for m in metas), sum(m.num_params for m in metas),
                      sum(m.activation_bytes for m in metas),
                      sparse_params=sum(m.sparse_params for m in metas),
-                     sparse_gradient_bytes=sum(m.sparse_gradient_bytes for m in metas))
+                     sparse_gradient_bytes=sum(m.sparse_gradient_bytes for m in metas),
+                     tied_params=sum(m.tied_params for m in metas))
 
 
 def SinusoidalPositions(length, dim: int, dtype=tf.float32) -> tf.Tensor:
@@ -126,6 +127,9 @@ class TransformerEmbeddingLayer(BaseLayer):
         p.Define('dropout_keep_prob', 1.0, 'Keep probability of dropout on the embeddings.')
         p.Define('translation', False, 'Whether the input is a source/target pair (src_ids, '
                  'tgt_ids, ...) rather than one token stream (ids, ...).')
+        p.Define('tied_softmax', False, 'Whether the softmax reads the token table too '
+                 '(share_embedding_and_softmax): its gradient is then dense, every row, where a '
+                 'gather\'s is the rows read.')
         return p
 
     @classmethod
@@ -241,6 +245,13 @@ class TransformerEmbeddingLayer(BaseLayer):
             num_params += p.max_length * p.model_dim
             rows += sum(shapes[ids_key][1] for ids_key, _ in cls._Streams(p).values())
         total = _SumMetas(out, metas)
+        if p.tied_softmax:  # The token table's gradient is dense; the positions' stay sparse.
+            token_rows = sum(shapes[ids_key].num_elements()
+                             for ids_key, _ in cls._Streams(p).values())
+            return LayerMeta(out, total.flops, num_params, total.activation_bytes,
+                             sparse_params=num_params - p.vocab_size * p.model_dim,
+                             sparse_gradient_bytes=embedding.SparseGradientBytes(
+                                 rows - token_rows, p.model_dim, p.dtype))
         return LayerMeta(out, total.flops, num_params, total.activation_bytes,
                          sparse_params=num_params,
                          sparse_gradient_bytes=embedding.SparseGradientBytes(
@@ -303,7 +314,8 @@ class TransformerSoftmaxLayer(BaseLayer):
     NestedMap(per_example_loss [B,T] (unweighted), weight [B,T] (= weights),
               correct [B,T] (1.0 where the arg-max token is the label),
               predictions [B,T] (the arg-max token, labels' dtype; greedy decoding reads it)).
-    The projection has its own weights (see the module docstring on sharing).
+    The projection has its own weights, or with `tied_embedding` reads the embedding's token
+    table (see the module docstring on sharing).
     """
 
     INPUT_KEYS = ('vec', 'labels', 'weights')
@@ -315,6 +327,10 @@ class TransformerSoftmaxLayer(BaseLayer):
         p.Define('vocab_size', 0, 'Number of tokens (logits per position).')
         p.Define('label_smoothing', 0.0, 'Label smoothing s in [0, 1).')
         p.Define('logits_clip', None, 'None, or c > 0: logits are clipped to [-c, c].')
+        p.Define('tied_embedding', False,
+                 'Whether the projection is the embedding\'s token table [vocab, D], read from '
+                 'the embedding layer (the pipeline\'s tied_weights; LmParams\' '
+                 'share_embedding_and_softmax), instead of a weight of its own.')
         return p
 
     @classmethod
@@ -325,7 +341,7 @@ class TransformerSoftmaxLayer(BaseLayer):
             'softmax': losses.SoftmaxCrossEntropyLayer.Params().Set(
                 input_dim=p.model_dim, num_classes=p.vocab_size,
                 label_smoothing=p.label_smoothing, logits_clip=p.logits_clip, dtype=p.dtype,
-                params_init=p.params_init.Copy()),
+                params_init=p.params_init.Copy(), tied_weight=p.tied_embedding),
         }
 
     def __init__(self, params):
@@ -387,6 +403,10 @@ def _CommonParams() -> hyperparams.Params:
     p.Define('label_smoothing', 0.0, 'Label smoothing s in [0, 1).')
     p.Define('logits_clip', None, 'None, or c > 0: softmax logits are clipped to [-c, c] '
              '(GPipe §5).')
+    p.Define('share_embedding_and_softmax', False,
+             'Whether the softmax\'s projection is the token embedding table (tied, as GPT-2\'s): '
+             'one variable in the first cell, read by the last; False keeps the paper\'s '
+             'parameter counts (two vocab x D matrices).')
     return p
 
 
@@ -424,7 +444,8 @@ def _EmbeddingParams(p, translation: bool):
     return TransformerEmbeddingLayer.Params().Set(
         name='embedding', vocab_size=p.vocab_size, model_dim=p.model_dim,
         max_length=p.max_length, position_embedding=p.position_embedding,
-        dropout_keep_prob=p.input_dropout_keep_prob, translation=translation)
+        dropout_keep_prob=p.input_dropout_keep_prob, translation=translation,
+        tied_softmax=p.share_embedding_and_softmax)
 
 
 def _TransformerLayerParams(p, name: str, causal: bool, cross: bool):
@@ -440,7 +461,17 @@ def _TransformerLayerParams(p, name: str, causal: bool, cross: bool):
 def _SoftmaxParams(p):
     return TransformerSoftmaxLayer.Params().Set(
         name='softmax', model_dim=p.model_dim, vocab_size=p.vocab_size,
-        label_smoothing=p.label_smoothing, logits_clip=p.logits_clip)
+        label_smoothing=p.label_smoothing, logits_clip=p.logits_clip,
+        tied_embedding=p.share_embedding_and_softmax)
+
+
+# The tie of share_embedding_and_softmax: the softmax's projection reads the token table.
+TIED_SOFTMAX = ['softmax.softmax.w', 'embedding.token_emb.emb']
+
+
+def TiedWeights(p) -> list:
+    """The `tied_weights` of a PipeliningLayer (or SequentialLayer) of `p`'s layers."""
+    return [list(TIED_SOFTMAX)] if p.share_embedding_and_softmax else []
 
 
 def LmLayers(p) -> list:
@@ -487,7 +518,7 @@ def LmPipelineParams(p, batch_size: int, num_cells: int, num_micro_batches: int,
     `batch_size` sequences of p.max_length tokens."""
     return pipelining_layer.PipeliningLayer.Params().Set(
         name=name, layer_tpl=LmLayers(p), num_cells=num_cells,
-        num_micro_batches=num_micro_batches, recompute=recompute,
+        num_micro_batches=num_micro_batches, recompute=recompute, tied_weights=TiedWeights(p),
         input_shapes=LmInputShapes(batch_size, p.max_length),
         input_dtypes={key: 'int32' for key in LM_INPUT_KEYS if key in ('ids', 'labels')})
 
@@ -499,7 +530,7 @@ def MtPipelineParams(p, batch_size: int, num_cells: int, num_micro_batches: int,
     p.max_length tokens."""
     return pipelining_layer.PipeliningLayer.Params().Set(
         name=name, layer_tpl=MtLayers(p), num_cells=num_cells,
-        num_micro_batches=num_micro_batches, recompute=recompute,
+        num_micro_batches=num_micro_batches, recompute=recompute, tied_weights=TiedWeights(p),
         input_shapes=MtInputShapes(batch_size, p.max_length, p.max_length),
         input_dtypes={key: 'int32' for key in MT_INPUT_KEYS if key.endswith(('ids', 'labels'))})
 
