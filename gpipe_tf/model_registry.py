@@ -25,7 +25,6 @@ module under `gpipe_tf/params` on first use, so the command line finds every mod
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import pkgutil
 import sys
@@ -33,8 +32,9 @@ import sys
 from absl import logging
 
 from gpipe_tf import hyperparams
+from gpipe_tf import model_keys
 
-PARAMS_PACKAGE = 'gpipe_tf.params'
+PARAMS_PACKAGE = model_keys.PARAMS_PACKAGE
 # The dataset methods a model-params class may define, in the order they are listed.
 DATASETS = ('Train', 'Dev', 'Test')
 
@@ -154,13 +154,9 @@ def GetClass(name: str) -> type:
     if name not in _MODEL_PARAMS:
         _EnsureAllImported()
     if name not in _MODEL_PARAMS:
-        by_lower = {key.lower(): key for key in _MODEL_PARAMS}
-        close = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.5)
-        closest = ', '.join(repr(by_lower[c]) for c in close) if close else 'none'
         failed = (f' Params modules that failed to import: {sorted(_import_errors)}.'
                   if _import_errors else '')
-        raise LookupError(f'Unknown model {name!r}; closest registered models: {closest} '
-                          f'({len(_MODEL_PARAMS)} registered, see ListModels()).{failed}')
+        raise LookupError(model_keys.UnknownModel(name, _MODEL_PARAMS) + failed)
     return _MODEL_PARAMS[name]
 
 

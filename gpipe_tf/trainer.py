@@ -33,6 +33,7 @@ from absl import app
 from absl import flags
 
 from gpipe_tf import errors
+from gpipe_tf import model_keys
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import schedule as schedule_lib
 
@@ -229,6 +230,38 @@ def ParseConfig(argv: list[str]) -> Config:
     return Config.FromFlags(flag_values)
 
 
+# The integer flags that must be positive when given, and what each counts.
+_POSITIVE = (('num_micro_batches', 'M, the micro-batches'), ('worker_split_size', 'K, the cells'),
+             ('virtual_stages', 'v, the cells per device'),
+             ('worker_replicas', 'R, the pipeline\'s replicas'), ('num_devices', 'devices'))
+
+
+def CheckFlags(config: Config) -> None:
+    """The mistakes that need no model, checked before TensorFlow is imported (which takes
+    seconds): a missing or unknown --model, a count flag below 1.
+
+    Raises:
+      errors.UserError: naming the flag.
+    """
+    if config.list_models:
+        return
+    if not config.model:
+        raise errors.UserError('--model is required (see --list_models).')
+    keys = model_keys.DeclaredKeys()
+    registry = sys.modules.get('gpipe_tf.model_registry')  # Models registered in process.
+    if registry is not None:
+        keys |= set(registry._MODEL_PARAMS)  # pylint: disable=protected-access
+    if config.model not in keys:
+        message = model_keys.UnknownModel(config.model, keys)
+        raise errors.ConfigError(
+            f'--model={config.model}: {message.replace("ListModels()", "--list_models")}')
+    for name, what in _POSITIVE:
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise errors.ConfigError(f'--{name}: must be a positive integer ({what}), got '
+                                     f'{value}.')
+
+
 def Main(config: Config) -> int:
     """Runs the trainer in this process; returns its exit status: 0, 2 for a user's mistake,
     1 for a non-finite loss or a fault of the machine (a full disk), 128 + the signal's number
@@ -238,6 +271,11 @@ def Main(config: Config) -> int:
     Raises:
       cluster.ClusterError: when a task of the cluster (or the TPU) cannot be reached.
     """
+    try:
+        CheckFlags(config)
+    except errors.UserError as error:
+        _Error(error, config.verbose)
+        return 2
     # After `_Quiet`: importing the run imports TensorFlow.
     try:
         from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
@@ -310,6 +348,11 @@ def _Main(argv):
               file=sys.stderr, flush=True)
         sys.exit(2)
     config = Config.FromFlags(FLAGS)
+    try:
+        CheckFlags(config)  # Before TensorFlow's import: an answer in well under a second.
+    except errors.UserError as error:
+        _Error(error, config.verbose)
+        sys.exit(2)
     try:
         if not config.verbose:
             _Quiet()

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from gpipe_tf import hyperparams
+from gpipe_tf import model_keys
 from gpipe_tf import model_registry
 from gpipe_tf.layers import basic
 from gpipe_tf.params import examples
@@ -27,6 +28,19 @@ def _InputParams(batch_size: int = 4) -> hyperparams.Params:
     p = hyperparams.Params()
     p.Define('batch_size', batch_size, 'Examples per mini-batch.')
     return p
+
+
+class DeclaredKeysTest(tf.test.TestCase):
+
+    def testTheSourcesDeclareEveryRegisteredModel(self):
+        # Read without importing: what the command line checks a model name against.
+        self.assertEqual(sorted(model_keys.DeclaredKeys()), model_registry.ListModels())
+
+    def testAnUnknownNameNamesTheClosestKeys(self):
+        self.assertEqual(
+            model_keys.UnknownModel('lm.TransformerLtiny', ['lm.TransformerLTiny', 'examples.A']),
+            "Unknown model 'lm.TransformerLtiny'; closest registered models: "
+            "'lm.TransformerLTiny' (2 registered, see ListModels()).")
 
 
 class RegistryTestCase(tf.test.TestCase):

@@ -740,6 +740,26 @@ class ErrorsTest(TrainerTestCase):
     def testMissingModel(self):
         self.AssertFails(r'--model is required')
 
+    def testMistakesThatNeedNoModelAreAnsweredBeforeTensorFlowIsImported(self):
+        script = ('import sys\nfrom gpipe_tf import trainer\ntry:\n'
+                  '    trainer.Run(["gpipe-train"] + sys.argv[1:])\n'
+                  'except SystemExit as stop:\n'
+                  '    print(stop.code, "tensorflow" in sys.modules)\n')
+        for flags, pattern in (
+                ([], r'^error: --model is required \(see --list_models\)\.$'),
+                (['--model=lm.TransformerLtiny'], r"^error: --model=lm\.TransformerLtiny: Unknown "
+                 r"model 'lm\.TransformerLtiny'; closest registered models: "
+                 r"'lm\.TransformerLTiny'.*see --list_models\)\.$"),
+                ([f'--model={MLP}', '--num_micro_batches=0'], r'^error: --num_micro_batches: '
+                 r'must be a positive integer \(M, the micro-batches\), got 0\.$'),
+                ([f'--model={MLP}', '--worker_split_size=-1'], r'^error: --worker_split_size: '
+                 r'must be a positive integer \(K, the cells\), got -1\.$')):
+            with self.subTest(flags=flags):
+                result = subprocess.run([sys.executable, '-c', script] + flags,
+                                        capture_output=True, text=True, timeout=TIMEOUT)
+                self.assertEqual(result.stdout.split(), ['2', 'False'], result.stderr)
+                self.assertRegex(result.stderr.strip(), pattern)
+
     def testUnknownModelSuggestsCloseNames(self):
         self.AssertFails(r"^error: --model=examples\.PipelinedMLQ: Unknown "
                          r"model 'examples\.PipelinedMLQ'; closest registered "
