@@ -34,6 +34,7 @@ from absl import flags
 
 from gpipe_tf import errors
 from gpipe_tf import model_keys
+from gpipe_tf import start_signals
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import schedule as schedule_lib
 
@@ -283,6 +284,9 @@ def Main(config: Config) -> int:
     except KeyboardInterrupt:
         print(_STOPPED_STARTING, file=sys.stderr, flush=True)
         return 130
+    if start_signals.Pending() is not None:  # An interrupt that code it landed in swallowed.
+        print(_STOPPED_STARTING, file=sys.stderr, flush=True)
+        return 130
     try:
         run.Run(config)
         return 0
@@ -383,11 +387,16 @@ def _Help() -> str:
 
 def Run(argv: list[str] | None = None):
     """Entry point of the `gpipe-train` console script."""
+    start_signals.Listen()  # First: Ctrl-C stops the start-up too (`start_signals`).
     argv = sys.argv if argv is None else argv
     if any(arg in ('-h', '--help', '-help', '--helpshort', '--helpfull') for arg in argv[1:]):
         print(_Help())
         sys.exit(0)
-    app.run(_Main, argv=argv, flags_parser=_ParseFlags)
+    try:
+        app.run(_Main, argv=argv, flags_parser=_ParseFlags)
+    except KeyboardInterrupt:  # While the flags are parsed: before `_Main` listens for it.
+        print(_STOPPED_STARTING, file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 def _ParseFlags(argv: list[str]) -> list[str]:

@@ -68,6 +68,19 @@ def StartTrainer(logdir, overrides, **popen_kwargs):
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'), **popen_kwargs)
 
 
+def WaitUntilCatching(process, signum, timeout_s=TIMEOUT):
+    """Waits until `process` has a handler for `signum` (Linux: the SigCgt mask of
+    /proc/<pid>/status), so that a signal sent next is the process's to handle."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        with open(f'/proc/{process.pid}/status', encoding='ascii') as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith('SigCgt:'))
+        if caught & (1 << (signum - 1)):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f'process {process.pid} did not catch signal {signum}')
+
+
 def Reap(process):
     """Kills `process` if it still runs (a test that failed before it ended), and waits."""
     if process.poll() is None:
@@ -433,13 +446,30 @@ class RecoveryTest(ReferenceRunTestCase):
         self.assertEqual(CheckpointSteps(logdir)[-1], int(found.group(1)))
 
     def testCtrlCWhileStartingIsOneLine(self):
-        # Half a second in, TensorFlow is still being imported (it takes seconds).
+        # Half a second after Python catches SIGINT (its own handler, then the trainer's),
+        # TensorFlow is still being imported (it takes seconds).
         logdir = os.path.join(self.LogDir(), 'never')
         process = StartTrainer(logdir, RECOVERY, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
         self.addCleanup(Reap, process)
+        WaitUntilCatching(process, signal.SIGINT)
         time.sleep(0.5)
         process.send_signal(signal.SIGINT)
+        self.AssertStoppedWhileStarting(process, logdir)
+
+    def testCtrlCWhileStartingStopsATrainerStartedWithSigintIgnored(self):
+        # As a shell script's background job starts it: SIGINT ignored, which Python keeps.
+        # The trainer catches it from its first line on; before, only its training loop did.
+        logdir = os.path.join(self.LogDir(), 'never')
+        process = StartTrainer(
+            logdir, RECOVERY, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        self.addCleanup(Reap, process)
+        WaitUntilCatching(process, signal.SIGINT)
+        process.send_signal(signal.SIGINT)
+        self.AssertStoppedWhileStarting(process, logdir)
+
+    def AssertStoppedWhileStarting(self, process, logdir):
         _, stderr = process.communicate(timeout=120)
         self.assertEqual(process.returncode, 130, stderr[-3000:])
         self.assertNotIn('Traceback', stderr)

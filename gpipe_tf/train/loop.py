@@ -24,6 +24,7 @@ import time
 import tensorflow as tf
 from absl import logging
 
+from gpipe_tf import start_signals
 from gpipe_tf.perf import pictures
 from gpipe_tf.perf import plot
 from gpipe_tf.train import logdir as logdir_lib
@@ -117,6 +118,9 @@ class _StopSignals:
     def __enter__(self):
         for signum in STOP_SIGNALS:
             self._previous[signum] = signal.signal(signum, self._Handle)
+        # A SIGINT the start-up received but did not stop on (`start_signals`): the first
+        # safe point stops.
+        self.pending = start_signals.Pending()
         return self
 
     def __exit__(self, *exc):
