@@ -1,6 +1,9 @@
 """gpipe_tf.keras.Functional's contract: a functional Keras model pipelined as it is (its graph
 cut into stages, skips carried across cuts, tied weights read by two stages) predicts, trains
-and saves as the same model under Keras alone.
+and saves as the same model under Keras alone. So does a keras_hub causal LM given as it comes
+(`GPT2CausalLM`, `LlamaCausalLM`, tiny and random from configs, nothing downloaded): its
+backbone, a functional model nested in the task, is cut between its own layers, and the token
+embedding the task calls again for the logits is one weight whose gradient sums both uses.
 
 The oracle is the model itself run by Keras: a second model built alike from the same seed (the
 pipelined one's weights move to the stages' devices), compared normwise over all its weights,
@@ -95,6 +98,30 @@ def TiedLanguageModel():
     return keras.Model({'ids': ids, 'mask': mask}, embedding(h, reverse=True), name='tied_lm')
 
 
+def GPT2CausalLM(num_layers=2):
+    """keras_hub's GPT-2 task as it comes, tiny and random (built from a config, nothing
+    downloaded; dropout 0, so that two runs agree): its GPT2Backbone a functional model nested
+    in the task, the backbone's token embedding called again (reverse=True) for the logits."""
+    import keras_hub  # pylint: disable=import-outside-toplevel
+    keras.utils.set_random_seed(7)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=50, num_layers=num_layers, num_heads=2, hidden_dim=8,
+        intermediate_dim=16, max_sequence_length=16, dropout=0.0)
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+def LlamaCausalLM():
+    """keras_hub's Llama task, tiny and random: grouped-query attention (2 query heads, 1 key
+    and value head), rotary positions, RMS norms, and (Llama's default) untied logits: the token
+    embedding layer, called again for the logits, reads its own reverse_embeddings there."""
+    import keras_hub  # pylint: disable=import-outside-toplevel
+    keras.utils.set_random_seed(8)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=50, num_layers=3, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=8, intermediate_dim=16, dropout=0)
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
 # ---- data ---------------------------------------------------------------------------------
 def SkipsAndTiesData(n=11):
     rng = np.random.RandomState(4)
@@ -113,6 +140,16 @@ def Tokens(n=10):
     rng = np.random.RandomState(6)
     return ({'ids': rng.randint(0, 20, (n, 6)).astype(np.int32), 'mask': rng.rand(n, 6) > 0.2},
             rng.randint(0, 20, (n, 6)).astype(np.int32))
+
+
+def PaddedTokens(n=10, length=12, vocabulary=50):
+    """A keras_hub causal LM's inputs: token ids and a padding mask, each sequence 4 to 12
+    tokens long (7 to 12 here) and padded after (ids 0, mask 0); a label at every position."""
+    rng = np.random.RandomState(7)
+    mask = np.arange(length) < rng.randint(4, length + 1, (n, 1))
+    ids = np.where(mask, rng.randint(1, vocabulary, (n, length)), 0)
+    return ({'token_ids': ids.astype(np.int32), 'padding_mask': mask.astype(np.int32)},
+            rng.randint(0, vocabulary, (n, length)).astype(np.int32))
 
 
 def Weights(model) -> np.ndarray:
@@ -171,6 +208,12 @@ class ContractTest(FunctionalTestCase):
             self.assertLen(stage.inputs, 2)
 
     def testAUNetWhoseSkipsCrossSeveralStages(self):
+        # A skip read from another micro-batch fails here: the images are distinct random
+        # ones, a batch is M = 4 micro-batches (of one example in fit, of 2 or 3 in predict's
+        # batch of 11) and the comparison is over all examples (a stage handed the skips of
+        # the micro-batch before misses the losses by 300 times the tolerance).
+        # testSkipsAndTiedWeightsEverySchedule compares the same way for every schedule,
+        # looped and unrolled, with skips across cuts (h to add and out, input aux to mul).
         x, y = Images((8, 8, 2), (8, 8, 1))
         pipelined = self.assertFitsAsTheModel(
             UNet, x, y, 'mse', schedule='zero_bubble',
@@ -182,6 +225,9 @@ class ContractTest(FunctionalTestCase):
                          [False, True, True, True, True])
 
     def testATiedEmbeddingIsOneWeightOnTheFirstStageItsGradientSummed(self):
+        # That the comparison sees a use's gradient dropped (each use's is a large part of
+        # the sum) is shown for GPT-2's table by
+        # KerasHubTest.testATiedEmbeddingsStepSumsTheGradientsOfBothItsUses.
         x, y = Tokens()
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         pipelined = self.assertFitsAsTheModel(
@@ -220,6 +266,145 @@ class ContractTest(FunctionalTestCase):
         model, reference = ResidualNet(batch_norm=True), ResidualNet(batch_norm=True)
         pipelined = Functional(model, num_cells=3, num_micro_batches=M, devices=DEVICES[:3])
         self.assertNormClose(reference.predict(x, verbose=0), pipelined.predict(x, verbose=0))
+
+
+class KerasHubTest(FunctionalTestCase):
+    """keras_hub's causal LMs given to Functional as they come (the task, preprocessor=None):
+    its backbone, a functional model the task calls on its inputs, is cut between its own
+    layers."""
+
+    # Two-layer GPT-2's four stages: the embeddings; a transformer layer each; the final layer
+    # norm and the logits (the token embedding again).
+    SPLIT_POINTS = ['transformer_layer_0', 'transformer_layer_1', 'layer_norm']
+    LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def assertTokenEmbeddingOnTheFirstStage(self, pipelined, task):
+        """The token embedding layer is called by the first stage and again by the last (for
+        the logits); its weights (GPT-2's tied table; Llama's table and reverse_embeddings)
+        are the task's, each once, on the first stage's device, and the pipelined model
+        counts the task's parameters and weights."""
+        embedding = pipelined.model.backbone.token_embedding
+        stages = [s for s in range(len(pipelined.stages))
+                  if embedding in pipelined.StageLayers(s)]
+        self.assertEqual(stages, [0, len(pipelined.stages) - 1])
+        self.assertEqual(pipelined.count_params(), task.count_params())
+        self.assertEqual(len(pipelined.weights), len(task.weights))
+        first = tf.DeviceSpec.from_string(DEVICES[0]).device_index
+        for weight in embedding.weights:
+            self.assertEqual(sum(w is weight for w in pipelined.weights), 1, weight.path)
+            self.assertEqual(tf.DeviceSpec.from_string(weight.value.device).device_index,
+                             first, weight.path)
+
+    def testGPT2CausalLMCutInsideItsBackboneTrainsAsTheTask(self):
+        # Batches of 5 examples in M = 4 micro-batches, padded sequences. A schedule traces
+        # for seconds here: three, with each recompute mode, virtual stages and a looped
+        # (unroll=False) pipeline among them; with the Llama test's gpipe and 1f1b and the
+        # tied embedding's step's zero_bubble, keras_hub's tasks run on every kind of
+        # schedule. (SkipsAndTies runs on all of them, looped and unrolled.)
+        x, y = PaddedTokens()
+        for schedule, params in [
+                ('gpipe', {'unroll': False}),
+                ('interleaved_1f1b', {'virtual_stages': 2, 'recompute': 'except_last'}),
+                ('zero_bubble_v', {'virtual_stages': 2, 'recompute': 'never'})]:
+            with self.subTest(schedule=schedule, **params):
+                cells = 2 if params.get('virtual_stages') else 4
+                pipelined = self.assertFitsAsTheModel(
+                    GPT2CausalLM, x, y, self.LOSS, batch_size=5, epochs=1, num_cells=cells,
+                    schedule=schedule, split_points=self.SPLIT_POINTS, **params)
+                self.assertTokenEmbeddingOnTheFirstStage(pipelined, GPT2CausalLM())
+                # Tied: one table, read by the logits too.
+                self.assertLen(pipelined.model.backbone.token_embedding.weights, 1)
+
+    def testLlamaCausalLMCutAutomaticallyTrainsAsTheTask(self):
+        x, y = PaddedTokens()
+        task = LlamaCausalLM()
+        self.assertFalse(task.backbone.tie_word_embeddings)
+        for schedule in ('gpipe', '1f1b'):
+            with self.subTest(schedule=schedule):
+                pipelined = self.assertFitsAsTheModel(
+                    LlamaCausalLM, x, y, self.LOSS, batch_size=5, epochs=1, num_cells=3,
+                    schedule=schedule)
+                layers = sum([[layer.name for layer in pipelined.StageLayers(s)]
+                              for s in range(3)], [])
+                self.assertNotIn('llama_backbone', layers)
+                self.assertEqual([n for n in layers if n.startswith('transformer_layer_')],
+                                 [f'transformer_layer_{i}' for i in range(3)])
+                self.assertTokenEmbeddingOnTheFirstStage(pipelined, task)
+
+    def testAutomaticCutsSeeTheBackbonesLayers(self):
+        pipelined = Functional(GPT2CausalLM(num_layers=4), num_cells=4, num_micro_batches=M,
+                               devices=DEVICES[:4])
+        layers = [[layer.name for layer in pipelined.StageLayers(s)] for s in range(4)]
+        self.assertNotIn('gpt2_backbone', sum(layers, []))
+        # Parameters balanced: a transformer layer per stage.
+        self.assertEqual([[n for n in names if n.startswith('transformer_layer_')]
+                          for names in layers], [[f'transformer_layer_{s}'] for s in range(4)])
+        self.assertEqual((layers[0][0], layers[-1][-2:]),
+                         ('token_embedding', ['layer_norm', 'token_embedding']))
+
+    def testScoreIsPipelinedAndGenerateNamesTheModelThatSharesTheWeights(self):
+        x, _ = PaddedTokens(6)
+        model, task = GPT2CausalLM(), GPT2CausalLM()
+        pipelined = Functional(model, num_micro_batches=M, devices=DEVICES,
+                               split_points=self.SPLIT_POINTS)
+        ids, mask = x['token_ids'], x['padding_mask']
+        for mode, target in (('logits', None), ('loss', ids)):
+            with self.subTest(scoring_mode=mode):
+                self.assertNormClose(
+                    task.score(ids, mask, scoring_mode=mode, target_ids=target),
+                    pipelined.score(ids, mask, scoring_mode=mode, target_ids=target))
+        with self.assertRaisesRegex(errors.ConfigError, r'generate is not pipelined .*call '
+                                    r'gpt2_causal_lm(_\d+)?\.generate\(\.\.\.\) instead'):
+            pipelined.generate({'token_ids': ids, 'padding_mask': mask})
+        # The model it names generates with the weights the pipeline trains, where they are.
+        prompt = {'token_ids': ids[:2], 'padding_mask': np.arange(12)[None] < [[3], [5]]}
+        self.assertAllEqual(model.generate(prompt, max_length=12, stop_token_ids=None)[
+            'token_ids'], task.generate(prompt, max_length=12, stop_token_ids=None)['token_ids'])
+
+    def testATiedEmbeddingsStepSumsTheGradientsOfBothItsUses(self):
+        """One SGD step moves GPT-2's tied token embedding by the gradient through both its
+        uses, the lookup on stage 0 and the logits on stage 3: as the task under Keras, and far
+        from where either use's gradient alone would (each a large part of the sum)."""
+        x, y = PaddedTokens(5)
+        task = GPT2CausalLM()
+        embedding = task.backbone.token_embedding
+        table = embedding.embeddings
+
+        def Gradient(lookup=True, logits=True):
+            """The loss's gradient with respect to the table through the uses asked for (the
+            other reads a constant copy)."""
+            with tf.GradientTape() as tape:
+                hidden = task.backbone(x)
+                if not lookup:
+                    hidden = tf.stop_gradient(hidden)
+                constant = [] if logits else [(table, tf.stop_gradient(table.value))]
+                with keras.StatelessScope(state_mapping=constant):
+                    loss = self.LOSS(y, embedding(hidden, reverse=True))
+            return tf.convert_to_tensor(tape.gradient(loss, table.value)).numpy()
+
+        total, lookup, logits = Gradient(), Gradient(logits=False), Gradient(lookup=False)
+        self.assertNormClose(total, lookup + logits, 'the two uses\' gradients add up')
+        for part in (lookup, logits):
+            self.assertGreater(np.linalg.norm(part), np.linalg.norm(total) / 4)
+
+        model = GPT2CausalLM()
+        pipelined = Functional(model, num_micro_batches=M, devices=DEVICES,
+                               split_points=self.SPLIT_POINTS, schedule='zero_bubble')
+        before = table.numpy()
+        self.assertAllEqual(before, model.backbone.token_embedding.embeddings.numpy())
+        rate = 0.1
+        for m in (pipelined, task):
+            m.compile(keras.optimizers.SGD(rate), self.LOSS)
+            m.fit(x, y, batch_size=5, epochs=1, verbose=0, shuffle=False)  # One step.
+        self.assertNormClose(Weights(task), Weights(model), 'weights')
+        step = model.backbone.token_embedding.embeddings.numpy() - before
+        self.assertNormClose(table.numpy() - before, step, 'the task\'s step under Keras')
+        self.assertNormClose(-rate * total, step, 'the step of the summed gradient')
+        # The step of the lookup's gradient alone would be 89% of the step away from it, the
+        # logits' alone 41%; the tolerance above is 1e-5 of it.
+        for part in (lookup, logits):
+            self.assertGreater(np.linalg.norm(step + rate * part),
+                               0.1 * np.linalg.norm(step))
 
 
 class StructureTest(FunctionalTestCase):
