@@ -524,6 +524,13 @@ class ModesTest(TrainerTestCase):
         output = InProcess('--list_models').stdout
         self.assertIn('image.amoebanet.AmoebaNetD_Small', output.split())
         self.assertIn('mt.multilingual.TransformerTiny', output.split())
+        lines = {line.split()[0]: ' '.join(line.split()[1:]) for line in output.splitlines()}
+        # The MLP's 16-64-64-64-10: 16*64+64 + 2*(64*64+64) + 64*10+10 = 10,058 parameters.
+        self.assertEqual(lines[MLP], '10.06K params, K=4 M=8 trains on a CPU in minutes')
+        self.assertEqual(lines['lm.TransformerL_3'], '282.18M params, K=1 M=1')  # Table 1.
+        self.assertEqual(sorted(k for k, v in lines.items() if v.endswith('in minutes')),
+                         ['examples.PipelinedMLP', 'image.amoebanet.AmoebaNetD_Small',
+                          'lm.TransformerLTiny', 'mt.multilingual.TransformerTiny'])
 
     def testInspectParamsPrintsAndWritesLoadableParams(self):
         logdir = self.LogDir()

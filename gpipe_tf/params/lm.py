@@ -152,6 +152,7 @@ class TransformerLTiny(TransformerLm):
     """A byte-level Transformer-L in miniature that trains on a 2-core CPU in minutes: model dim
     64, feed-forward 256, 4 heads of 16, 4 layers, vocabulary 256, length 32, batch 16, pipelined
     over K=2 cells and M=4 micro-batches. No dropout, so runs are reproducible."""
+    TRAINS_ON_A_CPU = True  # In minutes, on 2 cores (--list_models says so).
     VOCAB_SIZE = 256
     MODEL_DIM = 64
     HIDDEN_DIM = 256

@@ -24,6 +24,7 @@ from gpipe_tf.train import export
 from gpipe_tf.train import gpu
 from gpipe_tf.train import logdir as logdir_lib
 from gpipe_tf.train import loop
+from gpipe_tf.train import model_list
 from gpipe_tf.train import partition_change
 from gpipe_tf.train import program
 from gpipe_tf.train import setup
@@ -33,7 +34,7 @@ from gpipe_tf.train import tune
 def Run(config) -> None:
     """Runs `config.mode` (`config`: the trainer's Config)."""
     if config.list_models:
-        print('\n'.join(model_registry.ListModels()))
+        print('\n'.join(model_list.Lines()))
         return
     if not config.model:
         raise errors.UserError('--model is required (see --list_models).')

@@ -161,6 +161,7 @@ class AmoebaNetD_Small(_AmoebaNet):
     stem, K = 4 cells, M = 8 micro-batches of 8, lighter regularisation and a faster batch norm
     decay than the ImageNet recipe, and Adam with a cosine decay, so that it trains on a 2-core
     CPU in minutes. The README's main job."""
+    TRAINS_ON_A_CPU = True  # In minutes, on 2 cores (--list_models says so).
     NUM_NORMAL_CELLS = 3
     NUM_FILTERS = 16
     IMAGE_SIZE = 28
