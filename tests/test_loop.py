@@ -187,6 +187,19 @@ class ProgressTest(tf.test.TestCase):
         self.assertEqual(self.lines[-1], 'step      7/1000  loss 1.0000  1 examples/sec  '
                                          'ETA 16:33')
 
+    def testAnEvaluationIsNotTrainingTime(self):
+        progress = self.Progress(max_steps=1000, batch_size=1, interval=0.0)
+        progress.Update(1, {'loss': 1.0})
+        self.clock.now += 10.0
+        progress.Update(11, {'loss': 1.0})  # 1 step/s.
+        with progress.Excluding():
+            self.clock.now += 500.0  # An evaluation during training.
+        self.clock.now += 10.0
+        progress.Update(21, {'loss': 1.0})
+        # Still 1 step/s (20 steps in 20 s of training): 979 steps left, not 979 x 26.
+        self.assertEqual(self.lines[-1], 'step     21/1000  loss 1.0000  1 examples/sec  '
+                                         'ETA 16:19')
+
     def testALineAtTheSameClockTimeHasNoRate(self):
         progress = self.Progress(max_steps=2, interval=0.0)
         progress.Update(1, {'loss': 1.0})

@@ -42,7 +42,8 @@ class Progress:
 
     The rate, and the ETA from it, are those of the recent lines only (the last
     RECENT_LINES): the first steps after tracing, or a busy moment of the machine, would
-    otherwise skew them for the rest of the run.
+    otherwise skew them for the rest of the run. Time spent in `Excluding()` (an evaluation
+    during training) is not training time: neither the rate nor the ETA counts it.
     """
     RECENT_LINES = 5
 
@@ -67,6 +68,20 @@ class Progress:
         rate = (step - since_step) / (now - since) if now > since else None
         self._recent.append((now, step))
         self._Print(step, metrics, rate)
+
+    @contextlib.contextmanager
+    def Excluding(self):
+        """A block whose time the rate and the ETA leave out: the recent lines' times move
+        forward by it, as if it had not been."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            paused = time.time() - start
+            self._recent = collections.deque(((t + paused, s) for t, s in self._recent),
+                                             maxlen=self.RECENT_LINES)
+            if self._last is not None:
+                self._last += paused
 
     def _Print(self, step: int, metrics: dict, steps_per_sec) -> None:
         parts = [f'step {step:6d}/{self._max}', f'loss {metrics["loss"]:.4f}']
@@ -284,7 +299,9 @@ def Train(program, task_params, logdir: str, max_steps: int, eval_params=None,
                     last_saved = step
             if (eval_writer is not None and train.eval_interval_steps and
                     step % train.eval_interval_steps == 0 and step < max_steps):
-                Evaluate(program, eval_params, eval_writer, step, 'during training', printer)
+                with progress.Excluding():  # Not training: the ETA leaves it out.
+                    Evaluate(program, eval_params, eval_writer, step, 'during training',
+                             printer)
         signals.RaiseIfPending()
         if step != last_saved:
             with signals.Saving():
