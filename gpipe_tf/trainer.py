@@ -155,7 +155,8 @@ def DefineFlags(flag_values: flags.FlagValues) -> None:
                       'device (a server with one accelerator); by default each cell keeps its '
                       'own device.', flag_values=flag_values)
     flags.DEFINE_bool('verbose', default=False,
-                      help='Show TensorFlow\'s own log lines and, for an error, its traceback.',
+                      help='Show TensorFlow\'s own log lines and, for an error, its traceback; '
+                      'tune: also each configuration\'s boundaries and per-device peaks.',
                       flag_values=flag_values)
 
 

@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 from gpipe_tf import errors
+from gpipe_tf import units
 from gpipe_tf import test_utils
 from gpipe_tf import trainer
 from gpipe_tf.layers import basic
@@ -173,6 +174,22 @@ class TuneTest(tf.test.TestCase):
         self.assertIn('step (nominal ms)', table)
         self.assertIn('layer costs estimated from FLOPs', table)
         self.assertLen(table.splitlines(), 1 + 3 + 1)
+
+    def testTheTableFitsAScreenAtAnyKAndVerboseAddsBoundariesAndPeaks(self):
+        p = Dense([64] * 65, 256, num_cells=32, num_micro_batches=32)
+        result = tuner.Tune(p, 32, 2**30, space=[tuner.Config('1f1b', 32, 1, 'always'),
+                                                  tuner.Config('gpipe', 64, 1, 'never')])
+        lines = result.Format().splitlines()
+        self.assertLessEqual(max(len(line) for line in lines), 150, '\n'.join(lines))
+        self.assertEqual(lines[0].split()[-5:], ['peak', '(MiB)', 'spread', '(MiB)', 'fits'])
+        verbose = result.Format(verbose=True).splitlines()
+        for candidate, line in zip(result.candidates, verbose[1:]):
+            self.assertIn(','.join(map(str, candidate.boundaries)), line)
+            self.assertTrue(line.endswith(' '.join(units.MiB(b) for b in
+                                                   candidate.device_bytes)), line)
+        # The spread: the largest peak less the smallest.
+        first = result.candidates[0]
+        self.assertIn(units.MiB(first.peak_bytes - min(first.device_bytes)), lines[1])
 
     def testCalibrationScalesThePredictionsToTheMeasuredSteps(self):
         # The oracle: two equal cells on two devices; gpipe and 1f1b take M + 1 slots of a
@@ -341,7 +358,6 @@ class TuneModeTest(tf.test.TestCase):
 
     def testDevicesThatDoNotSplitIntoTheReplicasAreOneLineNamingNumDevices(self):
         for devices, replicas, expected in (
-                (0, 1, 'at least 1 device'),
                 (1, 2, 'a positive multiple of R=2 (--worker_replicas)'),
                 (3, 2, 'a positive multiple of R=2 (--worker_replicas)')):
             result = InProcess(f'--model={MLP}', '--mode=tune', f'--num_devices={devices}',
@@ -350,6 +366,11 @@ class TuneModeTest(tf.test.TestCase):
             self.assertEqual(result.returncode, 2, result.stderr)
             self.assertStartsWith(ErrorLine(result),
                                   f'error: --num_devices={devices}: tune needs {expected}')
+        # No device at all needs no model: answered before TensorFlow loads (`trainer`).
+        result = InProcess(f'--model={MLP}', '--mode=tune', '--num_devices=0',
+                           '--device_memory_gib=1', f'--logdir={self.LogDir()}', check=False)
+        self.assertEqual(ErrorLine(result),
+                         'error: --num_devices: must be a positive integer (devices), got 0.')
 
     def testNegativeTuneStepsIsOneLine(self):
         logdir = os.path.join(self.LogDir(), 'run')

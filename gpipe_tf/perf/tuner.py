@@ -246,24 +246,33 @@ class Result:
     def best(self) -> Candidate | None:
         return self.candidates[0] if self.candidates and self.candidates[0].fits else None
 
-    def Format(self, limit: int | None = 20) -> str:
-        """The ranked table (the first `limit` rows; None: all), step times in ms."""
+    def Format(self, limit: int | None = 20, verbose: bool = False) -> str:
+        """The ranked table (the first `limit` rows; None: all), step times in ms: one line
+        per configuration, its largest planned peak and the spread of the peaks across
+        devices (the largest less the smallest), so the line's width does not grow with K;
+        `verbose` adds the boundaries and every device's peak."""
         unit = 'ms' if self.measured else 'nominal ms'
-        header = ('rank', 'schedule', 'v', 'M', 'recompute', 'boundaries', f'step ({unit})',
-                  'bubble', 'peak per device (MiB)', 'fits')
+        header = ('rank', 'schedule', 'v', 'M', 'recompute', f'step ({unit})', 'bubble',
+                  'peak (MiB)', 'spread (MiB)', 'fits')
+        if verbose:
+            header += ('boundaries', 'peak per device (MiB)')
         rows = [header]
         for rank, c in enumerate(self.candidates[:limit], 1):
-            rows.append((str(rank), c.config.schedule, str(c.config.virtual_stages),
-                         str(c.config.num_micro_batches), c.RecomputeText(),
-                         ','.join(map(str, c.boundaries)) + (' (moved)' if c.moved else ''),
-                         f'{c.step_s * 1e3:.2f}', f'{c.bubble:.0%}',
-                         ' '.join(units.MiB(b) for b in c.device_bytes),
-                         'yes' if c.fits else 'no'))
+            row = (str(rank), c.config.schedule, str(c.config.virtual_stages),
+                   str(c.config.num_micro_batches), c.RecomputeText(),
+                   f'{c.step_s * 1e3:.2f}', f'{c.bubble:.0%}', units.MiB(c.peak_bytes),
+                   units.MiB(c.peak_bytes - min(c.device_bytes)),
+                   ('yes' if c.fits else 'no') + (' (moved)' if c.moved else ''))
+            if verbose:
+                row += (','.join(map(str, c.boundaries)),
+                        ' '.join(units.MiB(b) for b in c.device_bytes))
+            rows.append(row)
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = ['  '.join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         shown = min(len(self.candidates), limit or len(self.candidates))
         lines.append(f'{shown} of {len(self.candidates)} configurations; layer costs '
-                     f'{self.costs}; devices of {units.MiB(self.device_memory_bytes)} MiB')
+                     f'{self.costs}; devices of {units.MiB(self.device_memory_bytes)} MiB'
+                     f'{"" if verbose else "; boundaries and per-device peaks: --verbose"}')
         return '\n'.join(lines)
 
 

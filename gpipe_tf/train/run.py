@@ -68,7 +68,7 @@ def Run(config) -> None:
     if config.mode == 'tune':
         tune.Run(p, config.model, logdir_lib.Resolve(config.logdir, config.model),
                  config.device_memory_gib, config.tune_costs, config.tune_steps,
-                 config.tune_top)
+                 config.tune_top, config.verbose)
         return
     if config.mode == 'check':
         check.Run(p, config.model, plan)

@@ -137,7 +137,8 @@ def MeasurePick(task_params, candidate: tuner.Candidate, steps: int) -> tuple[fl
 
 
 def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
-        costs: str = 'auto', steps: int = 5, top: int = 3) -> tuner.Result:
+        costs: str = 'auto', steps: int = 5, top: int = 3,
+        verbose: bool = False) -> tuner.Result:
     """Tunes task Params' pipeline for its K devices (`model.num_cells`, set up already) of
     `device_memory_gib` each; prints the table and writes `<logdir>/tuned_params.txt`.
 
@@ -202,7 +203,7 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
         else:
             print(f'layer costs {layer_costs.description}', flush=True)
     result = tuner.Tune(p, k, device_bytes, layer_costs, slots, space)
-    print(result.Format(), flush=True)
+    print(result.Format(verbose=verbose), flush=True)
     print(f'tuned in {time.perf_counter() - started:.1f} s', flush=True)
     pick = result.best
     if pick is None:
@@ -214,8 +215,10 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
     if measured:
         pick, step_s = measured[0]
     path = os.path.join(logdir, TUNED_PARAMS)
+    # The whole table, boundaries and per-device peaks too, as comments above the pick.
+    table = ''.join(f'# {line}\n' for line in result.Format(None, verbose=True).splitlines())
     text = (f'# --mode=tune of {name}: {pick.config}, K={k}, devices of '
-            f'{device_memory_gib:g} GiB\n' + OverrideText(task_params, pick))
+            f'{device_memory_gib:g} GiB\n' + table + OverrideText(task_params, pick))
     if logdir_lib.IsLocalPath(path):
         logdir_lib.WriteAtomically(path, text, 'the tuned Params')
     else:
