@@ -284,7 +284,6 @@ class InferenceTest(tf.test.TestCase):
             self.assertAllEqual(new, old, msg=weight.path)
 
 
-@pytest.mark.unit
 class MixedPrecisionTest(tf.test.TestCase):
     """Keras's mixed_bfloat16 policy: the pipeline computes in bfloat16 (its Params'
     fprop_dtype), its variables stay float32."""

@@ -144,7 +144,6 @@ def PipelineAndOracle(layers, x, **params):
     return pipe, (outputs, grads), (expected, expected_grads)
 
 
-@pytest.mark.unit
 class ContractTest(tf.test.TestCase):
     """Outputs and every gradient equal the layers called in sequence per micro-batch."""
 
@@ -380,7 +379,6 @@ def AssertFitsAsKerasSequential(test, x, y, batch_size, schedule, **params):
     AssertSameWeights(test, model.pipeline.keras_layers, reference.layers)
 
 
-@pytest.mark.unit
 class SequentialTest(tf.test.TestCase):
     """gpipe_tf.keras.Sequential trains with every schedule as keras.Sequential does."""
 
@@ -523,7 +521,6 @@ def PaddingMask(lengths, length):
     return tf.cast(tf.range(length)[None] < tf.constant(lengths, tf.int32)[:, None], tf.int32)
 
 
-@pytest.mark.unit
 class KeywordInputsTest(tf.test.TestCase):
     """A dict last in the input holds keyword inputs (masks): every Keras layer whose call
     takes one gets it, as when the layers are called in sequence with it."""
@@ -628,7 +625,6 @@ def AssertSameWeights(test, layers, copies):
             test.assertAllClose(b, a, atol=TOLERANCE, rtol=TOLERANCE)
 
 
-@pytest.mark.unit
 class NestsTest(tf.test.TestCase):
     """A layer's several outputs, a tuple, are the next layer's inputs across a cell boundary,
     as keras.Sequential passes them (one argument) or, to a call that requires several, one
@@ -729,7 +725,6 @@ class NestsTest(tf.test.TestCase):
                                num_micro_batches=M, input_shape=(6,), devices=DEVICES[:2])
 
 
-@pytest.mark.unit
 class MixedPrecisionTest(tf.test.TestCase):
     """Keras's mixed policies: every Keras layer computes in the policy's dtype inside the
     pipeline as it does in keras.Sequential, the weights stay float32, and mixed_float16 trains
@@ -999,7 +994,6 @@ def DropoutStack():
             keras.layers.Dropout(0.5), keras.layers.Dense(2)]
 
 
-@pytest.mark.unit
 class RegisteredNameTest(tf.test.TestCase):
     """The classes are registered as gpipe_tf.keras>Sequential and gpipe_tf.keras>Pipeline,
     and files saved under the old names (gpipe_tf>...) load."""
@@ -1055,7 +1049,6 @@ class RegisteredNameTest(tf.test.TestCase):
                          'gpipe_tf.keras>Pipeline')
 
 
-@pytest.mark.unit
 class SummaryTest(tf.test.TestCase):
     """summary() and count_params() count what keras.Sequential counts on the same layers (the
     step is no parameter), and summary(expand_nested=True) lists each cell's layers."""
@@ -1166,7 +1159,6 @@ class SummaryTest(tf.test.TestCase):
             self.assertEqual(stored[str(len(own))].dtype, np.int64)
 
 
-@pytest.mark.unit
 class BuiltAtConstructionTest(tf.test.TestCase):
     """A Sequential given input_shape is built when made, as a keras.Sequential that starts
     with a keras.Input."""

@@ -27,7 +27,6 @@ from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
 
-pytestmark = pytest.mark.unit
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 BATCH, DIM, M = 16, 4, 4
@@ -73,6 +72,7 @@ class CleanCacheTestCase(tf.test.TestCase):
         self.addCleanup(measured_costs._CACHE.clear)  # pylint: disable=protected-access
 
 
+@pytest.mark.unit
 class PartitionOnTimeTest(CleanCacheTestCase):
 
     def testCellsAreTheOptimalPartitionOfTheTimes(self):
@@ -150,6 +150,7 @@ class PartitionOnTimeTest(CleanCacheTestCase):
                             atol=1e-6)
 
 
+@pytest.mark.unit
 class MeasureLayersTest(CleanCacheTestCase):
     """The clock itself: what holds on any machine."""
 
@@ -257,6 +258,7 @@ class TrainerTest(CleanCacheTestCase):
             self.assertEqual(made_up.calls, 3)
 
 
+@pytest.mark.unit
 class CountsPeakBytesTest(tf.test.TestCase):
 
     def testOnlyTheBfcAllocatorCountsACpusPeak(self):

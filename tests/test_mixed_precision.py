@@ -104,7 +104,6 @@ def UnpipelinedOnMicroBatches(pipeline_params, x, num_micro_batches=M):
                               autograph=False)(x)
 
 
-@pytest.mark.unit
 class GradientsTest(tf.test.TestCase, parameterized.TestCase):
     """A bfloat16 pipeline computes its layers' bfloat16 math, near float32's."""
 
@@ -312,7 +311,6 @@ class _TaskStep:
         return [v.numpy() for v in self.task.trainable_variables]
 
 
-@pytest.mark.unit
 class LossScaleTest(tf.test.TestCase, parameterized.TestCase):
     """float16's dynamic loss scaling: skip and halve on overflow, apply and grow otherwise."""
 

@@ -16,7 +16,6 @@ from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import gradient_sums
 from gpipe_tf.pipeline import pipelining_layer
 
-pytestmark = pytest.mark.unit
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 BATCH, TIME, VOCAB, DIM = 8, 3, 11, 4
@@ -147,6 +146,7 @@ class SparseGradientTest(tf.test.TestCase, parameterized.TestCase):
         self.assertLess(test_utils.MaxRelativeError(*results), TOLERANCE)
 
 
+@pytest.mark.unit
 class GradientSumsTest(tf.test.TestCase):
 
     def testSlicesConcatenateInOrder(self):

@@ -29,7 +29,6 @@ from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.train import setup
 
-pytestmark = pytest.mark.unit
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 MLP = 'examples.PipelinedMLP'
@@ -51,6 +50,7 @@ def ErrorLine(result):
     return result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.unit
 class TuneTest(tf.test.TestCase):
 
     def testMicroBatchCountsAreDivisorsFromK(self):
