@@ -61,7 +61,7 @@ DEVICES: list[str] = []  # Set by main() before any TF op runs.
 # As in tests/test_pipeline.py.
 TOLERANCE = 1e-5
 BATCH, DIM, NUM_LAYERS = 16, 8, 8
-KS, MS, MODES = [1, 2, 4], [1, 2, 4, 8], pipelining_layer.RECOMPUTE_MODES
+KS, MS, MODES = [1, 2, 4], [1, 2, 4, 8], plan_lib.RECOMPUTE_MODES
 GRID = list(itertools.product(KS, MS, MODES))
 PAIRWISE = [(k, m, MODES[(i + j) % 3]) for i, k in enumerate(KS) for j, m in enumerate(MS)]
 # tests/test_pipeline.py's GRID: the pairwise cases and the largest pipeline in the default mode

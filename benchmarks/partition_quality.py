@@ -33,6 +33,7 @@ from gpipe_tf import hyperparams  # pylint: disable=g-import-not-at-top
 from gpipe_tf import model_registry  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import sequential  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import plot  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import fields  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import partition  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 
@@ -66,7 +67,7 @@ def LayerCosts(p: hyperparams.Params) -> list[int]:
                          f'layer_tpl={p.layer_tpl is not None}, input_shapes={p.input_shapes}.')
     before = list(p.before_tpl)
     _, metas = sequential.ChainMeta(before + list(p.layer_tpl),
-                                    *pipelining_layer.PipeliningLayer.InputShapes(p))
+                                    *fields.InputShapes(p))
     return [m.flops for m in metas[len(before):]]
 
 

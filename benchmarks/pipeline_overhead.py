@@ -39,6 +39,7 @@ from gpipe_tf.layers import base_layer  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
 from gpipe_tf.nested_map import NestedMap  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
 
 DEVICES: list[str] = []  # Set by Setup() before any TF op runs.
 
@@ -138,7 +139,7 @@ def Overhead(model_name, quick, repeats, emit):
     emit(dict(benchmark='overhead', model=model_name, devices=1, k=1, m=1, recompute='-',
               pipelined=False, step_s=base_time, peak_bytes=base_peak, vs_unpipelined=1.0))
     micro_batches = [1, 8] if quick else [1, 4, 8]
-    modes = ['always', 'never'] if quick else list(pipelining_layer.RECOMPUTE_MODES)
+    modes = ['always', 'never'] if quick else list(plan_lib.RECOMPUTE_MODES)
     for num_devices in (2, 4):
         for m in micro_batches:
             for mode in modes:

@@ -3,7 +3,7 @@ r"""GPipe Table 2 by simulation: normalised training throughput against K and M.
 For AmoebaNet-D (18, 256) and Transformer-48 (the registered `image.amoebanet.AmoebaNetD_18_256`
 and `lm.Transformer48`), at K = 2, 4, 8 cells and M = 1, 4, 32 micro-batches:
 
-  * the cells are PipeliningLayer's own (`PipeliningLayer.PlanCells` with num_cells = K, the
+  * the cells are PipeliningLayer's own (`plan.Cells` with num_cells = K, the
     registered input shapes, partition_method 'flops'), from Params alone;
   * a cell's forward on one micro-batch costs its FPropMeta FLOPs / M at a fixed device rate
     (`--device_tflops`), its backward `--backward_factor` times that, and its re-materialization
@@ -45,7 +45,9 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top,g-bad-import-orde
 from gpipe_tf import hyperparams  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import base_layer  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import simulator  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import fields  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
 # Same directory (a script's folder is on sys.path): the models and their Params.
 from partition_quality import MODELS, PipelineParams  # pylint: disable=g-import-not-at-top
 
@@ -64,7 +66,7 @@ LINK_GBPS = 50.0  # Default link bandwidth, GB/s; see the module docstring.
 
 def BatchSize(p: hyperparams.Params) -> int:
     """The global batch of PipeliningLayer Params `p`: its first input's batch dimension."""
-    return base_layer.FlattenShapes(pipelining_layer.PipeliningLayer.InputShapes(p))[0][p.batch_dim]
+    return base_layer.FlattenShapes(fields.InputShapes(p))[0][p.batch_dim]
 
 
 def CellPlan(p: hyperparams.Params, num_cells: int) -> tuple[list[int], list[int]]:
@@ -74,7 +76,7 @@ def CellPlan(p: hyperparams.Params, num_cells: int) -> tuple[list[int], list[int
       (per cell its forward FLOPs on one mini-batch, per boundary (K - 1 of them) the bytes of
       the activations crossing it for one mini-batch).
     """
-    _, metas = pipelining_layer.PipeliningLayer.PlanCells(p.Copy().Set(num_cells=num_cells))
+    _, metas = plan_lib.Cells(p.Copy().Set(num_cells=num_cells))
     element_bytes = tf.as_dtype(p.dtype).size
     boundary_bytes = [
         element_bytes * sum(s.num_elements() for s in base_layer.FlattenShapes(m.out_shapes))

@@ -79,10 +79,10 @@ def Measure(p, repeats):
     """(median step seconds, peak bytes a step allocates above what was in use before it)."""
     from gpipe_tf.layers import fprop_context  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import measured_costs  # pylint: disable=g-import-not-at-top
-    from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.pipeline import fields  # pylint: disable=g-import-not-at-top
     layer = p.Copy().Set(devices=bench.DEVICES[:p.num_cells]).Instantiate()
     inputs = measured_costs.PipelineInputs(p)[0]  # The pipeline's one input (a nest).
-    weights = tf.ones([plan_lib.BatchSize(p)])
+    weights = tf.ones([fields.BatchSize(p)])
 
     @tf.function
     def Step(inputs, weights):

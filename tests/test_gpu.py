@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from gpipe_tf.layers import basic
 from gpipe_tf.perf import memory
+from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.train import gpu as gpu_lib
 
@@ -164,7 +165,7 @@ class MemoryReportTest(tf.test.TestCase):
 
     def testRoundRobinSumsPerGpuAndReportsTheShortfall(self):
         plan = _Plan(num_cells=4)
-        devices = pipelining_layer.StageDevices(GPU_DEVICES, 4)  # Cells 0, 2 on GPU 0; 1, 3 on GPU 1.
+        devices = devices_lib.StageDevices(GPU_DEVICES, 4)  # Cells 0, 2 on GPU 0; 1, 3 on GPU 1.
         self.assertEqual(devices, GPU_DEVICES * 2)
         totals = [cell.total for cell in plan.cells]
         self.assertLen(set(totals), 4)  # So a cell counted on the wrong GPU changes a sum.

@@ -10,7 +10,9 @@ from gpipe_tf import test_utils
 from gpipe_tf.layers import basic
 from gpipe_tf.layers import normalization
 from gpipe_tf.pipeline import devices
+from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.pipeline import plan as plan_lib
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 TOLERANCE = 1e-5
@@ -33,36 +35,36 @@ def _Inputs():
 class MeshDevicesTest(parameterized.TestCase):
 
     def testFlatListIsReplicaMajor(self):
-        self.assertEqual(pipelining_layer.MeshDevices(['a', 'b', 'c', 'd'], 2, 2),
+        self.assertEqual(devices_lib.MeshDevices(['a', 'b', 'c', 'd'], 2, 2),
                          [['a', 'b'], ['c', 'd']])
 
     def testFunctionOfReplicaAndStage(self):
-        self.assertEqual(pipelining_layer.MeshDevices(lambda r, k: f'{r}{k}', 2, 3),
+        self.assertEqual(devices_lib.MeshDevices(lambda r, k: f'{r}{k}', 2, 3),
                          [['00', '01', '02'], ['10', '11', '12']])
 
     def testNestedList(self):
-        self.assertEqual(pipelining_layer.MeshDevices([['a', 'b'], ['c', 'd']], 2, 2),
+        self.assertEqual(devices_lib.MeshDevices([['a', 'b'], ['c', 'd']], 2, 2),
                          [['a', 'b'], ['c', 'd']])
 
     def testBadMeshes(self):
         with self.assertRaisesRegex(ValueError, 'must be 2 replicas x 2 stages, got \\[2, 1\\]'):
-            pipelining_layer.MeshDevices([['a', 'b'], ['c']], 2, 2)
+            devices_lib.MeshDevices([['a', 'b'], ['c']], 2, 2)
         with self.assertRaisesRegex(ValueError, 'function of \\(replica, stage\\)'):
-            pipelining_layer.MeshDevices(lambda k: 'a', 2, 2)
+            devices_lib.MeshDevices(lambda k: 'a', 2, 2)
         with self.assertRaisesRegex(ValueError, '2 replicas of 2 cells need 4 devices'):
-            pipelining_layer.MeshDevices(['a', 'b', 'c'], 2, 2, round_robin=False)
+            devices_lib.MeshDevices(['a', 'b', 'c'], 2, 2, round_robin=False)
         with self.assertRaisesRegex(ValueError, 'num_replicas must be >= 1'):
-            pipelining_layer.MeshDevices(None, 0, 2)
+            devices_lib.MeshDevices(None, 0, 2)
 
     def testAListShorterThanTheStagesIsRefusedUnlessSharingIsAskedFor(self):
         with self.assertRaisesRegex(errors.ConfigError, r'1 replicas of 4 cells need 4 devices, '
                                     r"but only 2 were given \(\['a', 'b'\]\): give one per "
                                     'stage, or set round_robin=True'):
-            pipelining_layer.MeshDevices(['a', 'b'], 1, 4, round_robin=None)
-        self.assertEqual(pipelining_layer.MeshDevices(['a', 'b'], 1, 4, round_robin=True),
+            devices_lib.MeshDevices(['a', 'b'], 1, 4, round_robin=None)
+        self.assertEqual(devices_lib.MeshDevices(['a', 'b'], 1, 4, round_robin=True),
                          [['a', 'b', 'a', 'b']])
         # One device for every stage says what it means.
-        self.assertEqual(pipelining_layer.MeshDevices(['a'], 1, 3, round_robin=None),
+        self.assertEqual(devices_lib.MeshDevices(['a'], 1, 3, round_robin=None),
                          [['a', 'a', 'a']])
 
     def testSharedDevicesSayHowManyStagesShareWhich(self):
@@ -90,10 +92,10 @@ class MeshDevicesTest(parameterized.TestCase):
         # nested, or DeviceSpecs.
         logical = tf.config.list_logical_devices('CPU')[:4]
         names = [[d.name for d in logical[:2]], [d.name for d in logical[2:]]]
-        self.assertEqual(pipelining_layer.MeshDevices(logical, 2, 2), names)
-        self.assertEqual(pipelining_layer.MeshDevices([logical[:2], logical[2:]], 2, 2), names)
+        self.assertEqual(devices_lib.MeshDevices(logical, 2, 2), names)
+        self.assertEqual(devices_lib.MeshDevices([logical[:2], logical[2:]], 2, 2), names)
         specs = [tf.DeviceSpec(device_type='CPU', device_index=k) for k in range(2)]
-        self.assertEqual(pipelining_layer.MeshDevices(specs, 1, 2),
+        self.assertEqual(devices_lib.MeshDevices(specs, 1, 2),
                          [['/device:CPU:0', '/device:CPU:1']])
 
     def testALayerOnLogicalDevicesRunsEachStageOnItsDevice(self):
@@ -122,12 +124,12 @@ class MeshDevicesTest(parameterized.TestCase):
     )
     def testDevicesOfTheWrongKindAreAConfigError(self, devices, pattern):
         with self.assertRaisesRegex(errors.ConfigError, pattern):
-            pipelining_layer.MeshDevices(devices, 2, 2)
+            devices_lib.MeshDevices(devices, 2, 2)
 
 
 class DataParallelTest(tf.test.TestCase, parameterized.TestCase):
 
-    @parameterized.product(recompute=pipelining_layer.RECOMPUTE_MODES, m=[1, 2, 4])
+    @parameterized.product(recompute=plan_lib.RECOMPUTE_MODES, m=[1, 2, 4])
     def testGradientsAndUpdateEqualUnpartitionedOnTheGlobalBatch(self, recompute, m):
         layer = _Layer(m=m, recompute=recompute)
         x = _Inputs()

@@ -29,6 +29,7 @@ from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import normalization
 from gpipe_tf.perf import memory
 from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.train import update
 
 DEVICES = test_utils.ConfigureVirtualCpus()
@@ -420,8 +421,8 @@ class MemoryPlanTest(tf.test.TestCase):
         self.assertEqual(plan.step_bytes, plan.shared_peak_bytes - params)
 
     def testLayerMetasCountActivationsAtTheComputeDtype(self):
-        plan = PipeliningLayer.PlanCells(PipelineParams())[1]
-        plan32 = PipeliningLayer.PlanCells(PipelineParams(fprop_dtype=None))[1]
+        plan = plan_lib.Cells(PipelineParams())[1]
+        plan32 = plan_lib.Cells(PipelineParams(fprop_dtype=None))[1]
         for meta, meta32 in zip(plan, plan32):
             self.assertEqual(2 * meta.activation_bytes, meta32.activation_bytes)
             self.assertEqual(meta.num_params, meta32.num_params)

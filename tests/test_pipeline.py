@@ -14,7 +14,9 @@ from gpipe_tf.layers import embedding
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import normalization
 from gpipe_tf.nested_map import NestedMap
+from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.pipeline import plan as plan_lib
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 TOLERANCE = 1e-5
@@ -53,7 +55,7 @@ def RandomInputs(shape=(BATCH, DIM)):
 # and the largest pipeline in the default mode: 13 of the full product's 36 cases. Every defect
 # benchmarks/grid_defects.py seeds that fails the full product fails this grid too; pairwise
 # alone missed one that needs K=4, M=8 and a re-materializing cell at once: the 13th case.
-GRID = [(k, m, pipelining_layer.RECOMPUTE_MODES[(i + j) % 3])
+GRID = [(k, m, plan_lib.RECOMPUTE_MODES[(i + j) % 3])
         for i, k in enumerate([1, 2, 4]) for j, m in enumerate([1, 2, 4, 8])] + [(4, 8, 'always')]
 
 
@@ -189,7 +191,7 @@ class StructuredInputTest(tf.test.TestCase, parameterized.TestCase):
     # unroll=False: the loop reads micro-batches from views of the inputs and their gradients
     # (batch_dim 0) or from stacked copies (batch_dim 1); it runs where recompute is 'always'.
     @parameterized.parameters(*[(batch_dim, mode, True) for batch_dim in (0, 1)
-                                for mode in pipelining_layer.RECOMPUTE_MODES],
+                                for mode in plan_lib.RECOMPUTE_MODES],
                               (0, 'always', False), (1, 'always', False))
     def testNestedMapInputsInTfFunction(self, batch_dim, mode, unroll):
         layer = self._Layer(batch_dim, mode, unroll)
@@ -217,7 +219,7 @@ class DropoutTest(tf.test.TestCase, parameterized.TestCase):
                        basic.DropoutLayer.Params().Set(keep_prob=0.7)]
         return PipelineParams(2, 4, mode, layers=layers).Instantiate()
 
-    @parameterized.parameters(*pipelining_layer.RECOMPUTE_MODES)
+    @parameterized.parameters(*plan_lib.RECOMPUTE_MODES)
     def testPipelineEqualsReferenceWithSameSeeds(self, mode):
         layer = self._Layer(mode)
         x = RandomInputs()
@@ -258,7 +260,7 @@ class BatchNormTest(tf.test.TestCase, parameterized.TestCase):
                                     decay * l.vars.moving_variance + (1 - decay) * var)
         return expected
 
-    @parameterized.product(mode=pipelining_layer.RECOMPUTE_MODES, m=[1, 4])
+    @parameterized.product(mode=plan_lib.RECOMPUTE_MODES, m=[1, 4])
     def testTrainingMatchesPerMicroBatchReferenceAndUpdatesOnce(self, mode, m):
         layer = self._Layer(mode, m)
         x = RandomInputs() * 3.0 + 1.0
@@ -288,7 +290,7 @@ class BatchNormTest(tf.test.TestCase, parameterized.TestCase):
 class PlacementTest(tf.test.TestCase, parameterized.TestCase):
     """Every op of cell k, forward and backward, is on device k; each cell runs M micro-batches."""
 
-    @parameterized.parameters(*pipelining_layer.RECOMPUTE_MODES)
+    @parameterized.parameters(*plan_lib.RECOMPUTE_MODES)
     def testOpsOfEachCellAreOnItsDevice(self, mode):
         k_cells, m = 4, 4
         graph = tf.Graph()
@@ -692,20 +694,20 @@ class MissingDeviceTest(tf.test.TestCase):
     def testCheckDevicesAgainstAGivenList(self):
         available = ['/job:worker/replica:0/task:0/device:CPU:0',
                      '/job:worker/replica:0/task:1/device:CPU:0']
-        pipelining_layer.CheckDevices([['/job:worker/task:0/device:CPU:0',
+        devices_lib.CheckDevices([['/job:worker/task:0/device:CPU:0',
                                 '/job:worker/task:1/device:CPU:0']], available)
-        pipelining_layer.CheckDevices([['', '/device:TPU_REPLICATED_CORE:0']], available)
+        devices_lib.CheckDevices([['', '/device:TPU_REPLICATED_CORE:0']], available)
         with self.assertRaisesRegex(
                 ValueError, r'/job:worker/task:2/device:CPU:0 \(stage 1 of replica 0\) is not '
                 'among the devices available: /job:worker/replica:0/task:0/device:CPU:0, '
                 '/job:worker/replica:0/task:1/device:CPU:0.$'):
-            pipelining_layer.CheckDevices([['/job:worker/task:1/device:CPU:0',
+            devices_lib.CheckDevices([['/job:worker/task:1/device:CPU:0',
                                     '/job:worker/task:2/device:CPU:0']], available)
 
     def testADeviceStringThatDoesNotParseIsAConfigErrorNamingItsStage(self):
         with self.assertRaisesRegex(errors.ConfigError, r"^Device 'd' of stage 1, replica 0 is "
                                     r'not a device string: .*Expected one such as'):
-            pipelining_layer.CheckDevices([['/device:CPU:0', 'd']])
+            devices_lib.CheckDevices([['/device:CPU:0', 'd']])
 
 
 if __name__ == '__main__':

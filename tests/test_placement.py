@@ -16,6 +16,7 @@ from tensorflow.python.eager import context
 from gpipe_tf import test_utils
 from gpipe_tf.layers import basic
 from gpipe_tf.pipeline import pipelining_layer
+from gpipe_tf.pipeline import plan as plan_lib
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 BATCH, DIM = 8, 4
@@ -68,7 +69,7 @@ class RunTimePlacementTest(parameterized.TestCase):
 
     @parameterized.named_parameters(*[
         (f'{kind}_{mode}_{"unrolled" if unroll else "looped"}', kind, k, v, mode, unroll)
-        for kind, k, v in KINDS for mode in pipelining_layer.RECOMPUTE_MODES
+        for kind, k, v in KINDS for mode in plan_lib.RECOMPUTE_MODES
         for unroll in (False, True)])
     def testEveryStageOpRanOnItsStagesDevice(self, kind, k, v, mode, unroll):
         layer = Pipeline(kind, k, v, mode, unroll)

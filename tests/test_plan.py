@@ -12,6 +12,7 @@ from gpipe_tf import errors
 from gpipe_tf import test_utils
 from gpipe_tf.layers import basic
 from gpipe_tf.perf import memory
+from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import schedule
@@ -264,9 +265,9 @@ class ParamsMistakesTest(parameterized.TestCase):
 
     def testShapesOfSeveralInputsAndDictsStillRead(self):
         p = _Params().Set(input_shapes=[[BATCH, DIM], {'a': (BATCH, 2)}])
-        self.assertEqual(plan_lib.InputShapes(p)[0], tf.TensorShape([BATCH, DIM]))
-        self.assertEqual(plan_lib.InputShapes(p)[1].a, tf.TensorShape([BATCH, 2]))
-        self.assertEqual(plan_lib.BatchSize(p), BATCH)
+        self.assertEqual(fields.InputShapes(p)[0], tf.TensorShape([BATCH, DIM]))
+        self.assertEqual(fields.InputShapes(p)[1].a, tf.TensorShape([BATCH, 2]))
+        self.assertEqual(fields.BatchSize(p), BATCH)
 
     def testBoundariesThatDoNotCoverTheLayersAreAConfigError(self):
         with self.assertRaisesRegex(errors.ConfigError, r'boundaries \[0, 3, 1, 4, 6\] do not '

@@ -39,6 +39,8 @@ import tensorflow as tf
 from gpipe_tf import errors
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
+from gpipe_tf.pipeline import devices as devices_lib
+from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import leaves
 
 # The file in a logdir that keeps its measured costs (`partition_method='time'`, `--mode=tune`).
@@ -107,15 +109,13 @@ def SynthesizedInputs(shapes, dtypes=None):
 
 def FirstDevice(p) -> str:
     """The device of PipeliningLayer Params `p`'s first cell, where its layers are measured."""
-    from gpipe_tf.pipeline import devices as devices_lib  # pylint: disable=g-import-not-at-top
     return devices_lib.MeshDevices(p.devices, p.num_replicas, p.num_cells)[0][0]
 
 
 def PipelineInputs(p, batch_size: int | None = None) -> list:
     """`SynthesizedInputs` for PipeliningLayer Params `p`: one tensor (or nest) per input of
     `p.input_shapes` and `p.input_dtypes`, with `batch_size` examples (None: the Params')."""
-    from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
-    shapes = plan_lib.InputShapes(p)
+    shapes = fields.InputShapes(p)
     if batch_size is not None:
         shapes = [_WithBatch(s, p.batch_dim, batch_size) for s in shapes]
     dtypes = p.input_dtypes
@@ -131,10 +131,10 @@ def PipelineLayerCosts(p, micro_batch_size: int | None = None, progress: Callabl
     None: the Params' own micro-batch), on the first cell's device, cached in `p.costs_file`.
     `before` and `layers` are the named layer Params (default: the plan's)."""
     from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
-    before = plan_lib.BeforeLayers(p) if before is None else before
-    layers = plan_lib.BodyLayers(p) if layers is None else layers
+    before = fields.BeforeLayers(p) if before is None else before
+    layers = fields.BodyLayers(p) if layers is None else layers
     if micro_batch_size is None:
-        batch_size = plan_lib.BatchSize(p)
+        batch_size = fields.BatchSize(p)
         micro_batch_size = -(-batch_size // p.num_replicas //
                              plan_lib.NumMicroBatches(p, batch_size))
     inputs = PipelineInputs(p, micro_batch_size)

@@ -325,7 +325,7 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1,
              else pipeline_plan.Schedule(m, training))
     if not training:
         slots_per_param = 0
-    shapes = plan_lib.InputShapes(p)
+    shapes = fields.InputShapes(p)
     # Weights in dtype; activations and the tensors crossing cells in the dtype the layers
     # compute in (half of float32's with a bfloat16 or float16 fprop_dtype).
     bytes_per = tf.as_dtype(p.dtype).size
@@ -511,7 +511,7 @@ def SuggestPipeline(p, device_bytes: float, slots_per_param: int = 1,
     if p.layer_tpl is None:
         raise ValueError(f'{p.name}: suggesting K needs layer_tpl (layers to partition).')
     max_cells = max_cells or len(p.layer_tpl)
-    batch = plan_lib.BatchSize(p)
+    batch = fields.BatchSize(p)
     divisors = _Divisors(batch)
     best = None
     for k in range(1, max_cells + 1):

@@ -35,6 +35,7 @@ from gpipe_tf.layers import sequential
 from gpipe_tf.perf import measured_costs
 from gpipe_tf.perf import memory as memory_lib
 from gpipe_tf.perf import simulator
+from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import schedule as schedule_lib
@@ -89,14 +90,14 @@ class FlopsCosts(Costs):
     def __init__(self, p, flops_per_sec: float = NOMINAL_FLOPS_PER_SEC):
         self.description = f'estimated from FLOPs at {flops_per_sec:.0e} FLOP/s'
         self._rate = flops_per_sec
-        self._batch = plan_lib.BatchSize(p)
-        before = plan_lib.BeforeLayers(p)
-        shapes = plan_lib.InputShapes(p)
+        self._batch = fields.BatchSize(p)
+        before = fields.BeforeLayers(p)
+        shapes = fields.InputShapes(p)
         self._before = ([m.flops for m in sequential.ChainMeta(before, *shapes)[1]]
                         if before else [])
-        layers = plan_lib.BodyLayers(p)
+        layers = fields.BodyLayers(p)
         self._layers = [m.flops for m in
-                        sequential.ChainMeta(layers, *plan_lib.BodyInputShapes(p))[1]]
+                        sequential.ChainMeta(layers, *fields.BodyInputShapes(p))[1]]
 
     def Of(self, micro_batch_size):
         def Seconds(flops):
@@ -329,7 +330,7 @@ def Tune(p, num_devices: int, device_memory_bytes: float, costs: Costs | None = 
         raise errors.ConfigError(f'{p.name}: tuning needs layer_tpl (layers to partition) and '
                                  'input_shapes (the shapes of one mini-batch).')
     costs = costs or FlopsCosts(p)
-    batch = plan_lib.BatchSize(p) // p.num_replicas
+    batch = fields.BatchSize(p) // p.num_replicas
     if space is None:
         space = Space(len(p.layer_tpl), num_devices, batch)
     scored, skipped = [], {}
@@ -383,7 +384,7 @@ def Calibrate(p, num_devices: int, costs: Costs,
     little with M): with steps varying 5-15% between runs, the fit put everything into it.
     Where no gpipe configuration fits or none was run, `costs` are returned as they are.
     """
-    batch = plan_lib.BatchSize(p) // p.num_replicas
+    batch = fields.BatchSize(p) // p.num_replicas
     space = space if space is not None else Space(len(p.layer_tpl), num_devices, batch)
     references = []  # (M, predicted seconds, measured seconds)
     for m in sorted({c.num_micro_batches for c in space}):

@@ -29,11 +29,12 @@ from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import precision
 from gpipe_tf.layers import sequential
 from gpipe_tf.layers import tied_weights
-from gpipe_tf.layers.base_layer import BaseLayer, LayerMeta
+from gpipe_tf.layers.base_layer import BaseLayer
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import executor
+from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import gradient_sums
 from gpipe_tf.pipeline import leaves
 from gpipe_tf.pipeline import looped
@@ -44,20 +45,12 @@ from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule as schedule_lib
 from gpipe_tf.pipeline import unfolded
 
-RECOMPUTE_MODES = plan_lib.RECOMPUTE_MODES
-PARTITION_METHODS = plan_lib.PARTITION_METHODS
 # A method's name, or boundaries (which the plan checks against the layers and cells).
 _PARTITION_METHOD = hyperparams.Check(
-    lambda v: v in PARTITION_METHODS if isinstance(v, str) else (
+    lambda v: v in plan_lib.PARTITION_METHODS if isinstance(v, str) else (
         isinstance(v, (list, tuple)) and
         all(isinstance(b, int) and not isinstance(b, bool) for b in v)),
-    f'one of {PARTITION_METHODS} or a list of layer indices [0, b_1, ..., L]')
-# The device functions live in `devices`, the one owner of device choices; these names stay
-# for callers of this module.
-DefaultDevices = devices_lib.DefaultDevices
-MeshDevices = devices_lib.MeshDevices
-CheckDevices = devices_lib.CheckDevices
-StageDevices = devices_lib.StageDevices
+    f'one of {plan_lib.PARTITION_METHODS} or a list of layer indices [0, b_1, ..., L]')
 
 
 def _LossAfterKinds() -> str:
@@ -135,7 +128,7 @@ class PipeliningLayer(BaseLayer):
                  'where the unrolled graph takes long to optimize, else unrolled (its steps '
                  'are as fast or faster).', check=hyperparams.OneOf(*plan_lib.UNROLL_MODES))
         p.Define('partition_method', 'flops',
-                 f'How layer_tpl is split: one of {PARTITION_METHODS}, or explicit boundaries '
+                 f'How layer_tpl is split: one of {plan_lib.PARTITION_METHODS}, or explicit boundaries '
                  '[0, b_1, ..., L] (cell k holds layers b_k .. b_{k+1} - 1). "time" measures '
                  'each layer\'s training forward and backward on one micro-batch on the first '
                  'cell\'s device (perf/measured_costs.py) and balances their sum.',
@@ -189,12 +182,6 @@ class PipeliningLayer(BaseLayer):
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
-    def PlanCells(cls, p) -> tuple[list[list], list[LayerMeta] | None]:
-        """From Params alone: each cell's layer Params, and each cell's FPropMeta (None without
-        input_shapes); see `plan.MakePlan`, which also checks M and the devices."""
-        return plan_lib.Cells(p)
-
-    @classmethod
     def UnpipelinedParams(cls, p):
         """The same model without the pipeline: a SequentialLayer of the same name over the same
         (named) layers, before_tpl first. Its variables have the pipeline's names, checkpoint keys
@@ -207,11 +194,6 @@ class PipeliningLayer(BaseLayer):
             random_seed=p.random_seed,
             sub=plan.before + [lp for layers in plan.cells for lp in layers],
             tied_weights=[list(tie) for tie in p.tied_weights])
-
-    @staticmethod
-    def InputShapes(p) -> tuple | None:
-        """`p.input_shapes` as a tuple of TensorShapes (NestedMaps of them), or None."""
-        return plan_lib.InputShapes(p)
 
     # ---- introspection ----------------------------------------------------------------------
     @property
@@ -580,7 +562,7 @@ class PipeliningLayer(BaseLayer):
                 layers += list(c) if isinstance(c, (list, tuple)) else [c]
         else:
             layers += list(p.layer_tpl or [])
-        layers = [lp.Copy().Set(name=plan_lib.LayerName(lp, i)) for i, lp in enumerate(layers)]
+        layers = [lp.Copy().Set(name=fields.LayerName(lp, i)) for i, lp in enumerate(layers)]
         return sequential.ChainMeta(layers, *input_shapes)[0]
 
 

@@ -23,6 +23,7 @@ from absl import flags
 from gpipe_tf import model_registry
 from gpipe_tf import units
 from gpipe_tf.layers import base_layer
+from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import plan as plan_lib
 
 flags.DEFINE_string('models', '', 'Only models whose key contains this string.')
@@ -60,7 +61,7 @@ def Row(key: str) -> ModelRow:
                          f'{p.cls.__name__}.')
     plan = plan_lib.MakePlan(p, place=False)
     metas, m = plan.metas, plan.num_micro_batches
-    cell_inputs = [base_layer.ActivationBytes(plan_lib.InputShapes(p), p)]
+    cell_inputs = [base_layer.ActivationBytes(fields.InputShapes(p), p)]
     cell_inputs += [base_layer.ActivationBytes(meta.out_shapes, p) for meta in metas[:-1]]
     flops = [meta.flops for meta in metas]
     num_params = sum(meta.num_params for meta in metas)

@@ -22,6 +22,7 @@ from gpipe_tf import units
 from gpipe_tf.perf import measured_costs
 from gpipe_tf.perf import memory as memory_lib
 from gpipe_tf.perf import tuner
+from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.train import logdir as logdir_lib
 
@@ -173,11 +174,11 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
         p.costs_file = os.path.join(logdir, measured_costs.COSTS_FILE)
     slots = memory_lib.SlotsPerParam(task_params.train.optimizer)
     k = p.num_cells
-    batch = plan_lib.BatchSize(p) // p.num_replicas
+    batch = fields.BatchSize(p) // p.num_replicas
     space = tuner.Space(len(p.layer_tpl), k, batch)
     layer_costs = ChooseCosts(p, costs, slots, max(c.num_micro_batches for c in space))
     print(f'tuning {name} for K={k} devices of {device_memory_gib:g} GiB, batch '
-          f'{plan_lib.BatchSize(p)}: {len(space)} configurations, layer costs '
+          f'{fields.BatchSize(p)}: {len(space)} configurations, layer costs '
           f'{layer_costs.description}', flush=True)
     started = time.perf_counter()
     runs = bool(steps and layer_costs.measured)
