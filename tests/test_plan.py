@@ -206,9 +206,9 @@ class MakePlanTest(parameterized.TestCase):
                          schedule.Make('zero_bubble_v', 4, 16, 2, recomputes=flags).actions)
 
     def testIsPipeline(self):
-        self.assertTrue(plan_lib.IsPipeline(_Params()))
-        self.assertFalse(plan_lib.IsPipeline(basic.DenseLayer.Params()))
-        self.assertFalse(plan_lib.IsPipeline(None))
+        self.assertTrue(pipelining_layer.IsPipeline(_Params()))
+        self.assertFalse(pipelining_layer.IsPipeline(basic.DenseLayer.Params()))
+        self.assertFalse(pipelining_layer.IsPipeline(None))
 
 
 class ParamsMistakesTest(parameterized.TestCase):

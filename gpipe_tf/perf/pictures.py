@@ -26,6 +26,7 @@ from gpipe_tf.perf import memory as memory_lib
 from gpipe_tf.perf import plot
 from gpipe_tf.perf import simulator
 from gpipe_tf.perf import trace
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import schedule as schedule_lib
 
@@ -77,7 +78,7 @@ def PipelineParams(params):
       ValueError: if the model is not a PipeliningLayer.
     """
     model = params.model if 'model' in params and 'train' in params else params
-    if not plan_lib.IsPipeline(model):
+    if not pipelining_layer.IsPipeline(model):
         found = 'None' if model is None else model.cls.__name__
         raise ValueError(f'The pipeline pictures need a PipeliningLayer model; got {found}.')
     return model

@@ -10,13 +10,14 @@ from gpipe_tf import errors
 from gpipe_tf.perf import pictures
 from gpipe_tf.perf import plot
 from gpipe_tf.pipeline import partition
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
 
 
 def PartitionTable(p, name: str, plan=None) -> str:
     """The partition table of task Params `p`'s pipeline from Params alone (no variables, no
     TF ops), from `plan` (placed) or one made here."""
-    if plan is None and plan_lib.IsPipeline(p.model):
+    if plan is None and pipelining_layer.IsPipeline(p.model):
         plan = plan_lib.MakePlan(p.model)
     if plan is None:
         raise errors.ConfigError(f'{name}: inspect_model needs a PipeliningLayer model; got '

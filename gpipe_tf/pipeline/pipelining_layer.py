@@ -566,6 +566,11 @@ class PipeliningLayer(BaseLayer):
         return sequential.ChainMeta(layers, *input_shapes)[0]
 
 
+def IsPipeline(p) -> bool:
+    """Whether layer Params `p` are a PipeliningLayer's (a model a plan applies to)."""
+    return p is not None and issubclass(p.cls, PipeliningLayer)
+
+
 def _ShardSizes(batch_size: int | None, num_replicas: int) -> list:
     """Per replica that runs, its shard's examples (`microbatch.Sizes`): all R with None
     (a batch known only when the step runs); of a static batch, only those with examples

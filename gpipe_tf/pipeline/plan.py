@@ -25,10 +25,6 @@ from gpipe_tf.layers import sequential
 from gpipe_tf.layers.base_layer import LayerMeta
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import fields
-# The fields' readings, as callers of the plan have always found them here.
-# pylint: disable-next=unused-import
-from gpipe_tf.pipeline.fields import (BatchSize, BeforeLayers, BodyInputShapes, BodyLayers,
-                                      InputShapes, LayerName)
 from gpipe_tf.pipeline import looped
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import partition
@@ -197,9 +193,9 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
                                  'cannot run a logical_device_fn (its XLA sharding annotations '
                                  'are not tried inside a loop). Set unroll=True or "auto", '
                                  'which unrolls it.')
-    before = BeforeLayers(p)
+    before = fields.BeforeLayers(p)
     _CheckUniqueNames(p, before + [lp for layers in cells for lp in layers])
-    batch_size = BatchSize(p)
+    batch_size = fields.BatchSize(p)
     num_micro_batches = None if batch_size is None else NumMicroBatches(p, batch_size)
     plan = Plan(params=p, cells=cells, metas=metas, before=before,
                 recompute=recompute, batch_size=batch_size,
@@ -409,7 +405,7 @@ def _CellLayerParams(p) -> list[list]:
             named.append([fields.Named(p, lp, index + i) for i, lp in enumerate(cell)])
             index += len(cell)
         return named
-    layers = BodyLayers(p)
+    layers = fields.BodyLayers(p)
     boundaries = _Boundaries(p, layers)
     return [layers[boundaries[k]:boundaries[k + 1]] for k in range(len(boundaries) - 1)]
 
@@ -428,7 +424,7 @@ def _Boundaries(p, layers: list) -> list[int]:
     if method not in PARTITION_METHODS:
         raise errors.ConfigError(f'partition_method must be one of {PARTITION_METHODS} or a '
                                  f'list of boundaries, got {method!r}.')
-    shapes = BodyInputShapes(p)
+    shapes = fields.BodyInputShapes(p)
     if shapes is None:
         raise errors.ConfigError(f'partition_method={method!r} needs input_shapes (the shapes '
                                  'of one mini-batch of inputs) to estimate layer costs.')
@@ -438,7 +434,7 @@ def _Boundaries(p, layers: list) -> list[int]:
         raise errors.ConfigError(f'{p.name}: the layers do not chain: {e}') from None
     if method == 'time':
         from gpipe_tf.perf import measured_costs  # pylint: disable=g-import-not-at-top
-        costs = measured_costs.StepSeconds(p, BeforeLayers(p), layers)
+        costs = measured_costs.StepSeconds(p, fields.BeforeLayers(p), layers)
     else:
         costs = [m.flops if method == 'flops' else m.num_params for m in metas]
     return partition.OptimalBoundaries(costs, num_cells)
@@ -446,7 +442,7 @@ def _Boundaries(p, layers: list) -> list[int]:
 
 def _CheckCellsFit(p, cell_layers: list) -> list[LayerMeta] | None:
     """FPropMeta of every cell, checking each cell's output fits the next cell's input."""
-    shapes = BodyInputShapes(p)
+    shapes = fields.BodyInputShapes(p)
     if shapes is None:
         return None
     metas = []
@@ -467,9 +463,3 @@ def _CheckCellsFit(p, cell_layers: list) -> list[LayerMeta] | None:
 
 def _Names(layers: list) -> str:
     return ', '.join(lp.name for lp in layers)
-
-
-def IsPipeline(p) -> bool:
-    """Whether layer Params `p` are a PipeliningLayer's (a model the plan applies to)."""
-    from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
-    return p is not None and issubclass(p.cls, pipelining_layer.PipeliningLayer)

@@ -24,6 +24,7 @@ from gpipe_tf import model_registry
 from gpipe_tf import units
 from gpipe_tf.layers import base_layer
 from gpipe_tf.pipeline import fields
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
 
 flags.DEFINE_string('models', '', 'Only models whose key contains this string.')
@@ -56,7 +57,7 @@ def Row(key: str) -> ModelRow:
     p = model_registry.GetParams(key, model_registry.GetDatasets(key)[0])
     if 'model' in p:  # Task Params: the pipeline is their model.
         p = p.model
-    if not plan_lib.IsPipeline(p) or p.input_shapes is None:
+    if not pipelining_layer.IsPipeline(p) or p.input_shapes is None:
         raise ValueError(f'{key}: expected PipeliningLayer Params with input_shapes, got '
                          f'{p.cls.__name__}.')
     plan = plan_lib.MakePlan(p, place=False)

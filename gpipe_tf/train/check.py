@@ -28,6 +28,7 @@ import tensorflow as tf
 from gpipe_tf import errors
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import normalization
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import unpartitioned
 
@@ -166,7 +167,7 @@ def Run(task_params, name: str, plan=None) -> Parity:
       ParityError: for gradients that differ beyond the tolerance.
     """
     p = task_params.model
-    if not plan_lib.IsPipeline(p):
+    if not pipelining_layer.IsPipeline(p):
         raise errors.ConfigError(f'{name}: --mode=check compares a PipeliningLayer model with '
                                  f'its layers un-partitioned; got {p.cls.__name__}.')
     pipeline_plan = plan if plan is not None else plan_lib.MakePlan(p)

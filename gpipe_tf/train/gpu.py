@@ -29,6 +29,7 @@ import tensorflow as tf
 from gpipe_tf import units
 from gpipe_tf.perf import memory as memory_lib
 from gpipe_tf.perf import pictures
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
 
 QUERY_COLUMNS = ('index', 'uuid', 'name', 'memory.free', 'memory.total')
@@ -300,12 +301,12 @@ def PipelineReport(p, plan=None) -> str:
     planned memory against the free memory of the GPU it runs on; a line saying why when there
     is no report (no plan, R > 1 replicas, devices that are not this machine's GPUs)."""
     model = p.model
-    if plan_lib.IsPipeline(model) and model.num_replicas > 1:
+    if pipelining_layer.IsPipeline(model) and model.num_replicas > 1:
         # The plan is one pipeline's on the whole batch; replicas share GPUs round-robin.
         return (f'No GPU memory report: the memory plan covers one pipeline, not '
                 f'{model.num_replicas} replicas.')
     try:
-        if plan is None and plan_lib.IsPipeline(model):
+        if plan is None and pipelining_layer.IsPipeline(model):
             plan = plan_lib.MakePlan(model)
         memory = pictures.Plan(p, pipeline_plan=plan).memory  # Raises for a non-pipeline.
         report = Report(memory, plan.devices)

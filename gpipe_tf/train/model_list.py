@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from gpipe_tf import model_registry
 from gpipe_tf import units
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
 
 # The mark of `TRAINS_ON_A_CPU`, in the list.
@@ -25,7 +26,7 @@ def Lines() -> list[str]:
         try:
             p = model_registry.GetParams(key, model_registry.GetDatasets(key)[0])
             model = p.model if 'model' in p else p
-            if not plan_lib.IsPipeline(model) or model.input_shapes is None:
+            if not pipelining_layer.IsPipeline(model) or model.input_shapes is None:
                 raise ValueError('not a PipeliningLayer with input_shapes')
             plan = plan_lib.MakePlan(model, place=False)
             size = (f'{units.Count(sum(m.num_params for m in plan.metas))} params, '

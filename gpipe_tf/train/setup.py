@@ -19,6 +19,7 @@ from gpipe_tf import overrides
 from gpipe_tf.layers import precision
 from gpipe_tf.perf import measured_costs
 from gpipe_tf.pipeline import devices as devices_lib
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.tasks import base_task
 from gpipe_tf.train import cluster as cluster_lib
@@ -169,7 +170,7 @@ def CheckPlan(p, config=None):
         trainer's) set the value at fault, its flag.
     """
     model = p.model
-    if not plan_lib.IsPipeline(model):
+    if not pipelining_layer.IsPipeline(model):
         return None
     batch, replicas = p.input.batch_size, model.num_replicas
     if batch % replicas:
@@ -241,7 +242,7 @@ def SetUpDevices(config, target: Target, p, plan, plan_only: bool = False) -> No
 def PartitionsOnTime(p) -> bool:
     """Whether task Params `p`'s model is a pipeline partitioned on measured time, whose layer
     costs `PartitionOnTime` measures (and caches in the logdir unless costs_file says where)."""
-    return plan_lib.IsPipeline(p.model) and p.model.partition_method == 'time'
+    return pipelining_layer.IsPipeline(p.model) and p.model.partition_method == 'time'
 
 
 def PartitionOnTime(p, logdir: str):

@@ -23,7 +23,7 @@ from gpipe_tf.perf import measured_costs
 from gpipe_tf.perf import memory as memory_lib
 from gpipe_tf.perf import tuner
 from gpipe_tf.pipeline import fields
-from gpipe_tf.pipeline import plan as plan_lib
+from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.train import logdir as logdir_lib
 
 COSTS = ('auto', 'measured', 'flops')
@@ -56,7 +56,7 @@ def SetNumCells(task_params, name: str, num_devices: int) -> None:
         each, or more cells than layers.
     """
     p = task_params.model
-    if not plan_lib.IsPipeline(p):
+    if not pipelining_layer.IsPipeline(p):
         return
     replicas = p.num_replicas
     if num_devices < replicas or num_devices % replicas:
@@ -155,7 +155,7 @@ def Run(task_params, name: str, logdir: str, device_memory_gib: float | None,
         would).
     """
     p = task_params.model
-    if not plan_lib.IsPipeline(p) or p.layer_tpl is None:
+    if not pipelining_layer.IsPipeline(p) or p.layer_tpl is None:
         raise errors.ConfigError(f'{name}: --mode=tune needs a PipeliningLayer model with '
                                  'layer_tpl (layers to partition).')
     if device_memory_gib is None or not device_memory_gib > 0:
