@@ -27,7 +27,6 @@ import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-import argparse  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import json  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import math  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import time  # pylint: disable=g-import-not-at-top,g-bad-import-order
@@ -42,13 +41,12 @@ import keras  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import numpy as np  # pylint: disable=g-import-not-at-top,g-bad-import-order
 
 from gpipe_tf import keras as gpipe_keras  # pylint: disable=g-import-not-at-top
-from gpipe_tf.input import text  # pylint: disable=g-import-not-at-top
 from gpipe_tf.input import vocabulary  # pylint: disable=g-import-not-at-top
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The corpus's sentences and the unigram baseline, as the keras_hub decoder example reads them.
 # pylint: disable-next=g-import-not-at-top,wrong-import-position
-from keras_hub_lm import LENGTH, Sequences, UnigramNll
+from keras_hub_lm import LENGTH, Arguments, Corpus
 
 HIDDEN, INTERMEDIATE, HEADS, LAYERS = 64, 256, 4, 4
 BATCH, NUM_MICRO_BATCHES = 32, 4
@@ -84,20 +82,9 @@ class FirstStep(keras.callbacks.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--epochs', type=int, default=15, help='passes over the train split')
-    parser.add_argument('--output', default=None,
-                        help='write the per-epoch losses and perplexities there (JSON)')
-    parser.add_argument('--plot', default=None,
-                        help='draw the train and dev loss per epoch there (PNG)')
-    args = parser.parse_args()
+    args = Arguments(__doc__.split('\n\n')[0])
     began = time.perf_counter()
-    keras.utils.set_random_seed(0)
-    vocab = text.DefaultVocabulary(min_count=2)
-    train, dev = Sequences('train', vocab), Sequences('dev', vocab)
-    print(f'{len(train[0])} train and {len(dev[0])} dev sentences, vocabulary of {vocab.size}')
-    unigram = UnigramNll(train[1], train[2], dev[1], dev[2], vocab.size)
-    print(f'unigram baseline: dev {unigram:.3f} nats/char (perplexity {math.exp(unigram):.2f})')
+    vocab, train, dev, unigram = Corpus()
 
     lm = Gpt2(vocab.size)
     start = time.perf_counter()

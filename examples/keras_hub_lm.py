@@ -81,20 +81,31 @@ def Model(vocab_size: int) -> gpipe_keras.Sequential:
                                   balance=[2, 1, 1, 2], name='lm')
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+def Arguments(description: str):
+    """The examples' flags: --epochs, --output, --plot."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument('--epochs', type=int, default=15, help='passes over the train split')
     parser.add_argument('--output', default=None,
                         help='write the per-epoch losses and perplexities there (JSON)')
     parser.add_argument('--plot', default=None,
                         help='draw the train and dev loss per epoch there (PNG)')
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def Corpus():
+    """(vocabulary, train, dev, the unigram model's dev nats/char), seeded and printed."""
     keras.utils.set_random_seed(0)
     vocab = text.DefaultVocabulary(min_count=2)
     train, dev = Sequences('train', vocab), Sequences('dev', vocab)
     print(f'{len(train[0])} train and {len(dev[0])} dev sentences, vocabulary of {vocab.size}')
     unigram = UnigramNll(train[1], train[2], dev[1], dev[2], vocab.size)
     print(f'unigram baseline: dev {unigram:.3f} nats/char (perplexity {math.exp(unigram):.2f})')
+    return vocab, train, dev, unigram
+
+
+def main() -> None:
+    args = Arguments(__doc__.split('\n\n')[0])
+    vocab, train, dev, unigram = Corpus()
 
     model = Model(vocab.size)
     model.build((None, LENGTH))

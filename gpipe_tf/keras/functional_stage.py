@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import weakref
 
-import keras
 import tensorflow as tf
 
 from gpipe_tf.keras import graph as graph_lib
