@@ -262,15 +262,15 @@ class TrainerTest(CleanCacheTestCase):
 class CountsPeakBytesTest(tf.test.TestCase):
 
     def testOnlyTheBfcAllocatorCountsACpusPeak(self):
-        with mock.patch.dict(os.environ, {'TF_CPU_ALLOCATOR_USE_BFC': 'true'}):
-            self.assertTrue(measured_costs.CountsPeakBytes('/device:CPU:1'))
-        with mock.patch.dict(os.environ, {'TF_CPU_ALLOCATOR_USE_BFC': 'false'}):
-            self.assertFalse(measured_costs.CountsPeakBytes(
-                '/job:localhost/replica:0/task:0/device:CPU:0'))
-            self.assertFalse(measured_costs.CountsPeakBytes(None))  # The default: CPU:0.
-            self.assertTrue(measured_costs.CountsPeakBytes('/device:GPU:0'))
-        with mock.patch.dict(os.environ, clear=True):
-            self.assertFalse(measured_costs.CountsPeakBytes('CPU:0'))
+        # Environments as arguments: changing the process's while TensorFlow's threads read it
+        # (setenv against getenv) crashed a test worker.
+        bfc, default = {'TF_CPU_ALLOCATOR_USE_BFC': 'true'}, {'TF_CPU_ALLOCATOR_USE_BFC': 'false'}
+        self.assertTrue(measured_costs.CountsPeakBytes('/device:CPU:1', bfc))
+        self.assertFalse(measured_costs.CountsPeakBytes(
+            '/job:localhost/replica:0/task:0/device:CPU:0', default))
+        self.assertFalse(measured_costs.CountsPeakBytes(None, default))  # The default: CPU:0.
+        self.assertTrue(measured_costs.CountsPeakBytes('/device:GPU:0', default))
+        self.assertFalse(measured_costs.CountsPeakBytes('CPU:0', {}))
 
     def testPeakBytesOfIsWhatTheRunAllocatedAboveItsStartOrNoneWhereNotCounted(self):
         # A stand-in for the allocator's statistics: TensorFlow's default CPU allocator counts

@@ -307,15 +307,17 @@ def _Sync(result) -> None:
             x.numpy()
 
 
-def CountsPeakBytes(device: str | None) -> bool:
+def CountsPeakBytes(device: str | None, environ=None) -> bool:
     """Whether TensorFlow's statistics of `device`'s allocator (`get_memory_info`) count its
     peak: an accelerator's do, a CPU's only with the BFC allocator (TF_CPU_ALLOCATOR_USE_BFC=true
-    before TensorFlow starts). The default CPU allocator's peak counts only part: a zero_bubble
-    step of AmoebaNetD_Small read 40.3 MiB with it, 64.8 MiB with BFC (75.1 planned)."""
+    before TensorFlow starts; read from `environ`, default the process's). The default CPU
+    allocator's peak counts only part: a zero_bubble step of AmoebaNetD_Small read 40.3 MiB
+    with it, 64.8 MiB with BFC (75.1 planned)."""
     kind = tf.DeviceSpec.from_string(device or 'CPU:0').device_type or 'CPU'
     if kind.upper() != 'CPU':
         return True
-    return os.environ.get('TF_CPU_ALLOCATOR_USE_BFC', '').strip().lower() in ('true', '1')
+    environ = os.environ if environ is None else environ
+    return environ.get('TF_CPU_ALLOCATOR_USE_BFC', '').strip().lower() in ('true', '1')
 
 
 def PeakBytesOf(device: str, run: Callable[[], None]) -> int | None:
