@@ -46,7 +46,7 @@ from gpipe_tf.input import vocabulary  # pylint: disable=g-import-not-at-top
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The corpus's sentences and the unigram baseline, as the keras_hub decoder example reads them.
 # pylint: disable-next=g-import-not-at-top,wrong-import-position
-from keras_hub_lm import LENGTH, Arguments, Corpus
+from keras_hub_lm import LENGTH, Arguments, Corpus, Plot
 
 HIDDEN, INTERMEDIATE, HEADS, LAYERS = 64, 256, 4, 4
 BATCH, NUM_MICRO_BATCHES = 32, 4
@@ -145,24 +145,8 @@ def main() -> None:
                        'first_step_seconds': first_step.seconds, 'wall_seconds': wall,
                        'epochs': history}, f, indent=1)
     if args.plot:
-        Plot(history, unigram, args.plot)
-
-
-def Plot(history: list, unigram: float, path: str) -> None:
-    import matplotlib  # pylint: disable=import-outside-toplevel
-    matplotlib.use('Agg')
-    from matplotlib import pyplot  # pylint: disable=import-outside-toplevel
-    epochs = [h['epoch'] for h in history]
-    figure, axes = pyplot.subplots(figsize=(6, 3.5))
-    axes.plot(epochs, [h['train_nll'] for h in history], marker='o', label='train')
-    axes.plot(epochs, [h['dev_nll'] for h in history], marker='o', label='dev')
-    axes.axhline(unigram, color='gray', linestyle='--', label='unigram (dev)')
-    axes.set_xlabel('epoch')
-    axes.set_ylabel('nats per character')
-    axes.set_title(f'keras_hub GPT-2 (Functional), K={NUM_CELLS}, M={NUM_MICRO_BATCHES}, 1F1B')
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
+        Plot(history, unigram, args.plot,
+             f'keras_hub GPT-2 (Functional), K={NUM_CELLS}, M={NUM_MICRO_BATCHES}, 1F1B')
 
 
 if __name__ == '__main__':

@@ -138,7 +138,9 @@ def main() -> None:
         Plot(history, unigram, args.plot)
 
 
-def Plot(history: list, unigram: float, path: str) -> None:
+def Plot(history: list, unigram: float, path: str,
+         title: str = 'keras_hub decoder LM, K=4 cells, M=4, 1F1B') -> None:
+    """The train and dev nats per character by epoch, beside the unigram model's, as a PNG."""
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use('Agg')
     from matplotlib import pyplot  # pylint: disable=import-outside-toplevel
@@ -149,7 +151,7 @@ def Plot(history: list, unigram: float, path: str) -> None:
     axes.axhline(unigram, color='gray', linestyle='--', label='unigram (dev)')
     axes.set_xlabel('epoch')
     axes.set_ylabel('nats per character')
-    axes.set_title('keras_hub decoder LM, K=4 cells, M=4, 1F1B')
+    axes.set_title(title)
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)
