@@ -48,19 +48,15 @@ def ExampleInputs(graph: graph_lib.Graph, example_inputs, micro_batch_size: int 
         return [tf.convert_to_tensor(x, dtype=graph.tensors[key].dtype)
                 for x, key in zip(flat, keys)]
     size = micro_batch_size or SYNTHESIZED_MICRO_BATCH
-    inputs = []
-    for i, key in enumerate(keys):
-        tensor = graph.tensors[key]
+    tensors = [graph.tensors[key] for key in keys]
+    for tensor in tensors:
         if any(d is None for d in tensor.shape[1:]):
             raise errors.ConfigError(
                 f'{graph_lib.MODEL}: {what} needs example_inputs= (a micro-batch of the '
                 f'model\'s inputs, as torch\'s mb_args): input {tensor.name!r} has shape '
                 f'{tuple(tensor.shape)}, known only when the model runs.')
-        shape = [size] + list(tensor.shape[1:])
-        dtype = tf.as_dtype(tensor.dtype)
-        inputs.append(tf.random.stateless_uniform(shape, [i, 0], dtype=dtype)
-                      if dtype.is_floating else tf.zeros(shape, dtype))
-    return inputs
+    return measured_costs.SynthesizedInputs([[size] + list(t.shape[1:]) for t in tensors],
+                                            [t.dtype for t in tensors])
 
 
 def Values(graph: graph_lib.Graph, inputs: list) -> dict:
@@ -74,18 +70,17 @@ def Bytes(values: dict, keys) -> int:
                tf.as_dtype(values[key].dtype).size for key in keys)
 
 
-def MeasuredSeconds(graph: graph_lib.Graph, p, inputs: list, device: str) -> list[float]:
+def MeasuredSeconds(graph: graph_lib.Graph, p, values: dict, device: str) -> list[float]:
     """Per call, in order, its measured share of a training step (forward, backward, and the
-    forward again where a cell re-materializes: `LayerCost.StepSeconds`) on `inputs` (one
-    micro-batch), on `device`.
+    forward again where a cell re-materializes: `LayerCost.StepSeconds`) on the tensors of
+    one micro-batch, on `device`.
 
     Args:
       graph: the model's graph.
       p: the PipeliningLayer Params (recompute, num_cells, virtual_stages).
-      inputs: the model's flat inputs for one micro-batch (`ExampleInputs`).
+      values: every tensor of the graph on one micro-batch (`Values` of `ExampleInputs`).
       device: the device to time on (the first cell's).
     """
-    values = Values(graph, inputs)
     handle = keras_layer.Handle(graph.model)
     recompute = plan_lib.AnyRematerialized(p)
     seconds = []

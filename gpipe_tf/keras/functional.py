@@ -129,16 +129,17 @@ class Functional(pipeline_model.PipelineModel):
             p.Set(**params)
         except (AttributeError, ValueError, TypeError) as error:
             raise errors.ConfigError(f'{_MODEL}: {error}') from None
-        self._example = None  # Per key, the tensors of example_inputs (`StageReport`).
-        if example_inputs is not None:
-            self._example = call_costs.Values(graph, call_costs.ExampleInputs(
-                graph, example_inputs, None, 'example_inputs'))
+        timed = partition_method == 'time' and split_points is None and balance is None
+        # Every tensor of the graph on one micro-batch: what the time cut measures on, and,
+        # of the example inputs given, what `StageReport` counts.
+        values = (call_costs.Values(graph, call_costs.ExampleInputs(
+            graph, example_inputs, p.micro_batch_size, 'partition_method="time"'))
+                  if example_inputs is not None or timed else None)
+        self._example = values if example_inputs is not None else None
         costs = None
-        if partition_method == 'time' and split_points is None and balance is None:
-            inputs = call_costs.ExampleInputs(graph, example_inputs, p.micro_batch_size,
-                                              'partition_method="time"')
+        if timed:
             device = devices_lib.MeshDevices(p.devices, p.num_replicas, p.num_cells)[0][0]
-            costs = call_costs.MeasuredSeconds(graph, p, inputs, device)
+            costs = call_costs.MeasuredSeconds(graph, p, values, device)
         bounds = graph.Bounds(num_stages, split_points, balance, costs)
         if costs is not None:  # A model loaded from its config is cut where this one is.
             self._arguments['balance'] = [b - a for a, b in zip(bounds[:-1], bounds[1:])]

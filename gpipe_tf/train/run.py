@@ -13,7 +13,6 @@ import time
 import tensorflow as tf
 
 from gpipe_tf import errors
-from gpipe_tf import model_registry
 from gpipe_tf.perf import reports
 from gpipe_tf.tasks import classifier
 from gpipe_tf.tasks import sequence
@@ -32,12 +31,10 @@ from gpipe_tf.train import tune
 
 
 def Run(config) -> None:
-    """Runs `config.mode` (`config`: the trainer's Config)."""
+    """Runs `config.mode` (`config`: the trainer's Config, checked by `trainer.CheckFlags`)."""
     if config.list_models:
         print('\n'.join(model_list.Lines()))
         return
-    if not config.model:
-        raise errors.UserError('--model is required (see --list_models).')
     p = setup.TaskParams(config)
     if config.mode == 'tune' and config.num_devices is not None:
         tune.SetNumCells(p, config.model, config.num_devices)

@@ -237,25 +237,24 @@ class TransformerEmbeddingLayer(BaseLayer):
                        tgt_labels=shapes.tgt_labels, tgt_weights=shapes.tgt_weights)
         else:
             out.update(paddings=shapes.paddings, labels=shapes.labels, weights=shapes.weights)
-        # Both tables' gradients are gathers' (IndexedSlices): the token table's rows are the
-        # streams' ids, the positions' those of each stream's length.
-        num_params = p.vocab_size * p.model_dim
-        rows = sum(shapes[ids_key].num_elements() for ids_key, _ in cls._Streams(p).values())
+        # The tables' gradients are gathers' (IndexedSlices): the token table's rows are the
+        # streams' ids, the positions' those of each stream's length. A token table the softmax
+        # reads too (tied_softmax) gets a dense gradient: not among the sparse ones.
+        streams = cls._Streams(p).values()
+        token_params = p.vocab_size * p.model_dim
+        token_rows = sum(shapes[ids_key].num_elements() for ids_key, _ in streams)
+        position_params = position_rows = 0
         if p.position_embedding == 'learned':
-            num_params += p.max_length * p.model_dim
-            rows += sum(shapes[ids_key][1] for ids_key, _ in cls._Streams(p).values())
+            position_params = p.max_length * p.model_dim
+            position_rows = sum(shapes[ids_key][1] for ids_key, _ in streams)
+        sparse_params, sparse_rows = position_params, position_rows
+        if not p.tied_softmax:
+            sparse_params, sparse_rows = sparse_params + token_params, sparse_rows + token_rows
         total = _SumMetas(out, metas)
-        if p.tied_softmax:  # The token table's gradient is dense; the positions' stay sparse.
-            token_rows = sum(shapes[ids_key].num_elements()
-                             for ids_key, _ in cls._Streams(p).values())
-            return LayerMeta(out, total.flops, num_params, total.activation_bytes,
-                             sparse_params=num_params - p.vocab_size * p.model_dim,
-                             sparse_gradient_bytes=embedding.SparseGradientBytes(
-                                 rows - token_rows, p.model_dim, p.dtype))
-        return LayerMeta(out, total.flops, num_params, total.activation_bytes,
-                         sparse_params=num_params,
+        return LayerMeta(out, total.flops, token_params + position_params,
+                         total.activation_bytes, sparse_params=sparse_params,
                          sparse_gradient_bytes=embedding.SparseGradientBytes(
-                             rows, p.model_dim, p.dtype))
+                             sparse_rows, p.model_dim, p.dtype))
 
 
 class HandOffLayer(BaseLayer):
