@@ -49,7 +49,7 @@ from absl import logging  # pylint: disable=g-import-not-at-top
 
 from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
-from gpipe_tf.pipeline import executor  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import unrolled  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import microbatch  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
@@ -133,14 +133,14 @@ def _ZeroGrads(d_theta):
 
 class _Running:
     """The UnrolledSchedule whose Backward is being built, for defects that depend on K or M:
-    `executor.UnrolledSchedule.Backward` is wrapped to record it."""
+    `unrolled.UnrolledSchedule.Backward` is wrapped to record it."""
 
     def __init__(self):
         self.stack = []
 
     @contextlib.contextmanager
     def Recording(self):
-        real = executor.UnrolledSchedule.Backward
+        real = unrolled.UnrolledSchedule.Backward
         running = self
 
         def Backward(self, d_outputs):
@@ -150,7 +150,7 @@ class _Running:
             finally:
                 running.stack.pop()
 
-        with mock.patch.object(executor.UnrolledSchedule, 'Backward', Backward):
+        with mock.patch.object(unrolled.UnrolledSchedule, 'Backward', Backward):
             yield
 
     @property

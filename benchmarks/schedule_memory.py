@@ -54,6 +54,7 @@ def MeasureHere(kind: str, k: int, m: int, recompute: str, graph_mode: str,
     from gpipe_tf import errors  # pylint: disable=g-import-not-at-top
     from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
     from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.pipeline import executor  # pylint: disable=g-import-not-at-top
     from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
     devices = test_utils.ConfigureVirtualCpus(K)
     virtual = schedule_lib.Kind(kind).searched_virtual_stages if k > 1 else 1
@@ -106,7 +107,8 @@ def MeasureHere(kind: str, k: int, m: int, recompute: str, graph_mode: str,
         run()
     except errors.ConfigError as error:
         return dict(row, refused=str(error))
-    row['executor'] = 'looped' if layer.plan.Loops(m) else 'unrolled'
+    loops = executor.Choose(layer.p, layer.plan.num_cells, m).loops
+    row['executor'] = 'looped' if loops else 'unrolled'
 
     row['between_mib'] = Info()['current'] / MIB
     tf.config.experimental.reset_memory_stats('CPU:0')

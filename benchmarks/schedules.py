@@ -89,6 +89,7 @@ def MakeStep(layer, kind):
 
 def Measure(kind, k, m, devices, unroll=True, plot_dir=None, recompute='always') -> dict:
     from gpipe_tf.perf import memory  # pylint: disable=g-import-not-at-top
+    from gpipe_tf.pipeline import executor  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import simulator  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import trace  # pylint: disable=g-import-not-at-top
     layer = Build(kind, k, m, devices, unroll, recompute)
@@ -123,7 +124,8 @@ def Measure(kind, k, m, devices, unroll=True, plot_dir=None, recompute='always')
                 timeline, title=f'{kind}, K={k}, M={m}: {name}, bubble {timeline.bubble:.2f}'),
                 os.path.join(plot_dir, f'{kind}{"" if recompute == "always" else "_" + recompute}'
                                        f'_k{k}_m{m}_{name}.png'))
-    return dict(schedule=kind, k=k, v=plan.virtual_stages, m=m, looped=plan.Loops(m),
+    loops = executor.Choose(plan.params, plan.num_cells, m).loops
+    return dict(schedule=kind, k=k, v=plan.virtual_stages, m=m, looped=loops,
                 recompute=recompute,
                 first_step_s=first,
                 step_ms=1e3 * statistics.median(times), peak_mib=peak / MIB,

@@ -119,7 +119,8 @@ def Partitions(name, p, repeats, emit):
                         devices=bench.DEVICES[:2])
     num_layers = len(p.layer_tpl)
     flops = Bounds(base.Copy().Set(partition_method='flops'))
-    timed = Bounds(base.Copy().Set(partition_method='time'))
+    from gpipe_tf.perf import measured_costs  # pylint: disable=g-import-not-at-top
+    timed = measured_costs.TimedBoundaries(base.Copy().Set(partition_method='time'))
     steps = {}
     for cut in range(1, num_layers):
         steps[cut], _ = Measure(base.Copy().Set(partition_method=[0, cut, num_layers]), repeats)

@@ -26,7 +26,7 @@ MOVED = {
     'gpipe_tf.layers.recompute': 'gpipe_tf.pipeline.recompute',
     'gpipe_tf.layers.schedule': 'gpipe_tf.pipeline.schedule',
     'gpipe_tf.layers.transformer_model': 'gpipe_tf.models.transformer.network',
-    'gpipe_tf.layers.unrolled': 'gpipe_tf.pipeline.executor',
+    'gpipe_tf.layers.unrolled': 'gpipe_tf.pipeline.unrolled',
     'gpipe_tf.train.devices': 'gpipe_tf.pipeline.devices',
 }
 

@@ -22,7 +22,7 @@ import tensorflow as tf
 from gpipe_tf import model_registry
 from gpipe_tf import test_utils
 from gpipe_tf.layers import normalization
-from gpipe_tf.pipeline import executor
+from gpipe_tf.pipeline import unrolled
 from gpipe_tf.pipeline import looped
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import pipelining_layer
@@ -53,16 +53,16 @@ def CellWeightGradientsHalved():
 
 def GradientsAveragedOverMicroBatches():
     """A pipeline bug: each cell's weight gradient is the mean over the M micro-batches, not
-    their sum (what a pipeline at M = 1 cannot see; `executor.UnrolledSchedule`'s, so the
+    their sum (what a pipeline at M = 1 cannot see; `unrolled.UnrolledSchedule`'s, so the
     pipeline must run unrolled)."""
-    original = executor.UnrolledSchedule._Sum  # pylint: disable=protected-access
+    original = unrolled.UnrolledSchedule._Sum  # pylint: disable=protected-access
 
     def Averaged(self, k, m, d_theta):
         num_micro_batches = self.schedule.num_micro_batches
         original(self, k, m, [None if g is None else tf.convert_to_tensor(g) / num_micro_batches
                               for g in d_theta])
 
-    return mock.patch.object(executor.UnrolledSchedule, '_Sum', Averaged)
+    return mock.patch.object(unrolled.UnrolledSchedule, '_Sum', Averaged)
 
 
 def SmallAmoebaNetCheck(**model_overrides):
@@ -96,7 +96,7 @@ class CheckModeTest(tf.test.TestCase):
             raise AssertionError('the reference ran pipeline code')
 
         with contextlib.ExitStack() as stack:
-            for owner, name in [(executor.UnrolledSchedule, '__init__'),
+            for owner, name in [(unrolled.UnrolledSchedule, '__init__'),
                                 (looped.LoopedSchedule, '__init__'),
                                 (recompute.CellFunctions, 'Forward'),
                                 (recompute.CellFunctions, 'Backward'),

@@ -16,6 +16,7 @@ from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import executor
+from gpipe_tf.pipeline import unrolled
 from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import looped
 from gpipe_tf.pipeline import recompute
@@ -88,7 +89,7 @@ def V1Session(graph):
 
 def MakeSchedule(cells, recomputes, num_micro_batches, batch_dim=0, assign=None):
     functions = [recompute.CellFunctions(cell, DEVICES[k]) for k, cell in enumerate(cells)]
-    return executor.UnrolledSchedule(functions, recomputes, num_micro_batches, batch_dim,
+    return unrolled.UnrolledSchedule(functions, recomputes, num_micro_batches, batch_dim,
                                      tf.constant(0, tf.int64), assign)
 
 
@@ -263,7 +264,7 @@ class ExecutorProtocolTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(set(_ProtocolMembers()),
                          {'__init__', 'schedule', 'Forward', 'Backward', 'ForwardBackward'})
 
-    @parameterized.parameters(executor.UnrolledSchedule, looped.LoopedSchedule)
+    @parameterized.parameters(unrolled.UnrolledSchedule, looped.LoopedSchedule)
     def testHasEveryMemberWithTheProtocolsParameters(self, cls):
         for name, stated in _ProtocolMembers().items():
             offered = inspect.getattr_static(cls, name, None)

@@ -41,6 +41,9 @@ def _Params(activations, **kwargs):
 
 
 def _Cells(p):
+    """Each cell's number of layers; a time partition measured first (`TimedBoundaries`)."""
+    if p.partition_method == 'time':
+        p = p.Copy().Set(partition_method=measured_costs.TimedBoundaries(p))
     return [len(cell) for cell in plan_lib.MakePlan(p, place=False).cells]
 
 
@@ -139,8 +142,13 @@ class PartitionOnTimeTest(CleanCacheTestCase):
         made_up = _MadeUpCosts(lambda layer, _: 10.0 if layer.params.activation == 'tanh'
                                else 1.0)
         activations = ['tanh', 'relu', 'relu', 'relu']
+        on_time = _Params(activations, num_cells=2, partition_method='time')
+        with self.assertRaisesRegex(errors.ConfigError, 'TimedBoundaries'):
+            on_time.Instantiate()  # A layer measures nothing itself.
         with _Patched(made_up):
-            timed = _Params(activations, num_cells=2, partition_method='time').Instantiate()
+            bounds = measured_costs.TimedBoundaries(on_time)
+        self.assertEqual(bounds, [0, 1, 4])
+        timed = on_time.Copy().Set(partition_method=bounds).Instantiate()
         uniform = _Params(activations, num_cells=2, partition_method='uniform').Instantiate()
         self.assertEqual([len(c.sequence) for c in timed.cells], [1, 3])
         x = tf.random.stateless_normal([BATCH, DIM], [1, 2])

@@ -2,7 +2,6 @@
 made once from Params; every check Params allow happens when it is made, before any variable or
 graph; the layer, the memory planner and the trainer read the same plan."""
 
-from unittest import mock
 
 import pytest
 import tensorflow as tf
@@ -12,6 +11,7 @@ from gpipe_tf import errors
 from gpipe_tf import test_utils
 from gpipe_tf.layers import basic
 from gpipe_tf.perf import memory
+from gpipe_tf.pipeline import executor
 from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
@@ -21,6 +21,11 @@ pytestmark = pytest.mark.unit
 
 DEVICES = test_utils.ConfigureVirtualCpus()
 BATCH, DIM = 16, 4
+
+
+def _Loops(plan, num_micro_batches: int) -> bool:
+    """Whether a training step of `plan`'s pipeline over M micro-batches runs as a loop."""
+    return executor.Choose(plan.params, plan.num_cells, num_micro_batches).loops
 
 
 def _Params(num_layers=6, **kwargs):
@@ -152,8 +157,9 @@ class MakePlanTest(parameterized.TestCase):
         p = _Params(num_layers=8, num_cells=k, virtual_stages=v, num_micro_batches=m,
                     schedule='gpipe' if v == 1 else 'interleaved_1f1b')
         self.assertEqual(p.unroll, 'auto')
-        self.assertEqual(plan_lib.MakePlan(p, place=False).Loops(m), loops)
-        self.assertEqual(k * v * m >= plan_lib.LOOP_FROM_CELL_CALLS, loops)
+        plan = plan_lib.MakePlan(p, place=False)
+        self.assertEqual(_Loops(plan, m), loops)
+        self.assertEqual(k * v * m >= executor.LOOP_FROM_CELL_CALLS, loops)
 
     def testUnrollTakesTrueFalseOrAuto(self):
         for value in ('yes', 1, 0, None):
@@ -163,23 +169,45 @@ class MakePlanTest(parameterized.TestCase):
                     _Params().Set(unroll=value)
 
     def testTrueAndFalseAreKeptWhereTheLoopCanRun(self):
-        self.assertTrue(plan_lib.MakePlan(_Params(num_cells=2, unroll=False), place=False).Loops(2))
+        self.assertTrue(_Loops(plan_lib.MakePlan(_Params(num_cells=2, unroll=False), place=False), 2))
         p = _Params(num_layers=8, num_cells=8, num_micro_batches=16, unroll=True)
-        self.assertFalse(plan_lib.MakePlan(p, place=False).Loops(16))
+        self.assertFalse(_Loops(plan_lib.MakePlan(p, place=False), 16))
         for mode in plan_lib.RECOMPUTE_MODES:
             with self.subTest(mode):
                 # 'auto' loops from LOOP_FROM_CELL_CALLS cell calls whatever the mode.
                 p = _Params(num_layers=8, num_cells=8, num_micro_batches=16, unroll='auto',
                             recompute=mode)
-                self.assertTrue(plan_lib.MakePlan(p, place=False).Loops(16))
-                self.assertFalse(plan_lib.MakePlan(p, place=False).Loops(4))
+                self.assertTrue(_Loops(plan_lib.MakePlan(p, place=False), 16))
+                self.assertFalse(_Loops(plan_lib.MakePlan(p, place=False), 4))
         p = _Params(num_layers=8, num_cells=8, num_micro_batches=16, unroll='auto',
                     logical_device_fn=lambda x, k: x)
-        self.assertFalse(plan_lib.MakePlan(p, place=False).Loops(16))
+        self.assertFalse(_Loops(plan_lib.MakePlan(p, place=False), 16))
         # An explicit unroll=False the loop cannot honour is refused, naming why.
         with self.assertRaisesRegex(errors.ConfigError,
                                     'unroll=False runs the schedule as a loop.*logical_device_fn'):
             plan_lib.MakePlan(p.Set(unroll=False), place=False)
+
+    def testATrainingBatchMDoesNotDivideUnrollsAndSaysWhy(self):
+        p = _Params(num_layers=8, num_cells=8, num_micro_batches=16, unroll=False)
+        uneven = executor.Choose(p, 8, 16, training=True, even=False)
+        self.assertFalse(uneven.loops)
+        self.assertEqual(str(uneven), 'unrolled: a training batch that M=16 does not divide')
+        self.assertTrue(executor.Choose(p, 8, 16, training=False, even=False).loops)
+        self.assertEqual(str(executor.Choose(p.Set(unroll='auto'), 8, 4)),
+                         "unrolled: unroll='auto', 32 cell calls < 64")
+
+    def testATimedPartitionTakesTheCostsItsCallerMeasured(self):
+        p = _Params(num_layers=4, num_cells=2, partition_method='time')
+        with self.assertRaisesRegex(errors.ConfigError, r"partition_method='time' partitions on "
+                                    r"the layers' measured costs, which a plan does not measure"):
+            plan_lib.MakePlan(p, place=False)
+        # Optimal min-max on the costs given: the heavy first layer alone in cell 0.
+        plan = plan_lib.MakePlan(p, place=False, layer_costs=[9.0, 1.0, 1.0, 1.0])
+        self.assertEqual([len(cell) for cell in plan.cells], [1, 3])
+        plan = plan_lib.MakePlan(p, place=False, layer_costs=[1.0, 1.0, 1.0, 9.0])
+        self.assertEqual([len(cell) for cell in plan.cells], [3, 1])
+        with self.assertRaisesRegex(errors.ConfigError, 'layer_costs has 3 costs for 4 layers'):
+            plan_lib.MakePlan(p, place=False, layer_costs=[1.0, 1.0, 1.0])
 
     def testZeroBubbleVPlacesItsCellsInAV(self):
         p = _Params(num_layers=8, num_cells=2, virtual_stages=2, schedule='zero_bubble_v',
@@ -308,50 +336,6 @@ class ConsumersReadThePlanTest(tf.test.TestCase):
     def testMemoryPlanTakesMFromMicroBatchSize(self):
         # micro_batch_size=4 on a batch of 16: M = 4 (a `num_micro_batches or 1` would say 1).
         self.assertEqual(memory.PlanMemory(_Params(micro_batch_size=4)).num_micro_batches, 4)
-
-
-class HandOnTest(tf.test.TestCase):
-    """A plan made once and handed on (`HandOn`) is the one the layer built inside takes."""
-
-    def _Made(self):
-        return mock.patch.object(plan_lib, 'MakePlan', wraps=plan_lib.MakePlan)
-
-    def testALayerBuiltInsideTakesThePlanInsteadOfMakingIt(self):
-        p = _Params(num_cells=3, num_micro_batches=2, devices=DEVICES[:3])
-        plan = plan_lib.MakePlan(p, place=False)
-        with self._Made() as made, plan_lib.HandOn(plan):
-            layer = p.Instantiate()
-        made.assert_not_called()
-        self.assertIs(layer.plan.cells, plan.cells)
-        self.assertEqual(layer.plan, plan_lib.MakePlan(layer.p, check_devices=True))
-
-    def testItsNameSeedAndDevicesAreTheLayersOwn(self):
-        plan = plan_lib.MakePlan(_Params(num_cells=3, devices=DEVICES[:3]), place=False)
-        p = _Params(num_cells=3, devices=DEVICES[3:6]).Set(name='other', random_seed=5)
-        with self._Made() as made, plan_lib.HandOn(plan):
-            layer = p.Instantiate()
-        made.assert_not_called()
-        self.assertEqual(layer.devices, DEVICES[3:6])
-        self.assertEqual(layer.plan, plan_lib.MakePlan(layer.p, check_devices=True))
-
-    def testParamsChangedSinceItWasHandedOnMakeTheirOwn(self):
-        p = _Params(num_cells=3, num_micro_batches=2, devices=DEVICES[:3])
-        plan = plan_lib.MakePlan(p, place=False)
-        with self._Made() as made, plan_lib.HandOn(plan):
-            p.num_micro_batches = 4  # The plan's own Params: a TPU program changes them so.
-            layer = p.Instantiate()
-        made.assert_called_once()
-        self.assertEqual(layer.plan.num_micro_batches, 4)
-        self.assertEqual(plan.num_micro_batches, 2)
-
-    def testOutsideOrWithNoneNothingIsHandedOn(self):
-        p = _Params(num_cells=2, devices=DEVICES[:2])
-        with plan_lib.HandOn(plan_lib.MakePlan(p, place=False)):
-            pass
-        with self._Made() as made, plan_lib.HandOn(None):
-            p.Instantiate()
-            p.Instantiate()
-        self.assertEqual(made.call_count, 2)
 
 
 if __name__ == '__main__':

@@ -25,7 +25,6 @@ import time
 from unittest import mock
 
 from absl import flags as absl_flags
-from absl.testing import parameterized
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -35,6 +34,7 @@ from gpipe_tf import errors
 from gpipe_tf import model_registry
 from gpipe_tf import test_utils
 from gpipe_tf import trainer
+from gpipe_tf.perf import measured_costs
 from gpipe_tf.perf import pictures
 from gpipe_tf.perf import reports
 from gpipe_tf.perf import trace
@@ -202,7 +202,8 @@ class TrainAndResumeTest(ReferenceRunTestCase):
         self.assertIn(f'resumed from {os.path.join(logdir, "train", f"ckpt-{saved}")} at step '
                       f'{saved}', output)
         # K=4, M=8: 32 cell calls, fewer than unroll='auto' loops from.
-        self.assertIn('M=8 (gpipe schedule, unrolled), batch', output)
+        self.assertIn("M=8 (gpipe schedule, unrolled: unroll='auto', 32 cell calls < 64), batch",
+                      output)
         resumed = Scalars(logdir, 'loss', sorted(EventFiles(logdir) - before))
         self.assertEqual(sorted(resumed), list(range(saved + 1, saved + 9)))
         for step, loss in resumed.items():
@@ -577,10 +578,12 @@ class ModesTest(TrainerTestCase):
         self.assertIn('stem', rows[0])
         self.assertIn('head', rows[2])
         # K=3, M=8: 24 cell calls, unrolled; M=32 (batch 64): 96, a loop (unroll='auto').
-        self.assertIn('M=8 micro-batches, schedule gpipe (unrolled)', output)
+        self.assertIn("M=8 micro-batches, schedule gpipe (unrolled: unroll='auto', 24 cell calls "
+                      '< 64)', output)
         output = InProcess('--model=image.amoebanet.AmoebaNetD_Small', '--mode=inspect_model',
                            '--worker_split_size=3', '--num_micro_batches=32').stdout
-        self.assertIn('M=32 micro-batches, schedule gpipe (a loop over its clock)', output)
+        self.assertIn("M=32 micro-batches, schedule gpipe (a loop over its clock: unroll='auto', "
+                      '96 cell calls >= 64)', output)
 
 
 class DecodeTest(TrainerTestCase):
@@ -733,22 +736,23 @@ class SmallConfigsTrainTest(TrainerTestCase):
         self._TrainsTwoSteps('lm.TransformerLTiny')
 
 
-class OnePlanTest(TrainerTestCase, parameterized.TestCase):
-    """A training run makes its pipeline's plan once (`setup.CheckPlan`), before anything is
-    built, and the pipeline it builds takes it (`plan.HandOn`)."""
+class OnePartitionTest(TrainerTestCase):
+    """A run measures a time partition once, before anything is built, and writes it into the
+    Params: the pipeline it builds plans from them (its own plan, no second measurement)."""
 
-    @parameterized.parameters(
-        ('tf_function', '', 1), ('v1', '', 1),
-        # The check before the devices exist runs on a uniform stand-in; the measured
-        # partition's plan is the one the pipeline takes.
-        ('tf_function', '; model.partition_method : "time"', 2))
-    def testATrainingRunMakesItsPlanOnce(self, graph_mode, overrides, expected):
-        with mock.patch.object(plan_lib, 'MakePlan', wraps=plan_lib.MakePlan) as made:
+    def testAMeasuredPartitionIsMeasuredOnceAndBuilt(self):
+        with mock.patch.object(measured_costs, 'StepSeconds',
+                               wraps=measured_costs.StepSeconds) as measured, \
+                mock.patch.object(plan_lib, 'MakePlan', wraps=plan_lib.MakePlan) as made:
             InProcess(f'--model={MLP}', f'--logdir={self.LogDir()}', '--max_steps=1',
-                      f'--graph_mode={graph_mode}',
-                      f'--model_params_override={FAST}; train.plot_pipeline : False'
-                      f'{overrides}')
-        self.assertEqual(made.call_count, expected, made.call_args_list)
+                      f'--model_params_override={FAST}; train.plot_pipeline : False; '
+                      'model.partition_method : "time"')
+        measured.assert_called_once()
+        # The layer's own plans (placed, its devices checked) are of the measured boundaries.
+        built = [c.args[0] for c in made.call_args_list if c.kwargs.get('check_devices')]
+        self.assertNotEmpty(built)
+        for params in built:
+            self.assertIsInstance(params.partition_method, list)
 
 
 class ClusterExposureTest(tf.test.TestCase):

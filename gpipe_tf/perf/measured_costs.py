@@ -42,6 +42,7 @@ from gpipe_tf.layers import fprop_context
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import leaves
+from gpipe_tf.pipeline import plan as plan_lib
 
 # The file in a logdir that keeps its measured costs (`partition_method='time'`, `--mode=tune`).
 COSTS_FILE = 'layer_costs.json'
@@ -123,16 +124,13 @@ def PipelineInputs(p, batch_size: int | None = None) -> list:
                              [dtypes] * len(shapes))
 
 
-def PipelineLayerCosts(p, micro_batch_size: int | None = None, progress: Callable | None = None,
-                       before: list | None = None, layers: list | None = None
+def PipelineLayerCosts(p, micro_batch_size: int | None = None, progress: Callable | None = None
                        ) -> tuple[list[LayerCost], list[LayerCost]]:
-    """The measured costs of PipeliningLayer Params `p`'s before_tpl layers and body layers, on
-    one micro-batch of `p.input_shapes` and `p.input_dtypes` (of `micro_batch_size` examples;
-    None: the Params' own micro-batch), on the first cell's device, cached in `p.costs_file`.
-    `before` and `layers` are the named layer Params (default: the plan's)."""
-    from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
-    before = fields.BeforeLayers(p) if before is None else before
-    layers = fields.BodyLayers(p) if layers is None else layers
+    """The measured costs of PipeliningLayer Params `p`'s before_tpl layers and body layers
+    (named as the plan names them), on one micro-batch of `p.input_shapes` and
+    `p.input_dtypes` (of `micro_batch_size` examples; None: the Params' own micro-batch), on
+    the first cell's device, cached in `p.costs_file`."""
+    before, layers = fields.BeforeLayers(p), fields.BodyLayers(p)
     if micro_batch_size is None:
         batch_size = fields.BatchSize(p)
         micro_batch_size = -(-batch_size // p.num_replicas //
@@ -143,14 +141,28 @@ def PipelineLayerCosts(p, micro_batch_size: int | None = None, progress: Callabl
     return costs[:len(before)], costs[len(before):]
 
 
-def StepSeconds(p, before: list, layers: list) -> list[float]:
-    """Each of `layers`' measured share of a training step (`LayerCost.StepSeconds`), for
-    PipeliningLayer Params `p` (`PipelineLayerCosts` on its micro-batch). `before` and `layers`
-    are named layer Params (`plan`)."""
-    from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
+def StepSeconds(p, progress: Callable | None = logging.info) -> list[float]:
+    """Each body layer's measured share of a training step (`LayerCost.StepSeconds`), for
+    PipeliningLayer Params `p` (`PipelineLayerCosts` on its micro-batch): the costs
+    `plan.MakePlan(layer_costs=...)` partitions on for partition_method='time'."""
+    _, costs = PipelineLayerCosts(p, progress=progress)
     recompute = plan_lib.AnyRematerialized(p)
-    _, costs = PipelineLayerCosts(p, progress=logging.info, before=before, layers=layers)
     return [c.StepSeconds(recompute) for c in costs]
+
+
+def TimedBoundaries(p, progress: Callable | None = logging.info) -> list[int]:
+    """The boundaries [0, b_1, ..., L] that partition_method='time' gives PipeliningLayer
+    Params `p`: its layers measured on its first device (`StepSeconds`), the optimal min-max
+    partition of those costs. Set them as `p.partition_method` before building the layer.
+
+    Raises:
+      errors.ConfigError: as `plan.MakePlan`.
+    """
+    plan = plan_lib.MakePlan(p, place=False, layer_costs=StepSeconds(p, progress))
+    bounds = [0]
+    for layers in plan.cells:
+        bounds.append(bounds[-1] + len(layers))
+    return bounds
 
 
 def _WithBatch(shapes, batch_dim: int, batch_size: int):

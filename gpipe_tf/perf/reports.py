@@ -9,6 +9,7 @@ import os
 from gpipe_tf import errors
 from gpipe_tf.perf import pictures
 from gpipe_tf.perf import plot
+from gpipe_tf.pipeline import executor
 from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import pipelining_layer
 from gpipe_tf.pipeline import plan as plan_lib
@@ -32,7 +33,7 @@ def PartitionTable(p, name: str, plan=None) -> str:
              f'K={plan.num_devices} devices x v={plan.virtual_stages} = {plan.num_cells} cells')
     m = plan.MicroBatchesOf(p.input.batch_size)
     head = (f'{name}: {cells}, M={m} micro-batches, schedule {p.model.schedule} '
-            f'({Executor(plan, m)}), recompute={p.model.recompute}, batch {p.input.batch_size}. '
+            f'({executor.Choose(plan.params, plan.num_cells, m)}), recompute={p.model.recompute}, batch {p.input.batch_size}. '
             'FLOPs and activation bytes are per mini-batch; with re-materialization a cell '
             'keeps about 1/M of its activations at a time.')
     return head + '\n' + partition.FormatReport(rows)
@@ -56,7 +57,4 @@ def MemoryTable(p, name: str, device_bytes: float | None = None, plot_dir: str |
     return '\n'.join(lines)
 
 
-def Executor(plan, num_micro_batches: int) -> str:
-    """How a step of `plan`'s pipeline runs its schedule (the Params' `unroll`)."""
-    return 'a loop over its clock' if plan.Loops(num_micro_batches) else 'unrolled'
 

@@ -1,8 +1,8 @@
 """A pipeline schedule run as a loop in the graph: its size, and the time to build and optimize
 it, do not grow with M.
 
-`executor.UnrolledSchedule` adds every action to the graph, K M forwards and as many backwards:
-at K=8, M=32 graph optimization of the inlined calls took minutes before the first step.
+`unrolled.UnrolledSchedule` adds every action to the graph, K M forwards and as many backwards,
+whose optimization before the first step grows with them (docs/schedules.md, "Build cost").
 `LoopedSchedule` puts the schedule's clock (`ticks.Ticks`) in a `tf.while_loop`: at each tick
 every device runs the actions the tables give it, a `tf.switch_case` per lane (per stage it
 holds, zero-bubble's W apart: `ticks.Lane`) over the lane's kinds of action, or idles. Each
@@ -56,27 +56,19 @@ from gpipe_tf.pipeline import unfolded
 
 F, B = schedule_lib.FORWARD, schedule_lib.BACKWARD
 I, W = schedule_lib.INPUT_GRAD, schedule_lib.WEIGHT_GRAD
-# The name scope of each kind of action's ops (`trace.py` reads them).
-_SCOPES = {F: 'fwd', B: 'bwd', I: 'bwd_input', W: 'bwd_weight'}
-
-
-def Supports(assign) -> bool:
-    """Whether a LoopedSchedule can run this pipeline (any schedule, any recompute mode): not
-    with a logical_device_fn's `assign` (XLA sharding annotations are not tried in a loop)."""
-    return assign is None
 
 
 class LoopedSchedule:
     """One step of a pipeline of S stages over M micro-batches, its clock in a while loop.
 
-    Args: as `executor.UnrolledSchedule` (`assign` must be None: see `Supports`).
+    Args: as `executor.Executor` (`assign` must be None: `executor.Choose`).
     """
 
     def __init__(self, functions, recomputes, sched, batch_dim, step, assign=None,
                  first_example=0):
-        if not Supports(assign):
+        if assign is not None:
             raise ValueError('LoopedSchedule runs no logical_device_fn; use '
-                             'executor.UnrolledSchedule.')
+                             'unrolled.UnrolledSchedule.')
         self._functions = functions
         self._recomputes = list(recomputes)
         self._devices = [f.device for f in functions]
@@ -93,7 +85,7 @@ class LoopedSchedule:
 
     # ---- the step ---------------------------------------------------------------------------
     def Forward(self, thetas: list, inputs, training: bool = True):
-        """As `UnrolledSchedule.Forward`: (outputs, per cell its summed statistics)."""
+        """As `unrolled.UnrolledSchedule.Forward`: (outputs, per cell its summed statistics)."""
         if training:
             executor.CheckForwardFirst(self._schedule)
         else:
@@ -113,7 +105,7 @@ class LoopedSchedule:
         return outputs, self._Updates()
 
     def Backward(self, d_outputs):
-        """As `UnrolledSchedule.Backward`: (per cell its flat weight gradients, d_inputs)."""
+        """As `unrolled.UnrolledSchedule.Backward`: (per cell its flat weight gradients, d_inputs)."""
         with tf.device(self._devices[-1]):
             self._d_acts[-1] = [self._batch.View(x) for x in leaves.FloatLeaves(d_outputs)]
         self._Loop((B,))
@@ -121,7 +113,7 @@ class LoopedSchedule:
 
     def ForwardBackward(self, thetas: list, inputs, loss_fn, loss_inputs=None,
                         loss_scale=None):
-        """As `UnrolledSchedule.ForwardBackward`."""
+        """As `unrolled.UnrolledSchedule.ForwardBackward`."""
         self._Start(thetas, inputs, True, [(F, B, I, W)], loss_in_loop=True)
         self._loss_fn = loss_fn
         self._loss_scale = loss_scale
@@ -529,7 +521,7 @@ class LoopedSchedule:
             key = self._Access(kind, s)[0][0]
             x = self._Read(key, self._structures[s] if key[0] == 'act' else None, m)
             d_y = self._Read(('d_act', s + 1), None, m) if kind in (B, I) else None
-        with tf.name_scope(f'cell_{s}_{_SCOPES[kind]}'):
+        with tf.name_scope(f'cell_{s}_{executor.PARTS[kind]}'):
             self._Run(kind, s, m, values, fn, first, x, d_y)
         done = [t.flow if isinstance(t, tf.TensorArray) else t
                 for k in keys if k != token for t in tf.nest.flatten(values[k])]

@@ -3,7 +3,7 @@
 The layers are partitioned into K cells (v K with v virtual stages per device), each built and run
 under a device of its own. A mini-batch is split into M micro-batches, and the schedule
 (`schedule.Make(p.schedule, K, M, v)`: per device, its ordered forwards and backwards) is compiled
-into the graph by an `executor.Executor` (`executor.UnrolledSchedule`, or `looped.LoopedSchedule`
+into the graph by an `executor.Executor` (`unrolled.UnrolledSchedule`, or `looped.LoopedSchedule`
 from many cell calls): every cell's forward and backward (and its recompute) runs under that
 cell's device, and each cell's weight gradients are summed over the M micro-batches on that
 device. The result, outputs and gradients, equals the same layers run un-partitioned, whatever
@@ -43,6 +43,7 @@ from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule as schedule_lib
+from gpipe_tf.pipeline import unrolled
 from gpipe_tf.pipeline import unfolded
 
 # A method's name, or boundaries (which the plan checks against the layers and cells).
@@ -124,14 +125,15 @@ class PipeliningLayer(BaseLayer):
                  'True: the schedule is unrolled into the graph (v K M calls of the cells); '
                  'False: it runs as a loop over its clock, whose graph does not grow with M '
                  '(any recompute mode; a logical_device_fn is a ConfigError); '
-                 f'"auto": a loop from {plan_lib.LOOP_FROM_CELL_CALLS} cell calls (v K M), '
+                 f'"auto": a loop from {executor.LOOP_FROM_CELL_CALLS} cell calls (v K M), '
                  'where the unrolled graph takes long to optimize, else unrolled (its steps '
                  'are as fast or faster).', check=hyperparams.OneOf(*plan_lib.UNROLL_MODES))
         p.Define('partition_method', 'flops',
                  f'How layer_tpl is split: one of {plan_lib.PARTITION_METHODS}, or explicit boundaries '
                  '[0, b_1, ..., L] (cell k holds layers b_k .. b_{k+1} - 1). "time" measures '
                  'each layer\'s training forward and backward on one micro-batch on the first '
-                 'cell\'s device (perf/measured_costs.py) and balances their sum.',
+                 'cell\'s device and balances their sum; its caller measures (the trainer, '
+                 'or perf.measured_costs.TimedBoundaries(p), whose boundaries the layer takes).',
                  check=_PARTITION_METHOD)
         p.Define('input_shapes', None,
                  'Shapes of the inputs for one mini-batch (list of ints per input, or a dict of '
@@ -152,8 +154,7 @@ class PipeliningLayer(BaseLayer):
     def __init__(self, params):
         super().__init__(params)
         p = self.p
-        # Made here, unless a trainer made it already (`plan.HandOn`).
-        self.plan = plan_lib.PlanFor(p, check_devices=True)
+        self.plan = plan_lib.MakePlan(p, check_devices=True)
         # The variables live on the first replica's devices.
         self._devices = self.plan.mesh[0]
         shared = (devices_lib.SharedDevices([row[:self.plan.num_devices]
@@ -341,13 +342,10 @@ class PipeliningLayer(BaseLayer):
             shard_sched = (sched if size is None else
                            schedule_lib.FirstMicroBatches(sched, max(1, size)))
             m_count = shard_sched.num_micro_batches
-            # The loop splits a static batch into equal micro-batches, a batch known only when
-            # the step runs as the unrolled executor does; a training step whose static shard
-            # M does not divide runs unrolled (inference pads the loop's batch).
-            even = size is None or size % m_count == 0
-            run: type[executor.Executor] = (
-                looped.LoopedSchedule if self.plan.Loops(m_count) and (even or not training)
-                else executor.UnrolledSchedule)
+            choice = executor.Choose(p, self.plan.num_cells, m_count, training,
+                                     even=size is None or size % m_count == 0)
+            run: type[executor.Executor] = (looped.LoopedSchedule if choice.loops
+                                            else unrolled.UnrolledSchedule)
             runs.append(run(self._replica_functions[r], self.plan.recompute, shard_sched,
                             p.batch_dim, tf.cast(ctx.step, tf.int64), assign,
                             first_example=tf.cast(ctx.first_example, tf.int64) +

@@ -5,19 +5,18 @@ TF op exists.
 `FPropMeta`, M from the one rule (`NumMicroBatches`), each cell's re-materialization, and the
 R x K device mesh (`devices`). Everything Params allow to be checked is checked here: K against
 the layers, the shapes between cells, the batch against R and M, and (optionally) that the
-devices exist. `PipeliningLayer`, the trainer, `tools/model_table.py` and `perf/` read the plan
-instead of re-deriving any of it; its memory plan is `perf.memory.FromPlan(plan)` (perf builds on
-the pipeline, not the other way round). A trainer makes its plan once, before anything is built,
-and hands it on to the layer it then builds (`HandOn`, `PlanFor`).
+devices exist. `PipeliningLayer` (which makes its own from its Params), the trainer,
+`tools/model_table.py` and `perf/` read the plan instead of re-deriving any of it; its memory
+plan is `perf.memory.FromPlan(plan)`. A plan is a value made from data: this module imports no
+executor and nothing of `perf/`; partition_method='time' takes the costs its caller measured
+(`MakePlan(layer_costs=...)`, `perf.measured_costs.TimedBoundaries`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import re
-from typing import Any, Iterator
+from typing import Any, Sequence
 
 from gpipe_tf import errors
 from gpipe_tf.layers import base_layer
@@ -25,7 +24,6 @@ from gpipe_tf.layers import sequential
 from gpipe_tf.layers.base_layer import LayerMeta
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import fields
-from gpipe_tf.pipeline import looped
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import schedule as schedule_lib
@@ -39,12 +37,6 @@ RECOMPUTE_HELP = (f"one of {RECOMPUTE_MODES} or 'except_last_<j>' (the last j ce
                   "activations, the others re-materialize; 0 <= j <= the number of cells)")
 PARTITION_METHODS = ('flops', 'params', 'time', 'uniform')
 UNROLL_MODES = (True, False, 'auto')
-# unroll='auto' runs the schedule as a loop from this many cell calls per forward (v K M): the
-# unrolled graph's optimization grows with them (at K=8 Transformer layers, M=8: 37 s against
-# the loop's 15 s; M=32: 140 s against 16 s), while below it the unrolled step is the faster
-# one (AmoebaNetD_Small, K=4, M=8: 151 examples/sec looped against 162 unrolled, one run;
-# docs/schedules.md).
-LOOP_FROM_CELL_CALLS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,17 +100,6 @@ class Plan:
         """
         return MakeSchedule(self.params, self.num_devices, num_micro_batches, training)
 
-    def Loops(self, num_micro_batches: int) -> bool:
-        """Whether a step over M = `num_micro_batches` runs the schedule as a loop
-        (`looped.LoopedSchedule`) rather than unrolled into the graph
-        (`executor.UnrolledSchedule`; both are `executor.Executor`s): the Params' `unroll`
-        (False: loop, which `MakePlan` refused with a logical_device_fn; 'auto': loop from
-        LOOP_FROM_CELL_CALLS cell calls, v K M, unless a logical_device_fn is given)."""
-        p = self.params
-        if p.unroll is True or not looped.Supports(p.logical_device_fn):
-            return False
-        return p.unroll is False or self.num_cells * num_micro_batches >= LOOP_FROM_CELL_CALLS
-
     @property
     def num_replicas(self) -> int:
         """R."""
@@ -161,7 +142,8 @@ class Plan:
 
 
 def MakePlan(p, place: bool = True, check_devices: bool = False,
-             available: list[str] | None = None) -> Plan:
+             available: list[str] | None = None,
+             layer_costs: Sequence[float] | None = None) -> Plan:
     """The plan of PipeliningLayer Params `p`; no variable is built, no TF op created.
 
     Args:
@@ -169,12 +151,16 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
       place: also make the device mesh (`Plan.Placed`); without, naming no device, the plan
         touches no TensorFlow device (it can be made before the devices are set up).
       check_devices, available: see `Plan.Placed`.
+      layer_costs: for partition_method='time', each body layer's measured cost (seconds of a
+        training step, `perf.measured_costs.StepSeconds`): the plan partitions on them and
+        measures nothing itself.
 
     Raises:
       errors.ConfigError: for layers that are not a list of layer Params, inconsistent cells,
         partitions or shapes, a schedule or recompute mode that is not one (`KeptCells`), a
         batch that R or M do not divide, unroll=False where the loop cannot run the pipeline,
-        or (check_devices) a device that does not exist.
+        or (check_devices) a device that does not exist; partition_method='time' without
+        `layer_costs`.
     """
     if p.logical_device_fn is not None and p.num_replicas != 1:
         raise errors.ConfigError(f'With logical_device_fn the replicas are the strategy\'s: '
@@ -183,12 +169,12 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
         schedule_lib.Kind(p.schedule).CheckVirtualStages(p.virtual_stages)
     except schedule_lib.ScheduleError as error:
         raise errors.ConfigError(f'{p.name}: {error}') from None
-    cells, metas = Cells(p)
+    cells, metas = Cells(p, layer_costs)
     try:
         recompute = RecomputeFlags(p.recompute, len(cells))
     except errors.ConfigError as error:
         raise errors.ConfigError(f'{p.name}: {error}') from None
-    if p.unroll is False and not looped.Supports(p.logical_device_fn):
+    if p.unroll is False and p.logical_device_fn is not None:
         raise errors.ConfigError(f'{p.name}: unroll=False runs the schedule as a loop, which '
                                  'cannot run a logical_device_fn (its XLA sharding annotations '
                                  'are not tried inside a loop). Set unroll=True or "auto", '
@@ -203,51 +189,6 @@ def MakePlan(p, place: bool = True, check_devices: bool = False,
                 schedule=(None if num_micro_batches is None else MakeSchedule(
                     p, len(cells) // p.virtual_stages, num_micro_batches)))
     return plan.Placed(check_devices, available) if place else plan
-
-
-# Plans handed on (`HandOn`), innermost last: (the plan, its Params as they were handed on).
-_HANDED_ON: contextvars.ContextVar[tuple] = contextvars.ContextVar('handed_on_plans',
-                                                                  default=())
-# Fields of a PipeliningLayer's Params that a plan's cells, costs, M and schedule do not read:
-# its name (set by the parent that creates it) and seed, and where it is placed (`Plan.Placed`
-# places a plan handed on again, on the devices of the Params that take it).
-_NOT_PLANNED = ('name', 'random_seed', 'devices', 'round_robin')
-
-
-@contextlib.contextmanager
-def HandOn(plan: Plan | None) -> Iterator[None]:
-    """Within, a PipeliningLayer built from the Params `plan` is of (as they are now, up to
-    name, seed and devices) takes `plan` (`PlanFor`) instead of making it again: a trainer
-    makes its plan once, before anything is built, and builds its program in here. A plan of
-    Params changed since (the TPU program's) is not taken. None hands nothing on."""
-    if plan is None:
-        yield
-        return
-    token = _HANDED_ON.set(_HANDED_ON.get() + ((plan, plan.params.Copy()),))
-    try:
-        yield
-    finally:
-        _HANDED_ON.reset(token)
-
-
-def PlanFor(p, check_devices: bool = False) -> Plan:
-    """The placed plan of PipeliningLayer Params `p`: one handed on for the same Params
-    (`HandOn`), placed on `p`'s devices here, else a new one (`MakePlan`).
-
-    Raises:
-      errors.ConfigError: as `MakePlan`.
-    """
-    for plan, params in reversed(_HANDED_ON.get()):
-        if _SamePlanned(params, p):
-            return dataclasses.replace(plan, params=p).Placed(check_devices)
-    return MakePlan(p, check_devices=check_devices)
-
-
-def _SamePlanned(a, b) -> bool:
-    """Whether PipeliningLayer Params `a` and `b` plan alike: equal but for `_NOT_PLANNED`."""
-    if not all(name in a and name in b for name in _NOT_PLANNED):
-        return False
-    return a.Copy().Set(**{name: b.Get(name) for name in _NOT_PLANNED}) == b
 
 
 def MakeSchedule(p, num_devices: int, num_micro_batches: int,
@@ -354,13 +295,15 @@ def AnyRematerialized(p) -> bool:
     return any(RecomputeFlags(p.recompute, p.num_cells * p.virtual_stages))
 
 
-def Cells(p) -> tuple[list[list], list[LayerMeta] | None]:
+def Cells(p, layer_costs: Sequence[float] | None = None
+          ) -> tuple[list[list], list[LayerMeta] | None]:
     """Each cell's layer Params, and each cell's FPropMeta (None without input_shapes).
+    `layer_costs`: as `MakePlan`'s.
 
     Raises:
       errors.ConfigError: for inconsistent cells, partitions or shapes.
     """
-    cells = _CellLayerParams(p)
+    cells = _CellLayerParams(p, layer_costs)
     return cells, _CheckCellsFit(p, cells)
 
 
@@ -375,7 +318,7 @@ def _CheckUniqueNames(p, layers: list) -> None:
             f'{", ".join(duplicates)} appear more than once.')
 
 
-def _CellLayerParams(p) -> list[list]:
+def _CellLayerParams(p, layer_costs: Sequence[float] | None) -> list[list]:
     """Names the layers and splits them into cells."""
     if (p.cell_tpl is None) == (p.layer_tpl is None):
         raise errors.ConfigError('Set exactly one of cell_tpl (explicit cells) and layer_tpl '
@@ -406,11 +349,11 @@ def _CellLayerParams(p) -> list[list]:
             index += len(cell)
         return named
     layers = fields.BodyLayers(p)
-    boundaries = _Boundaries(p, layers)
+    boundaries = _Boundaries(p, layers, layer_costs)
     return [layers[boundaries[k]:boundaries[k + 1]] for k in range(len(boundaries) - 1)]
 
 
-def _Boundaries(p, layers: list) -> list[int]:
+def _Boundaries(p, layers: list, layer_costs: Sequence[float] | None) -> list[int]:
     num_layers, num_cells = len(layers), p.num_cells * p.virtual_stages
     if num_cells > num_layers:
         cells = (f'num_cells ({num_cells})' if p.virtual_stages == 1 else
@@ -433,8 +376,16 @@ def _Boundaries(p, layers: list) -> list[int]:
     except ValueError as e:  # A layer that cannot take its predecessor's output.
         raise errors.ConfigError(f'{p.name}: the layers do not chain: {e}') from None
     if method == 'time':
-        from gpipe_tf.perf import measured_costs  # pylint: disable=g-import-not-at-top
-        costs = measured_costs.StepSeconds(p, fields.BeforeLayers(p), layers)
+        if layer_costs is None:
+            raise errors.ConfigError(
+                f"{p.name}: partition_method='time' partitions on the layers' measured costs, "
+                'which a plan does not measure: set partition_method to the boundaries '
+                '`perf.measured_costs.TimedBoundaries(p)` measures (the trainer does so before '
+                'it builds the model), or pass the costs to `plan.MakePlan(layer_costs=...)`.')
+        if len(layer_costs) != num_layers:
+            raise errors.ConfigError(f'{p.name}: layer_costs has {len(layer_costs)} costs for '
+                                     f'{num_layers} layers: expected one per layer.')
+        costs = list(layer_costs)
     else:
         costs = [m.flops if method == 'flops' else m.num_params for m in metas]
     return partition.OptimalBoundaries(costs, num_cells)

@@ -159,8 +159,8 @@ def Compare(task_params) -> Parity:
 
 def Run(task_params, name: str, plan=None) -> Parity:
     """Prints the comparison of task Params' pipeline (devices set up) with its layers
-    un-partitioned. The pipeline takes `plan`, the run's (`setup.CheckPlan`), where given,
-    instead of making it again.
+    un-partitioned. `plan` is the run's (`setup.CheckPlan`), where given, else made here; it
+    names K, M and the batch in the first line.
 
     Raises:
       errors.ConfigError: for a model that is not a pipeline.
@@ -176,8 +176,7 @@ def Run(task_params, name: str, plan=None) -> Parity:
           f'recompute={p.recompute}, against its layers un-partitioned (their FProp chained, '
           f'no pipeline code), on one batch of '
           f'{pipeline_plan.batch_size}', flush=True)
-    with plan_lib.HandOn(pipeline_plan):
-        parity = Compare(task_params)
+    parity = Compare(task_params)
     m = parity.reference_micro_batches
     print('the un-partitioned layers run ' + (
         'the whole batch at once' if m == 1 else f'the same {m} micro-batches in sequence '

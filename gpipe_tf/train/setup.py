@@ -161,9 +161,10 @@ def _Cluster(text: str | None):
 def CheckPlan(p, config=None):
     """The plan of task Params `p`'s pipeline, not yet placed (None for a model that is not
     one): making it checks, before anything is built or written, K against the layers (and the
-    cells' shapes), and the batch against R replicas and M micro-batches. It is the run's plan,
-    handed on to the pipeline that `Program` builds, unless the partition is measured
-    (`PartitionOnTime` then makes the run's plan; this one checks on a uniform partition).
+    cells' shapes), and the batch against R replicas and M micro-batches. It is the run's plan
+    (reports and --mode=check read it; the pipeline that `Program` builds makes its own from
+    the same Params), unless the partition is measured (`PartitionOnTime` then makes the run's
+    plan; this one checks on a uniform partition).
 
     Raises:
       errors.ConfigError: naming the values that would work and, where `config` (the
@@ -258,13 +259,10 @@ def PartitionOnTime(p, logdir: str):
         model.costs_file = os.path.join(logdir, measured_costs.COSTS_FILE)
     print(f'measuring the layers of {model.name} for partition_method="time" (cached in '
           f'{model.costs_file})', flush=True)
-    plan = plan_lib.MakePlan(model, place=False)
-    bounds = [0]
-    for layers in plan.cells:
-        bounds.append(bounds[-1] + len(layers))
-    model.partition_method = bounds  # Also the plan's Params (the same object).
+    bounds = measured_costs.TimedBoundaries(model)
+    model.partition_method = bounds
     print(f'partition on measured time: boundaries {bounds}', flush=True)
-    return plan
+    return plan_lib.MakePlan(model, place=False)
 
 
 def WarnIfClusterIsExposed(cluster) -> None:
@@ -285,12 +283,7 @@ def WarnIfClusterIsExposed(cluster) -> None:
 def Program(config, target: Target, p, plan, logdir: str):
     """The training program for `target`: a StrategyProgram on a TPU, a GraphProgram (v1
     Session) on a cluster or for --graph_mode=v1, else an EagerProgram (tf.function). Its
-    pipeline takes `plan` (the run's, `CheckPlan`) instead of making it again."""
-    with plan_lib.HandOn(plan):
-        return _Program(config, target, p, plan, logdir)
-
-
-def _Program(config, target: Target, p, plan, logdir: str):
+    pipeline makes its own plan from `p.model` (equal to `plan`, the run's: `CheckPlan`)."""
     cluster = target.cluster
     if target.tpu is not None:
         if cluster is not None:
