@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 
 MOVED = {
     'gpipe_tf.layers.pipeline': 'gpipe_tf.pipeline.pipelining_layer',
-    'gpipe_tf.layers.unrolled': 'gpipe_tf.pipeline.executor',
+    'gpipe_tf.layers.unrolled': 'gpipe_tf.pipeline.unrolled',
     'gpipe_tf.layers.partition': 'gpipe_tf.pipeline.partition',
     'gpipe_tf.layers.schedule': 'gpipe_tf.pipeline.schedule',
     'gpipe_tf.layers.microbatch': 'gpipe_tf.pipeline.microbatch',
