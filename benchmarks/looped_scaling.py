@@ -128,7 +128,7 @@ def Measure(kind, k, devices, recompute, width, micro_batch, virtual,
     from gpipe_tf.pipeline import executor  # pylint: disable=g-import-not-at-top
     from gpipe_tf.pipeline import ticks as ticks_lib  # pylint: disable=g-import-not-at-top
     layer = Build(kind, k, devices, recompute, width, micro_batch, virtual)
-    choice = executor.Choose(layer.p, layer.plan.num_cells, layer.plan.num_micro_batches)
+    choice = executor.Choose(layer.plan, layer.plan.num_micro_batches)
     assert choice.loops, f'the benchmark measures the loop; this step runs {choice}'
     step = MakeStep(layer)
     x = tf.random.stateless_normal([micro_batch * 4 * k, width], [1, 2])

@@ -107,7 +107,7 @@ def MeasureHere(kind: str, k: int, m: int, recompute: str, graph_mode: str,
         run()
     except errors.ConfigError as error:
         return dict(row, refused=str(error))
-    loops = executor.Choose(layer.p, layer.plan.num_cells, m).loops
+    loops = executor.Choose(layer.plan, m).loops
     row['executor'] = 'looped' if loops else 'unrolled'
 
     row['between_mib'] = Info()['current'] / MIB

@@ -124,7 +124,7 @@ def Measure(kind, k, m, devices, unroll=True, plot_dir=None, recompute='always')
                 timeline, title=f'{kind}, K={k}, M={m}: {name}, bubble {timeline.bubble:.2f}'),
                 os.path.join(plot_dir, f'{kind}{"" if recompute == "always" else "_" + recompute}'
                                        f'_k{k}_m{m}_{name}.png'))
-    loops = executor.Choose(plan.params, plan.num_cells, m).loops
+    loops = executor.Choose(plan, m).loops
     return dict(schedule=kind, k=k, v=plan.virtual_stages, m=m, looped=loops,
                 recompute=recompute,
                 first_step_s=first,

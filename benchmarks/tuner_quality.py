@@ -107,10 +107,7 @@ def Measure(p, repeats):
 
 def Bounds(p):
     from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
-    bounds = [0]
-    for cell in plan_lib.MakePlan(p, place=False).cells:
-        bounds.append(bounds[-1] + len(cell))
-    return bounds
+    return plan_lib.MakePlan(p, place=False).boundaries
 
 
 def Partitions(name, p, repeats, emit):

@@ -25,7 +25,7 @@ BATCH, DIM = 16, 4
 
 def _Loops(plan, num_micro_batches: int) -> bool:
     """Whether a training step of `plan`'s pipeline over M micro-batches runs as a loop."""
-    return executor.Choose(plan.params, plan.num_cells, num_micro_batches).loops
+    return executor.Choose(plan, num_micro_batches).loops
 
 
 def _Params(num_layers=6, **kwargs):
@@ -169,7 +169,8 @@ class MakePlanTest(parameterized.TestCase):
                     _Params().Set(unroll=value)
 
     def testTrueAndFalseAreKeptWhereTheLoopCanRun(self):
-        self.assertTrue(_Loops(plan_lib.MakePlan(_Params(num_cells=2, unroll=False), place=False), 2))
+        looping = plan_lib.MakePlan(_Params(num_cells=2, unroll=False), place=False)
+        self.assertTrue(_Loops(looping, 2))
         p = _Params(num_layers=8, num_cells=8, num_micro_batches=16, unroll=True)
         self.assertFalse(_Loops(plan_lib.MakePlan(p, place=False), 16))
         for mode in plan_lib.RECOMPUTE_MODES:
@@ -189,11 +190,13 @@ class MakePlanTest(parameterized.TestCase):
 
     def testATrainingBatchMDoesNotDivideUnrollsAndSaysWhy(self):
         p = _Params(num_layers=8, num_cells=8, num_micro_batches=16, unroll=False)
-        uneven = executor.Choose(p, 8, 16, training=True, even=False)
+        plan = plan_lib.MakePlan(p, place=False)
+        uneven = executor.Choose(plan, 16, training=True, even=False)
         self.assertFalse(uneven.loops)
         self.assertEqual(str(uneven), 'unrolled: a training batch that M=16 does not divide')
-        self.assertTrue(executor.Choose(p, 8, 16, training=False, even=False).loops)
-        self.assertEqual(str(executor.Choose(p.Set(unroll='auto'), 8, 4)),
+        self.assertTrue(executor.Choose(plan, 16, training=False, even=False).loops)
+        auto = plan_lib.MakePlan(p.Set(unroll='auto'), place=False)
+        self.assertEqual(str(executor.Choose(auto, 4)),
                          "unrolled: unroll='auto', 32 cell calls < 64")
 
     def testATimedPartitionTakesTheCostsItsCallerMeasured(self):
@@ -204,6 +207,7 @@ class MakePlanTest(parameterized.TestCase):
         # Optimal min-max on the costs given: the heavy first layer alone in cell 0.
         plan = plan_lib.MakePlan(p, place=False, layer_costs=[9.0, 1.0, 1.0, 1.0])
         self.assertEqual([len(cell) for cell in plan.cells], [1, 3])
+        self.assertEqual(plan.boundaries, [0, 1, 4])
         plan = plan_lib.MakePlan(p, place=False, layer_costs=[1.0, 1.0, 1.0, 9.0])
         self.assertEqual([len(cell) for cell in plan.cells], [3, 1])
         with self.assertRaisesRegex(errors.ConfigError, 'layer_costs has 3 costs for 4 layers'):

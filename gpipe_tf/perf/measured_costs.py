@@ -158,11 +158,7 @@ def TimedBoundaries(p, progress: Callable | None = logging.info) -> list[int]:
     Raises:
       errors.ConfigError: as `plan.MakePlan`.
     """
-    plan = plan_lib.MakePlan(p, place=False, layer_costs=StepSeconds(p, progress))
-    bounds = [0]
-    for layers in plan.cells:
-        bounds.append(bounds[-1] + len(layers))
-    return bounds
+    return plan_lib.MakePlan(p, place=False, layer_costs=StepSeconds(p, progress)).boundaries
 
 
 def _WithBatch(shapes, batch_dim: int, batch_size: int):

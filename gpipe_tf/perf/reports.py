@@ -33,7 +33,8 @@ def PartitionTable(p, name: str, plan=None) -> str:
              f'K={plan.num_devices} devices x v={plan.virtual_stages} = {plan.num_cells} cells')
     m = plan.MicroBatchesOf(p.input.batch_size)
     head = (f'{name}: {cells}, M={m} micro-batches, schedule {p.model.schedule} '
-            f'({executor.Choose(plan.params, plan.num_cells, m)}), recompute={p.model.recompute}, batch {p.input.batch_size}. '
+            f'({executor.Choose(plan, m)}), recompute={p.model.recompute}, '
+            f'batch {p.input.batch_size}. '
             'FLOPs and activation bytes are per mini-batch; with re-materialization a cell '
             'keeps about 1/M of its activations at a time.')
     return head + '\n' + partition.FormatReport(rows)

@@ -46,14 +46,14 @@ class Choice:
         return f'{"a loop over its clock" if self.loops else "unrolled"}: {self.reason}'
 
 
-def Choose(p, num_cells: int, num_micro_batches: int, training: bool = True,
-           even: bool = True) -> Choice:
-    """The executor of a step of PipeliningLayer Params `p` over `num_cells` cells (v K) and
-    M = `num_micro_batches`, from the Params' `unroll`: True unrolls; False loops; 'auto' loops
+def Choose(plan, num_micro_batches: int, training: bool = True, even: bool = True) -> Choice:
+    """The executor of a step of a pipeline's `plan` (`plan.Plan`) over its v K cells and
+    M = `num_micro_batches`, from its Params' `unroll`: True unrolls; False loops; 'auto' loops
     from LOOP_FROM_CELL_CALLS cell calls (v K M). Whatever `unroll` says, a logical_device_fn
     unrolls (XLA's sharding annotations are not tried inside a loop; `plan.MakePlan` refuses
     unroll=False with one), and so does a training step whose static batch M does not divide
     (`even` False: the loop splits a static batch into equal micro-batches; inference pads it)."""
+    p = plan.params
     if p.unroll is True:
         return Choice(False, 'unroll=True')
     if p.logical_device_fn is not None:
@@ -62,7 +62,7 @@ def Choose(p, num_cells: int, num_micro_batches: int, training: bool = True,
         return Choice(False, f'a training batch that M={num_micro_batches} does not divide')
     if p.unroll is False:
         return Choice(True, 'unroll=False')
-    calls = num_cells * num_micro_batches
+    calls = plan.num_cells * num_micro_batches
     if calls >= LOOP_FROM_CELL_CALLS:
         return Choice(True, f"unroll='auto', {calls} cell calls >= {LOOP_FROM_CELL_CALLS}")
     return Choice(False, f"unroll='auto', {calls} cell calls < {LOOP_FROM_CELL_CALLS}")

@@ -105,7 +105,8 @@ class LoopedSchedule:
         return outputs, self._Updates()
 
     def Backward(self, d_outputs):
-        """As `unrolled.UnrolledSchedule.Backward`: (per cell its flat weight gradients, d_inputs)."""
+        """As `unrolled.UnrolledSchedule.Backward`: (per cell its flat weight gradients,
+        d_inputs)."""
         with tf.device(self._devices[-1]):
             self._d_acts[-1] = [self._batch.View(x) for x in leaves.FloatLeaves(d_outputs)]
         self._Loop((B,))

@@ -3,8 +3,8 @@
 The layers are partitioned into K cells (v K with v virtual stages per device), each built and run
 under a device of its own. A mini-batch is split into M micro-batches, and the schedule
 (`schedule.Make(p.schedule, K, M, v)`: per device, its ordered forwards and backwards) is compiled
-into the graph by an `executor.Executor` (`unrolled.UnrolledSchedule`, or `looped.LoopedSchedule`
-from many cell calls): every cell's forward and backward (and its recompute) runs under that
+into the graph by an `executor.Executor` (`unrolled.UnrolledSchedule`, or
+`looped.LoopedSchedule` from many cell calls): every cell's forward and backward (and its recompute) runs under that
 cell's device, and each cell's weight gradients are summed over the M micro-batches on that
 device. The result, outputs and gradients, equals the same layers run un-partitioned, whatever
 the schedule.
@@ -342,7 +342,7 @@ class PipeliningLayer(BaseLayer):
             shard_sched = (sched if size is None else
                            schedule_lib.FirstMicroBatches(sched, max(1, size)))
             m_count = shard_sched.num_micro_batches
-            choice = executor.Choose(p, self.plan.num_cells, m_count, training,
+            choice = executor.Choose(self.plan, m_count, training,
                                      even=size is None or size % m_count == 0)
             run: type[executor.Executor] = (looped.LoopedSchedule if choice.loops
                                             else unrolled.UnrolledSchedule)

@@ -75,6 +75,15 @@ class Plan:
         return len(self.cells)
 
     @property
+    def boundaries(self) -> list[int]:
+        """[0, b_1, ..., L]: cell k holds the layers b_k .. b_{k+1} - 1 (before_tpl apart), as
+        partition_method takes them."""
+        bounds = [0]
+        for layers in self.cells:
+            bounds.append(bounds[-1] + len(layers))
+        return bounds
+
+    @property
     def virtual_stages(self) -> int:
         """v, cells per device."""
         return self.params.virtual_stages

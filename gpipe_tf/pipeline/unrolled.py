@@ -241,8 +241,9 @@ class UnrolledSchedule:
             new = {'outputs': outputs, 'stats': stats, 'kept': kept}
             if last:
                 with tf.device(self._devices[k]), tf.name_scope('loss'):
-                    new['loss'] = executor.MicroBatchLoss(self._loss_fn, outputs, self._loss_inputs[m],
-                                                 self._loss_scale)
+                    new['loss'] = executor.MicroBatchLoss(self._loss_fn, outputs,
+                                                          self._loss_inputs[m],
+                                                          self._loss_scale)
             return (), new
 
         _, new = self._UnlessEmpty(m, Run)

@@ -202,7 +202,7 @@ def _ScheduleNote(plan, num_micro_batches: int) -> str:
     model that is not a pipeline."""
     if plan is None:
         return ''
-    return f' ({plan.params.schedule} schedule, {executor.Choose(plan.params, plan.num_cells, num_micro_batches)})'
+    return f' ({plan.params.schedule} schedule, {executor.Choose(plan, num_micro_batches)})'
 
 
 def ReportBleu(prog, eval_params, name: str, logdir: str, num_samples: int = 5) -> float:
