@@ -22,18 +22,18 @@ class BatchSizeTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.parameters((0, 6), (1, 4), (2, 3), (-1, 3))
     def testIsTheSizeOfBatchDim(self, batch_dim, expected):
         x = tf.zeros([6, 4, 3])
-        self.assertEqual(microbatch.BatchSize(x, batch_dim), expected)
+        self.assertEqual(microbatch.StaticBatchSize(x, batch_dim), expected)
 
     def testNoneLeavesAreIgnored(self):
         inputs = NestedMap(x=tf.zeros([8, 2]), mask=None, ids=tf.zeros([8], tf.int32))
-        self.assertEqual(microbatch.BatchSize(inputs, 0), 8)
+        self.assertEqual(microbatch.StaticBatchSize(inputs, 0), 8)
 
     def testIsNoneWhenTheBatchDimIsUnknown(self):
         sizes = []
 
         @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32)])
         def Traced(x):
-            sizes.append(microbatch.BatchSize((x, None), 0))
+            sizes.append(microbatch.StaticBatchSize((x, None), 0))
             return x
 
         Traced.get_concrete_function()
@@ -45,74 +45,36 @@ class BatchSizeTest(tf.test.TestCase, parameterized.TestCase):
         @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32),
                                       tf.TensorSpec(None, tf.float32)])
         def Traced(x, y):
-            sizes.append(microbatch.BatchSize([x, y, tf.zeros([5, 3])], 0))
+            sizes.append(microbatch.StaticBatchSize([x, y, tf.zeros([5, 3])], 0))
             return x
 
         Traced.get_concrete_function()
         self.assertEqual(sizes, [5])
 
     def testEmptyNestHasNoBatchSize(self):
-        self.assertIsNone(microbatch.BatchSize(NestedMap(), 0))
-        self.assertIsNone(microbatch.BatchSize([None, None], 0))
+        self.assertIsNone(microbatch.StaticBatchSize(NestedMap(), 0))
+        self.assertIsNone(microbatch.StaticBatchSize([None, None], 0))
 
     def testDisagreementNamesTheSizesAndTheDim(self):
         inputs = [tf.zeros([4, 6]), tf.zeros([2, 6]), tf.zeros([3, 6])]
-        self.assertEqual(microbatch.BatchSize(inputs, 1), 6)
+        self.assertEqual(microbatch.StaticBatchSize(inputs, 1), 6)
         with self.assertRaisesRegex(ValueError, r'batch_dim 0: \[2, 3, 4\]'):
-            microbatch.BatchSize(inputs, 0)
+            microbatch.StaticBatchSize(inputs, 0)
 
     def testRankTooSmallNamesTheShapeAndTheDim(self):
         with self.assertRaisesRegex(ValueError, r'shape \(4, 6\) has no batch_dim 2'):
-            microbatch.BatchSize([tf.zeros([4, 6, 2]), tf.zeros([4, 6])], 2)
+            microbatch.StaticBatchSize([tf.zeros([4, 6, 2]), tf.zeros([4, 6])], 2)
         with self.assertRaisesRegex(ValueError, r'shape \(\) has no batch_dim 0'):
-            microbatch.BatchSize(tf.constant(1.0), 0)
+            microbatch.StaticBatchSize(tf.constant(1.0), 0)
         with self.assertRaisesRegex(ValueError, r'shape \(4, 3\) has no batch_dim -3'):
-            microbatch.BatchSize([tf.zeros([4, 3])], -3)
+            microbatch.StaticBatchSize([tf.zeros([4, 3])], -3)
 
     def testALeafThatIsNoTensorNamesItsType(self):
         with self.assertRaisesRegex(TypeError, r"must be tensors or arrays; got str 'abc'"):
-            microbatch.BatchSize([tf.zeros([4, 2]), 'abc'], 0)
+            microbatch.StaticBatchSize([tf.zeros([4, 2]), 'abc'], 0)
 
     def testANegativeBatchDimCountsFromTheEnd(self):
-        self.assertEqual(microbatch.BatchSize([tf.zeros([4, 3])], -1), 3)
-
-
-class NumMicroBatchesTest(tf.test.TestCase, parameterized.TestCase):
-
-    def testNeitherGivenMeansOne(self):
-        self.assertEqual(microbatch.NumMicroBatches(7, None, None), 1)
-
-    def testAcceptsExactlyTheDivisorsOfTheBatch(self):
-        for batch in range(1, 13):
-            for m in range(1, 15):
-                if batch % m == 0:
-                    self.assertEqual(microbatch.NumMicroBatches(batch, m, None), m)
-                else:
-                    with self.assertRaises(ValueError, msg=(batch, m)):
-                        microbatch.NumMicroBatches(batch, m, None)
-
-    def testMicroBatchSizeGivesBatchOverSize(self):
-        for batch in range(1, 13):
-            for size in range(1, 15):
-                if batch % size == 0:
-                    self.assertEqual(microbatch.NumMicroBatches(batch, None, size), batch // size)
-                else:
-                    with self.assertRaises(ValueError, msg=(batch, size)):
-                        microbatch.NumMicroBatches(batch, None, size)
-
-    @parameterized.named_parameters(
-        ('both', 8, 2, 4, r'exactly one of num_micro_batches and micro_batch_size, got 2 and 4'),
-        ('size_not_divisor', 8, None, 3, r'Batch size 8 is not divisible by micro_batch_size 3'),
-        ('size_zero', 8, None, 0, r'micro_batch_size 0'),
-        ('m_zero', 8, 0, None, r'must be >= 1, got 0'),
-        ('m_negative', 8, -2, None, r'must be >= 1, got -2'),
-        ('m_larger_than_batch', 4, 5, None, r'\(5\) is larger than the batch size \(4\)'),
-        ('m_not_divisor', 10, 4, None,
-         r'Batch size 10 is not divisible by num_micro_batches \(4\)'),
-    )
-    def testErrorsStateTheValues(self, batch, m, size, message):
-        with self.assertRaisesRegex(ValueError, message):
-            microbatch.NumMicroBatches(batch, m, size)
+        self.assertEqual(microbatch.StaticBatchSize([tf.zeros([4, 3])], -1), 3)
 
 
 class SplitTest(tf.test.TestCase, parameterized.TestCase):

@@ -53,14 +53,12 @@ class MakePlanTest(parameterized.TestCase):
         self.assertEqual((plan.batch_size, plan.num_micro_batches), (BATCH, expected))
 
     def testWithoutInputShapesMComesFromTheBatchGiven(self):
-        plan = plan_lib.MakePlan(_Params(micro_batch_size=2, partition_method='uniform').Set(
-            input_shapes=None), place=False)
-        self.assertIsNone(plan.num_micro_batches)
-        self.assertEqual(plan.MicroBatchesOf(32), 16)
-        with_shapes = plan_lib.MakePlan(_Params(micro_batch_size=2), place=False)
-        self.assertEqual(with_shapes.MicroBatchesOf(32), 8)  # The plan's own batch: 16.
+        p = _Params(micro_batch_size=2, partition_method='uniform').Set(input_shapes=None)
+        self.assertIsNone(plan_lib.MakePlan(p, place=False).num_micro_batches)
+        self.assertEqual(plan_lib.NumMicroBatches(p, 32), 16)
         with self.assertRaisesRegex(errors.ConfigError, 'not divisible by micro_batch_size'):
-            plan.MicroBatchesOf(7)
+            plan_lib.NumMicroBatches(p, 7)
+
 
     def testMIsPerReplica(self):
         plan = plan_lib.MakePlan(_Params(num_replicas=2, micro_batch_size=2), place=False)
@@ -241,6 +239,69 @@ class MakePlanTest(parameterized.TestCase):
         self.assertTrue(pipelining_layer.IsPipeline(_Params()))
         self.assertFalse(pipelining_layer.IsPipeline(basic.DenseLayer.Params()))
         self.assertFalse(pipelining_layer.IsPipeline(None))
+
+
+class NumMicroBatchesTest(parameterized.TestCase):
+    """M for a batch, by hand: the divisors a plan accepts, the batches a step splits."""
+
+    def _M(self, batch, m=None, size=None, replicas=1, equal=True):
+        return plan_lib.NumMicroBatches(
+            _Params(num_micro_batches=m, micro_batch_size=size, num_replicas=replicas),
+            batch, equal=equal)
+
+    def testNeitherGivenMeansOne(self):
+        self.assertEqual(self._M(7), 1)
+        self.assertEqual(self._M(None, equal=False), 1)
+
+    def testAPlanAcceptsExactlyTheDivisorsOfTheBatch(self):
+        for batch in range(1, 13):
+            for m in range(1, 15):
+                if batch % m == 0:
+                    self.assertEqual(self._M(batch, m), m)
+                else:
+                    with self.assertRaises(errors.ConfigError, msg=(batch, m)):
+                        self._M(batch, m)
+
+    def testMicroBatchSizeGivesBatchOverSize(self):
+        for batch in range(1, 13):
+            for size in range(1, 15):
+                for equal in (True, False):
+                    if batch % size == 0:
+                        self.assertEqual(self._M(batch, size=size, equal=equal), batch // size)
+                    else:
+                        with self.assertRaises(errors.ConfigError, msg=(batch, size)):
+                            self._M(batch, size=size, equal=equal)
+
+    def testAStepSplitsAnyBatchIntoM(self):
+        for batch in (None, 1, 3, 7, 10):
+            self.assertEqual(self._M(batch, 4, replicas=2, equal=False), 4)
+
+    def testMIsPerReplica(self):
+        self.assertEqual(self._M(16, size=2, replicas=2), 4)
+        self.assertEqual(self._M(16, 8, replicas=2), 8)
+        with self.assertRaisesRegex(errors.ConfigError, r'\(8\) is larger than the batch size '
+                                    r'\(4\)'):
+            self._M(8, 8, replicas=2)
+
+    @parameterized.named_parameters(
+        ('both', 8, 2, 4, 1, r'exactly one of num_micro_batches and micro_batch_size, got 2 '
+                          r'and 4'),
+        ('size_not_divisor', 8, None, 3, 1, r'Batch size 8 is not divisible by '
+                                            r'micro_batch_size 3'),
+        ('m_larger_than_batch', 4, 5, None, 1, r'\(5\) is larger than the batch size \(4\)'),
+        ('m_not_divisor', 10, 4, None, 1,
+         r'Batch size 10 is not divisible by num_micro_batches \(4\)'),
+        ('replicas_not_divisor', 9, 1, None, 2, r'batch size 9 is not divisible by '
+                                                r'num_replicas \(2\)'),
+    )
+    def testErrorsStateTheValues(self, batch, m, size, replicas, message):
+        with self.assertRaisesRegex(errors.ConfigError, message):
+            self._M(batch, m, size, replicas)
+
+    def testAStepOfAnUnknownBatchNeedsNumMicroBatches(self):
+        with self.assertRaisesRegex(errors.ConfigError, 'micro_batch_size \\(2\\) gives M '
+                                    'from the batch size, which must then be known'):
+            self._M(None, size=2, equal=False)
 
 
 class ParamsMistakesTest(parameterized.TestCase):

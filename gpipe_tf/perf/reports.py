@@ -31,7 +31,7 @@ def PartitionTable(p, name: str, plan=None) -> str:
             for k, cell in enumerate(plan.cells)]
     cells = (f'K={plan.num_cells} cells' if plan.virtual_stages == 1 else
              f'K={plan.num_devices} devices x v={plan.virtual_stages} = {plan.num_cells} cells')
-    m = plan.MicroBatchesOf(p.input.batch_size)
+    m = plan_lib.NumMicroBatches(plan.params, p.input.batch_size, equal=False)
     head = (f'{name}: {cells}, M={m} micro-batches, schedule {p.model.schedule} '
             f'({executor.Choose(plan, m)}), recompute={p.model.recompute}, '
             f'batch {p.input.batch_size}. '

@@ -9,7 +9,7 @@ def _Leaves(inputs) -> list:
     return [x for x in tf.nest.flatten(inputs) if x is not None]
 
 
-def BatchSize(inputs, batch_dim: int) -> int | None:
+def StaticBatchSize(inputs, batch_dim: int) -> int | None:
     """The static size of `batch_dim` shared by every input, or None if unknown.
 
     Raises:
@@ -32,34 +32,10 @@ def BatchSize(inputs, batch_dim: int) -> int | None:
     return known.pop() if known else None
 
 
-def NumMicroBatches(batch_size: int, num_micro_batches: int | None,
-                    micro_batch_size: int | None) -> int:
-    """M from either M or the micro-batch size (neither: M = 1), checked against the batch."""
-    if num_micro_batches is None and micro_batch_size is None:
-        num_micro_batches = 1
-    if num_micro_batches is not None and micro_batch_size is not None:
-        raise ValueError('Set exactly one of num_micro_batches and micro_batch_size, got '
-                         f'{num_micro_batches} and {micro_batch_size}.')
-    if micro_batch_size is not None:
-        if micro_batch_size < 1 or batch_size % micro_batch_size:
-            raise ValueError(f'Batch size {batch_size} is not divisible by micro_batch_size '
-                             f'{micro_batch_size}.')
-        return batch_size // micro_batch_size
-    if num_micro_batches < 1:
-        raise ValueError(f'num_micro_batches must be >= 1, got {num_micro_batches}.')
-    if num_micro_batches > batch_size:
-        raise ValueError(f'num_micro_batches ({num_micro_batches}) is larger than the batch '
-                         f'size ({batch_size}).')
-    if batch_size % num_micro_batches:
-        raise ValueError(f'Batch size {batch_size} is not divisible by num_micro_batches '
-                         f'({num_micro_batches}).')
-    return num_micro_batches
-
-
 def RunBatchSize(inputs, batch_dim: int):
     """The examples of `inputs` along `batch_dim`: an int where known statically, else an int64
     scalar tensor (the batch is known only when the step runs)."""
-    size = BatchSize(inputs, batch_dim)
+    size = StaticBatchSize(inputs, batch_dim)
     if size is None:
         size = tf.shape(_Leaves(inputs)[0], out_type=tf.int64)[batch_dim]
     return size

@@ -321,9 +321,9 @@ class PipeliningLayer(BaseLayer):
                 # Before the split: cell 0 keeps its micro-batches in fprop_dtype too.
                 inputs = precision.CastFloats(inputs, tf.as_dtype(p.fprop_dtype))
             inputs = sequential.Apply(self._before, theta, *inputs)
-        batch_size = microbatch.BatchSize(inputs, p.batch_dim)  # None: known when it runs.
+        batch_size = microbatch.StaticBatchSize(inputs, p.batch_dim)  # None: known when it runs.
         try:
-            num_micro_batches = plan_lib.MicroBatchesOfStep(p, batch_size)
+            num_micro_batches = plan_lib.NumMicroBatches(p, batch_size, equal=False)
         except errors.ConfigError as error:
             raise errors.ConfigError(f'{self.path}: {error}') from None
         sched = self.plan.Schedule(num_micro_batches, training=training)  # Names the layer.
@@ -419,7 +419,7 @@ class PipeliningLayer(BaseLayer):
         of a batch known only when the step runs may be empty, fewer examples than R)."""
         batch_dim = self.p.batch_dim
         sizes = None
-        if microbatch.BatchSize(inputs, batch_dim) is None:
+        if microbatch.StaticBatchSize(inputs, batch_dim) is None:
             sizes = microbatch.Sizes(microbatch.RunBatchSize(inputs, batch_dim), len(shards))
         return microbatch.Concat(shards, batch_dim, sizes)
 
@@ -582,7 +582,7 @@ def _ArrayLikesAsTensors(inputs: tuple) -> tuple:
     """The layer's inputs, each that is a (nested) list of Python numbers converted to a tensor,
     as Keras layers take array-likes (ints become int32, as token ids should; floats float32);
     tensors, arrays, tuples (a structure of inputs) and nests of them are left as they are, as
-    is a list that is no array (ragged), which `microbatch.BatchSize` then refuses."""
+    is a list that is no array (ragged), which `microbatch.StaticBatchSize` then refuses."""
     def AsTensor(x):
         if not isinstance(x, list):
             return x

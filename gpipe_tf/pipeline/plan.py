@@ -24,7 +24,6 @@ from gpipe_tf.layers import sequential
 from gpipe_tf.layers.base_layer import LayerMeta
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import fields
-from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import schedule as schedule_lib
 
@@ -113,11 +112,6 @@ class Plan:
     def num_replicas(self) -> int:
         """R."""
         return self.params.num_replicas
-
-    def MicroBatchesOf(self, batch_size: int) -> int:
-        """M: the plan's, or, for a plan without input_shapes, the one rule's for a mini-batch
-        of `batch_size` examples (a task's input batch)."""
-        return self.num_micro_batches or NumMicroBatches(self.params, batch_size)
 
     @property
     def devices(self) -> list[str]:
@@ -216,42 +210,53 @@ def MakeSchedule(p, num_devices: int, num_micro_batches: int,
         raise errors.ConfigError(f'{p.name}: {error}') from None
 
 
-def NumMicroBatches(p, batch_size: int) -> int:
-    """M of PipeliningLayer Params `p` for a mini-batch of `batch_size` examples: the one rule
-    (`num_micro_batches`, or the batch over `micro_batch_size`, else 1), per replica.
+def NumMicroBatches(p, batch_size: int | None, equal: bool = True) -> int:
+    """M of PipeliningLayer Params `p` for a mini-batch of `batch_size` examples (None: known
+    only when the step runs), per replica: the one rule, `num_micro_batches`, or a replica's
+    batch over `micro_batch_size`, else 1.
+
+    Args:
+      p: the PipeliningLayer Params.
+      batch_size: the mini-batch's examples, over all R replicas.
+      equal: whether each replica's batch must split into M equal micro-batches: a plan's
+        (`MakePlan` sizes memory for the batch its input_shapes declare) and the trainer's.
+        A step's (`equal=False`) splits any batch with num_micro_batches, into micro-batches
+        as equal as they can be (`microbatch.Sizes`); micro_batch_size must still divide a
+        batch known when the step is traced.
 
     Raises:
-      errors.ConfigError: if R does not divide the batch, or M does not divide a replica's.
+      errors.ConfigError: for Params that set both (the Params' checks refuse values below
+        1), and, where the rule needs it, a batch R does not divide, M does not divide (or
+        exceed) a replica's, or that is unknown.
     """
+    m, size = p.num_micro_batches, p.micro_batch_size
+    if m is not None and size is not None:
+        raise errors.ConfigError('Set exactly one of num_micro_batches and micro_batch_size, '
+                                 f'got {m} and {size}.')
+    if not equal and size is None:
+        return m or 1
+    if batch_size is None:
+        raise errors.ConfigError(
+            f'micro_batch_size ({size}) gives M from the batch size, which must then be known '
+            'when the step is traced; set num_micro_batches instead for batches known only '
+            'when the step runs.')
     if batch_size % p.num_replicas:
         raise errors.ConfigError(f'batch size {batch_size} is not divisible by num_replicas '
                                  f'({p.num_replicas}).')
-    try:
-        return microbatch.NumMicroBatches(batch_size // p.num_replicas, p.num_micro_batches,
-                                          p.micro_batch_size)
-    except ValueError as error:
-        raise errors.ConfigError(str(error)) from None
-
-
-def MicroBatchesOfStep(p, batch_size: int | None) -> int:
-    """M of PipeliningLayer Params `p` for a step on a batch of `batch_size` examples (None:
-    known only when the step runs). With num_micro_batches any batch splits, into
-    micro-batches as equal as they can be (`microbatch.Sizes`); micro_batch_size must divide
-    a batch known statically. (A plan made from input_shapes, `NumMicroBatches`, asks for
-    equal micro-batches: the batch declared is the one the plan sizes memory for.)
-
-    Raises:
-      errors.ConfigError: with micro_batch_size, for an unknown batch or one it does not
-        divide.
-    """
-    if p.micro_batch_size is None:
-        return p.num_micro_batches or 1
-    if batch_size is None:
-        raise errors.ConfigError(
-            f'micro_batch_size ({p.micro_batch_size}) gives M from the batch size, which must '
-            'then be known when the step is traced; set num_micro_batches instead for batches '
-            'known only when the step runs.')
-    return NumMicroBatches(p, batch_size)
+    batch_size //= p.num_replicas
+    if size is not None:
+        if batch_size % size:
+            raise errors.ConfigError(f'Batch size {batch_size} is not divisible by '
+                                     f'micro_batch_size {size}.')
+        return batch_size // size
+    m = m or 1
+    if m > batch_size:
+        raise errors.ConfigError(f'num_micro_batches ({m}) is larger than the batch size '
+                                 f'({batch_size}).')
+    if batch_size % m:
+        raise errors.ConfigError(f'Batch size {batch_size} is not divisible by '
+                                 f'num_micro_batches ({m}).')
+    return m
 
 
 def KeptCells(mode, num_cells: int) -> int:

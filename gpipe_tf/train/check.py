@@ -91,7 +91,7 @@ def ReferenceMicroBatches(task, batch_size: int) -> list[int]:
     p = task.model.p
     if not NormalisesOverTheBatch(task):
         return [batch_size]
-    m = plan_lib.MicroBatchesOfStep(p, batch_size)
+    m = plan_lib.NumMicroBatches(p, batch_size, equal=False)
     return [size for shard in _EvenSizes(batch_size, p.num_replicas)
             for size in _EvenSizes(shard, m)]
 

@@ -27,7 +27,6 @@ import re
 import tensorflow as tf
 
 from gpipe_tf import errors
-from gpipe_tf.train import cluster as cluster_lib
 from gpipe_tf.train import logdir as logdir_lib
 
 PREFIX = 'ckpt'

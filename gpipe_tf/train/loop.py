@@ -27,6 +27,7 @@ from absl import logging
 from gpipe_tf import start_signals
 from gpipe_tf.perf import pictures
 from gpipe_tf.perf import plot
+from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.train import logdir as logdir_lib
 
 
@@ -199,7 +200,8 @@ def PipelineFigures(task_params, plan, step: int, step_trace) -> dict:
                         step_trace.error)
         return figures
     try:
-        num_micro_batches = plan.MicroBatchesOf(task_params.input.batch_size)
+        num_micro_batches = plan_lib.NumMicroBatches(
+            plan.params, task_params.input.batch_size, equal=False)
         figures['timeline_measured'] = pictures.MeasuredTimelineFigure(
             step_trace.events, plan.num_cells, num_micro_batches,
             f'{name}\nmeasured step {step}', sched=plan.Schedule(num_micro_batches))

@@ -15,6 +15,7 @@ import tensorflow as tf
 from gpipe_tf import errors
 from gpipe_tf.perf import reports
 from gpipe_tf.pipeline import executor
+from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.tasks import classifier
 from gpipe_tf.tasks import sequence
 from gpipe_tf.train import check
@@ -165,7 +166,8 @@ def RunTrain(config, target: setup.Target, p, plan, logdir: str, with_eval: bool
     print(f'built in {time.time() - start:.0f} s', flush=True)
     fprop_dtype = prog.task.model.p.fprop_dtype
     computing = '' if fprop_dtype is None else f', computing in {fprop_dtype.name}'
-    m = 1 if plan is None else plan.MicroBatchesOf(p.input.batch_size)
+    m = 1 if plan is None else plan_lib.NumMicroBatches(plan.params, p.input.batch_size,
+                                                         equal=False)
     print(f'training {config.model} in {logdir}: {_Where(target, prog)}, M={m}'
           # The built model's plan: the TPU path's adds a logical_device_fn (then unrolled).
           f'{_ScheduleNote(getattr(prog.task.model, "plan", None), m)}, '
