@@ -49,12 +49,12 @@ from absl import logging  # pylint: disable=g-import-not-at-top
 
 from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
-from gpipe_tf.pipeline import unrolled  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import cell as cell_lib  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import microbatch  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
-from gpipe_tf.pipeline import recompute  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import schedule  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import unrolled  # pylint: disable=g-import-not-at-top
 
 DEVICES: list[str] = []  # Set by main() before any TF op runs.
 
@@ -222,7 +222,7 @@ def LastMicroBatchGradsDropped(min_cells_times_micro_batches=1, recompute_only=F
                 sched._num_cells * sched._num_micro_batches >=  # pylint: disable=protected-access
                 min_cells_times_micro_batches)
 
-    real_cell_backward = recompute.CellFunctions.Backward
+    real_cell_backward = cell_lib.CellFunctions.Backward
 
     def CellBackward(self, theta, inputs, step, micro_batch, d_outputs):
         d_theta, d_x = real_cell_backward(self, theta, inputs, step, micro_batch, d_outputs)
@@ -230,7 +230,7 @@ def LastMicroBatchGradsDropped(min_cells_times_micro_batches=1, recompute_only=F
             d_theta = _ZeroGrads(d_theta)
         return d_theta, d_x
 
-    real_differentiate = recompute.Differentiate
+    real_differentiate = cell_lib.Differentiate
 
     def Differentiate(outputs, theta, inputs, d_outputs, trainable, tape=None):
         d_theta, d_x = real_differentiate(outputs, theta, inputs, d_outputs, trainable, tape)
@@ -243,10 +243,10 @@ def LastMicroBatchGradsDropped(min_cells_times_micro_batches=1, recompute_only=F
             d_theta = _ZeroGrads(d_theta)
         return d_theta, d_x
 
-    patches = [mock.patch.object(recompute.CellFunctions, 'Backward', CellBackward)]
+    patches = [mock.patch.object(cell_lib.CellFunctions, 'Backward', CellBackward)]
     if not recompute_only:
-        # executor calls `recompute.Differentiate` for cells that keep their activations.
-        patches.append(mock.patch.object(recompute, 'Differentiate', Differentiate))
+        # executor calls `cell_lib.Differentiate` for cells that keep their activations.
+        patches.append(mock.patch.object(cell_lib, 'Differentiate', Differentiate))
     with running.Recording(), contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)
@@ -290,7 +290,7 @@ DEFECTS = {
     'last_mb_grads_dropped': (
         LastMicroBatchGradsDropped,
         'every cell\'s weight gradient of micro-batch M-1 is not added to the running sum '
-        '(CellFunctions.Backward and recompute.Differentiate return zeros for it)'),
+        '(CellFunctions.Backward and cell_lib.Differentiate return zeros for it)'),
     'big_pipeline_tick_dropped': (
         BigPipelineTickDropped,
         'the backward walk drops cell 0\'s backward of micro-batch M-1 when K * M >= 32'),

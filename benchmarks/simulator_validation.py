@@ -43,10 +43,10 @@ from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import plot  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import simulator  # pylint: disable=g-import-not-at-top
 from gpipe_tf.perf import trace  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import cell as cell_lib  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import executor  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import leaves  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
-from gpipe_tf.pipeline import recompute as recompute_lib  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
 
 NUM_CELLS = 2
@@ -127,7 +127,7 @@ def KeptCellCosts(layer, micro_batch_size: int, width: int, repeats: int,
     """Each cell's forward and backward on one micro-batch when it keeps its activations
     (recompute never), traced alone: the backward fused (gpipe, 1f1b) or, with `split`, the
     input gradient and the weight gradient apart (zero_bubble), as the executors run them
-    (the parts of `residuals.SplitCell`); its `weight_fraction` is their measured ratio."""
+    (the parts of `cell.CellSplit`); its `weight_fraction` is their measured ratio."""
     step, micro_batch = tf.constant(0, tf.int64), tf.constant(0, tf.int64)
     forward, backward, fractions = [], [], []
     for k, fn in enumerate(layer.cell_functions):
@@ -145,7 +145,7 @@ def KeptCellCosts(layer, micro_batch_size: int, width: int, repeats: int,
                 with tf.name_scope(executor.OpScope(k, 0, 'fwd')):
                     y, _ = fn.Forward(theta, x, step, micro_batch)
                 with tf.name_scope(executor.OpScope(k, 0, 'bwd')):
-                    grads = recompute_lib.Differentiate(y, theta, x, dy, fn.trainable)
+                    grads = cell_lib.Differentiate(y, theta, x, dy, fn.trainable)
             return [g for g in tf.nest.flatten(grads) if g is not None]
 
         @tf.function

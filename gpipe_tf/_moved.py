@@ -23,7 +23,7 @@ MOVED = {
     'gpipe_tf.layers.microbatch': 'gpipe_tf.pipeline.microbatch',
     'gpipe_tf.layers.partition': 'gpipe_tf.pipeline.partition',
     'gpipe_tf.layers.pipeline': 'gpipe_tf.pipeline.pipelining_layer',
-    'gpipe_tf.layers.recompute': 'gpipe_tf.pipeline.recompute',
+    'gpipe_tf.layers.recompute': 'gpipe_tf.pipeline.cell',
     'gpipe_tf.layers.schedule': 'gpipe_tf.pipeline.schedule',
     'gpipe_tf.layers.transformer_model': 'gpipe_tf.models.transformer.network',
     'gpipe_tf.layers.unrolled': 'gpipe_tf.pipeline.unrolled',

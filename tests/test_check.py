@@ -22,11 +22,11 @@ import tensorflow as tf
 from gpipe_tf import model_registry
 from gpipe_tf import test_utils
 from gpipe_tf.layers import normalization
-from gpipe_tf.pipeline import unrolled
+from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import looped
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import pipelining_layer
-from gpipe_tf.pipeline import recompute
+from gpipe_tf.pipeline import unrolled
 from gpipe_tf.train import check
 
 DEVICES = test_utils.ConfigureVirtualCpus()
@@ -41,14 +41,14 @@ def ErrorLines(result):
 
 def CellWeightGradientsHalved():
     """A pipeline bug at any K and M: a cell's backward returns its weight gradients halved
-    (`recompute.Differentiate`, which every cell's backward runs, re-materializing or not)."""
-    original = recompute.Differentiate
+    (`cell_lib.Differentiate`, which every cell's backward runs, re-materializing or not)."""
+    original = cell_lib.Differentiate
 
     def Halved(*args, **kwargs):
         d_theta, d_inputs = original(*args, **kwargs)
         return [None if g is None else tf.convert_to_tensor(g) / 2 for g in d_theta], d_inputs
 
-    return mock.patch.object(recompute, 'Differentiate', Halved)
+    return mock.patch.object(cell_lib, 'Differentiate', Halved)
 
 
 def GradientsAveragedOverMicroBatches():
@@ -98,8 +98,8 @@ class CheckModeTest(tf.test.TestCase):
         with contextlib.ExitStack() as stack:
             for owner, name in [(unrolled.UnrolledSchedule, '__init__'),
                                 (looped.LoopedSchedule, '__init__'),
-                                (recompute.CellFunctions, 'Forward'),
-                                (recompute.CellFunctions, 'Backward'),
+                                (cell_lib.CellFunctions, 'Forward'),
+                                (cell_lib.CellFunctions, 'Backward'),
                                 (microbatch, 'Split'), (microbatch, 'Concat'),
                                 (type(task.model), 'FProp'), (type(task.model), 'FPropLoss')]:
                 stack.enter_context(mock.patch.object(owner, name, Refused))

@@ -15,12 +15,11 @@ from gpipe_tf import test_utils
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.nested_map import NestedMap
-from gpipe_tf.pipeline import executor
-from gpipe_tf.pipeline import unrolled
 from gpipe_tf.pipeline import cell as cell_lib
+from gpipe_tf.pipeline import executor
 from gpipe_tf.pipeline import looped
-from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule
+from gpipe_tf.pipeline import unrolled
 
 pytestmark = pytest.mark.unit
 
@@ -56,7 +55,7 @@ class RecordingDense(base_layer.BaseLayer):
     def FProp(self, theta, inputs):
         x = inputs.x if isinstance(inputs, NestedMap) else inputs
         scopes = tf.compat.v1.get_default_graph().get_name_scope().split('/')
-        kind = 'recompute' if recompute.RECOMPUTE_SCOPE in scopes else 'fwd'
+        kind = 'recompute' if cell_lib.RECOMPUTE_SCOPE in scopes else 'fwd'
         cell = self.p.cell_index
 
         batch_dim = fprop_context.Current().batch_dim
@@ -88,7 +87,7 @@ def V1Session(graph):
 
 
 def MakeSchedule(cells, recomputes, num_micro_batches, batch_dim=0, assign=None):
-    functions = [recompute.CellFunctions(cell, DEVICES[k]) for k, cell in enumerate(cells)]
+    functions = [cell_lib.CellFunctions(cell, DEVICES[k]) for k, cell in enumerate(cells)]
     return unrolled.UnrolledSchedule(functions, recomputes, num_micro_batches, batch_dim,
                                      tf.constant(0, tf.int64), assign)
 

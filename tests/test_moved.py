@@ -23,7 +23,7 @@ MOVED = {
     'gpipe_tf.layers.partition': 'gpipe_tf.pipeline.partition',
     'gpipe_tf.layers.schedule': 'gpipe_tf.pipeline.schedule',
     'gpipe_tf.layers.microbatch': 'gpipe_tf.pipeline.microbatch',
-    'gpipe_tf.layers.recompute': 'gpipe_tf.pipeline.recompute',
+    'gpipe_tf.layers.recompute': 'gpipe_tf.pipeline.cell',
     'gpipe_tf.train.devices': 'gpipe_tf.pipeline.devices',
     'gpipe_tf.layers.amoebanet': 'gpipe_tf.models.amoebanet.network',
     'gpipe_tf.layers.amoebanet_ops': 'gpipe_tf.models.amoebanet.ops',

@@ -1,7 +1,7 @@
 """Plans a pipeline's memory per device from Params alone: parameters, gradients, optimizer slots
 and activations, with and without re-materialization, under the plan's schedule.
 
-The model follows what the graph keeps alive (`pipeline/executor.py`, `pipeline/recompute.py`),
+The model follows what the graph keeps alive (`pipeline/executor.py`, `pipeline/cell.py`),
 walking each stage's actions in the order its device runs them (`pipeline/schedule.py`):
 
 * Stage s's device holds its variables, the running sum of its weight gradients (from the

@@ -25,7 +25,7 @@ from typing import Callable
 import tensorflow as tf
 
 from gpipe_tf.perf import simulator
-from gpipe_tf.pipeline import recompute as recompute_lib
+from gpipe_tf.pipeline import cell as cell_lib
 
 # `cell_<k>_mb_<m>_<part>` (uniquified `_<n>` when the pipeline is built twice in one graph),
 # anywhere in an op's name (a v1 graph puts it under `gradients/...`).
@@ -72,7 +72,7 @@ def ClassifyOp(name: str) -> tuple[int, int | None, str] | None:
     elif part == 'bwd_weight':
         kind = 'weight_grad'
     elif (part in ('bwd', 'bwd_input') and
-          re.search(rf'(^|/){recompute_lib.RECOMPUTE_SCOPE}/', rest)
+          re.search(rf'(^|/){cell_lib.RECOMPUTE_SCOPE}/', rest)
           and not re.search(r'(^|/)gradients/', rest)):
         # Gradient ops are named after the forward ops they differentiate, so the recompute
         # scope reappears under `gradients/`.

@@ -20,9 +20,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 import tensorflow as tf
 
+from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import gradient_sums
 from gpipe_tf.pipeline import leaves
-from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule as schedule_lib
 from gpipe_tf.pipeline import unfolded
 
@@ -72,7 +72,7 @@ def OpScope(cell: int, micro_batch: int, part: str) -> str:
     """The name scope of one (cell, micro-batch) piece of the schedule: `part` is 'fwd', 'bwd',
     'bwd_input', 'bwd_weight', 'loss' or 'grad_sum'. Traces read (cell, micro-batch, kind)
     back from op names through it (`perf/trace.py`); a re-materializing backward's recompute is
-    under a further 'recompute' scope (`recompute.RECOMPUTE_SCOPE`)."""
+    under a further 'recompute' scope (`cell_lib.RECOMPUTE_SCOPE`)."""
     return f'cell_{cell}_mb_{micro_batch}_{part}'
 
 
@@ -156,7 +156,7 @@ class Executor(Protocol):
     (then, in training, `Backward`), or `ForwardBackward`.
 
     Args:
-      functions: each stage's `recompute.CellFunctions` (which carry its device).
+      functions: each stage's `cell_lib.CellFunctions` (which carry its device).
       recomputes: per stage, whether its backward re-materializes its forward.
       sched: the `schedule.Schedule` (its num_stages must be S).
       batch_dim: the dimension micro-batches are split along.
@@ -171,7 +171,7 @@ class Executor(Protocol):
         where M divides the batch). The layers draw their randomness per example from it.
     """
 
-    def __init__(self, functions: Sequence[recompute.CellFunctions], recomputes: Sequence[bool],
+    def __init__(self, functions: Sequence[cell_lib.CellFunctions], recomputes: Sequence[bool],
                  sched: schedule_lib.Schedule, batch_dim: int, step: tf.Tensor,
                  assign: Callable[[tf.Tensor, int], tf.Tensor] | None = None,
                  first_example: Any = 0) -> None:

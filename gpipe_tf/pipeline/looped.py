@@ -30,7 +30,7 @@ device runs its actions in its list's order.
 
 Every recompute mode runs. A re-materializing stage keeps only its input and its backward B
 recomputes the forward (`recompute`); a stage that keeps its activations runs, in training,
-its forward and backward as the parts of `residuals.SplitCell`, the forward writing what the
+its forward and backward as the parts of `cell.CellSplit`, the forward writing what the
 backward reads of it (the residuals) to TensorArrays of their own ('kept'). Zero-bubble's split
 backward uses the same parts: I reads the kept residuals (a re-materializing stage first runs
 the forward again, once, after its incoming gradient exists) and writes what W reads (each
@@ -45,10 +45,10 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
+from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import executor
 from gpipe_tf.pipeline import leaves
 from gpipe_tf.pipeline import microbatch
-from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import rings
 from gpipe_tf.pipeline import schedule as schedule_lib
 from gpipe_tf.pipeline import ticks as ticks_lib
@@ -560,7 +560,7 @@ class LoopedSchedule:
             d_theta, d_x = fn.Backward(theta, x, step, first, d_y)
         else:
             if not self._keeps[s]:  # The forward again, once, after the gradient exists.
-                with tf.name_scope(recompute.RECOMPUTE_SCOPE), tf.control_dependencies(d_y):
+                with tf.name_scope(cell_lib.RECOMPUTE_SCOPE), tf.control_dependencies(d_y):
                     _, _, x = split.Forward(theta, leaves.Identity(x), step, first)
             d_x, saved = split.Input(theta, x, step, first, d_y)
             self._Write(values, ('saved', s), m, saved)

@@ -111,7 +111,7 @@ def ZeroBubbleH1(k_count: int, m_count: int) -> list[list[Action]]:
 def _SplitCosts(recomputes: Sequence[bool]) -> Callable[[Action], int]:
     """An action's cost in forwards as the executor runs a split backward: a backward of twice
     the forward split into halves, I and W, and a re-materializing stage's I running its
-    forward again first (`looped`, `residuals.SplitCell`); W runs no forward."""
+    forward again first (`looped`, `cell.CellSplit`); W runs no forward."""
     def Cost(action):
         if action.kind == INPUT_GRAD and recomputes[action.stage]:
             return 2

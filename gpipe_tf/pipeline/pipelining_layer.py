@@ -41,7 +41,6 @@ from gpipe_tf.pipeline import looped
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import plan as plan_lib
-from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule as schedule_lib
 from gpipe_tf.pipeline import unrolled
 from gpipe_tf.pipeline import unfolded
@@ -175,7 +174,7 @@ class PipeliningLayer(BaseLayer):
         tied_weights.Apply(self.Layers(), p.tied_weights, self.path)
         traced = {}  # Cells of one structure, and the replicas, share traced functions.
         self._replica_functions = [
-            [recompute.CellFunctions(cell, device, p.batch_dim, traced)
+            [cell_lib.CellFunctions(cell, device, p.batch_dim, traced)
              for cell, device in zip(self._cells, row)]
             for row in self.plan.mesh]
         self._functions = self._replica_functions[0]

@@ -5,7 +5,7 @@ Unrolled, the backward of a micro-batch is tf.gradients of the forward's call op
 the intermediates the call kept. In a loop (`looped.py`) the forward and the backward of one
 micro-batch run in different iterations: what the backward reads must be handed on, in
 TensorArrays. TensorFlow computes exactly that set when it differentiates a function (the
-forward then returns its intermediates), but not through a public API; so `SplitCell` traces the
+forward then returns its intermediates), but not through a public API; so `Parts` traces the
 cell's forward and its gradient in one graph (`tf.compat.v1.wrap_function`), finds where the
 gradient's ops read values of the forward, and prunes the graph (`WrappedFunction.prune`) into:
 
@@ -32,12 +32,12 @@ from gpipe_tf.pipeline import leaves
 _FREE, _FORWARD, _BACKWARD = 0, 1, 2
 
 
-class SplitCell:
+class Parts:
     """The forward, B, I and W of one cell for inputs of one structure and shapes.
 
     Args:
       run: `run(layer_thetas, inputs, step, first_example)` -> (outputs, statistics), the
-        cell's training forward (`recompute._Traced`), traced here once.
+        cell's training forward (`cell._Traced`), traced here once.
       theta: the cell's theta (per layer, one nest each), as specs or tensors: the parts take
         a theta of this structure and give its gradient in it (None for leaves not trainable).
       trainable: per leaf of the flattened theta, whether it gets a gradient.

@@ -5,7 +5,7 @@ and builds each under its stage's device: F calls the stage's traced forward on 
 and keeps what its backward needs (its input when re-materializing, else its forward's call,
 which B differentiates); B runs the stage's backward (recompute, then gradients); I and W, the
 split backward of zero-bubble schedules, run the input gradient and, later, the weight
-gradient, as the parts of the cell's traced gradient (`residuals.SplitCell`, which the loop
+gradient, as the parts of the cell's traced gradient (`cell.CellSplit`, which the loop
 runs too): F keeps the residuals I reads, or I re-runs the forward once on a re-materializing
 stage, and I keeps what W reads. Each device
 runs its actions in its list's order: every action waits (a control dependency) for what the
@@ -14,7 +14,7 @@ stage's device as they come; a sparse one (a gather's IndexedSlices) stays spars
 (`gradient_sums`). A batch known only when the step runs may leave micro-batches empty (fewer
 examples than M): each action then runs inside a tf.cond that skips it for no example, so no
 layer runs on zero examples; a stage that keeps its activations then keeps them as residuals
-(`residuals.SplitCell`), which pass through the tf.cond, instead of differentiating its
+(`cell.CellSplit`), which pass through the tf.cond, instead of differentiating its
 forward's call.
 """
 
@@ -24,11 +24,11 @@ import contextlib
 
 import tensorflow as tf
 
+from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import executor
 from gpipe_tf.pipeline import gradient_sums
 from gpipe_tf.pipeline import leaves
 from gpipe_tf.pipeline import microbatch
-from gpipe_tf.pipeline import recompute
 from gpipe_tf.pipeline import schedule as schedule_lib
 
 F, B, I, W = (schedule_lib.FORWARD, schedule_lib.BACKWARD, schedule_lib.INPUT_GRAD,
@@ -160,7 +160,7 @@ class UnrolledSchedule:
         self._saved = self._Grid()  # Per (cell, micro-batch), what I keeps for W.
         self._kept = self._Grid()  # Per (cell, micro-batch), the residuals its forward kept.
         # A split backward's forward, I and W: the parts of the cell's traced gradient, joined
-        # by residuals (`residuals.SplitCell`), as the loop runs them. Made at a cell's first
+        # by residuals (`cell.CellSplit`), as the loop runs them. Made at a cell's first
         # training forward, for its input's spec.
         self._last = [[] for _ in range(self._schedule.num_devices)]
         self._loss_fn = None  # Set by ForwardBackward: the loss per micro-batch.
@@ -206,7 +206,7 @@ class UnrolledSchedule:
         """Whether cell k's training backward differentiates its forward's call (kept
         activations, unsplit backward): not for a batch known only when the step runs, whose
         empty micro-batches are skipped inside a tf.cond that tf.gradients would have to look
-        into; its forward then keeps its residuals explicitly (`residuals.SplitCell`), as a
+        into; its forward then keeps its residuals explicitly (`cell.CellSplit`), as a
         split backward's does."""
         return (self._training and not self._recomputes[k] and not self._schedule.splits_backward
                 and not self._dynamic)
@@ -302,7 +302,7 @@ class UnrolledSchedule:
                     d_y)
             else:
                 with tf.device(self._devices[k]):
-                    d_theta, d_x = recompute.Differentiate(
+                    d_theta, d_x = cell_lib.Differentiate(
                         self._outputs[k][m], self._thetas[k], self._inputs[k][m], d_y,
                         self._functions[k].trainable, tape=self._tape)
             return self._Assign(k, (d_theta, d_x))
@@ -327,7 +327,7 @@ class UnrolledSchedule:
             if kept is None:
                 # A re-materializing stage runs its forward once more, here, when the incoming
                 # gradient exists, for the residuals; its statistics were the first forward's.
-                with tf.device(self._devices[k]), tf.name_scope(recompute.RECOMPUTE_SCOPE):
+                with tf.device(self._devices[k]), tf.name_scope(cell_lib.RECOMPUTE_SCOPE):
                     with tf.control_dependencies(d_y):
                         inputs = leaves.Identity(self._inputs[k][m])
                     _, _, kept = self._Split(k, m).Forward(self._thetas[k], inputs, self._step,

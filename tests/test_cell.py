@@ -1,4 +1,4 @@
-"""A cell's traced forward and re-materializing backward (`pipeline/recompute.py`): outputs and
+"""A cell's traced forward and re-materializing backward (`pipeline/cell.py`): outputs and
 gradients equal a hand-derived numpy oracle and the backward without re-materialization, in eager
 mode, a tf.function and a tf.compat.v1 graph; the forward is re-run during backprop, after the
 incoming gradient exists; each function is traced once; stateless dropout draws the same mask on
@@ -19,7 +19,6 @@ from gpipe_tf.layers import sequential
 from gpipe_tf.nested_map import NestedMap
 from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import leaves
-from gpipe_tf.pipeline import recompute
 
 pytestmark = pytest.mark.unit
 
@@ -55,7 +54,7 @@ class ScaledDense(base_layer.BaseLayer):
     def FProp(self, theta, inputs):
         x = inputs.x if isinstance(inputs, NestedMap) else inputs
         scopes = tf.compat.v1.get_default_graph().get_name_scope().split('/')
-        kind = 'recompute' if recompute.RECOMPUTE_SCOPE in scopes else 'fwd'
+        kind = 'recompute' if cell_lib.RECOMPUTE_SCOPE in scopes else 'fwd'
         TRACES.append(kind)
 
         def Record(unused_x):
@@ -130,7 +129,7 @@ class CellFunctionsTest(tf.test.TestCase, parameterized.TestCase):
 
     def testForwardEqualsTheCellAndReportsItsStatistics(self):
         cell = MakeCell()
-        functions = recompute.CellFunctions(cell, DEVICE)
+        functions = cell_lib.CellFunctions(cell, DEVICE)
         x, dy = RandomArrays(0)
         outputs, stats = functions.Forward(cell.theta, tf.constant(x), Ids(0), Ids(0))
         y_ref = NumpyCell(cell, x, dy)[0]
@@ -143,7 +142,7 @@ class CellFunctionsTest(tf.test.TestCase, parameterized.TestCase):
 
     def testEvalForwardReportsNoUpdateLayers(self):
         cell = MakeCell()
-        functions = recompute.CellFunctions(cell, DEVICE)
+        functions = cell_lib.CellFunctions(cell, DEVICE)
         x, dy = RandomArrays(1)
         outputs, _ = functions.Forward(cell.theta, tf.constant(x), Ids(0), Ids(0),
                                        training=False)
@@ -157,14 +156,14 @@ class CellFunctionsTest(tf.test.TestCase, parameterized.TestCase):
         x, dy = RandomArrays(2)
 
         def Build(cell):
-            functions = recompute.CellFunctions(cell, DEVICE)
+            functions = cell_lib.CellFunctions(cell, DEVICE)
             theta = cell.theta
             with tf.GradientTape(persistent=True, watch_accessed_variables=False) as tape:
                 sources = leaves.Identity([theta, tf.constant(x)])
                 tape.watch(tf.nest.flatten(sources))
                 kept, _ = functions.Forward(*sources, Ids(0), Ids(0))
             # Without recompute: differentiate the forward that ran (as the executor does).
-            without = recompute.Differentiate(
+            without = cell_lib.Differentiate(
                 kept, *sources, [tf.constant(dy)], functions.trainable,
                 tape=tape if tf.executing_eagerly() else None)
             return kept, without, functions.Backward(theta, tf.constant(x), Ids(0), Ids(0),
@@ -205,7 +204,7 @@ class CellFunctionsTest(tf.test.TestCase, parameterized.TestCase):
         graph = tf.Graph()
         with graph.as_default():
             cell = MakeCell()
-            functions = recompute.CellFunctions(cell, DEVICE)
+            functions = cell_lib.CellFunctions(cell, DEVICE)
             theta = cell.theta
             y, _ = functions.Forward(theta, tf.constant(x), Ids(0), Ids(0))
             d_y = tf.py_function(LateGradient, [y, tf.constant(dy)], tf.float64)
@@ -225,7 +224,7 @@ class CellFunctionsTest(tf.test.TestCase, parameterized.TestCase):
 
     def testTheBackwardFunctionsRecomputeWaitsOnTheIncomingGradient(self):
         cell = MakeCell()
-        functions = recompute.CellFunctions(cell, DEVICE)
+        functions = cell_lib.CellFunctions(cell, DEVICE)
         x, dy = RandomArrays(4)
         graph = tf.function(
             lambda: functions.Backward(cell.theta, tf.constant(x), Ids(0), Ids(0),
@@ -238,7 +237,7 @@ class CellFunctionsTest(tf.test.TestCase, parameterized.TestCase):
         d_outputs = backward.signature.input_arg[-1].name  # The last argument: [dy].
         self.assertStartsWith(d_outputs, 'd_outputs')
         recomputed = [node for node in backward.node_def
-                      if node.name.startswith(f'{recompute.RECOMPUTE_SCOPE}/')
+                      if node.name.startswith(f'{cell_lib.RECOMPUTE_SCOPE}/')
                       and node.op in ('MatMul', 'Tanh', 'EagerPyFunc')]
         self.assertLen(recomputed, 3)
         for node in recomputed:
@@ -253,7 +252,7 @@ class CellFunctionsTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual((got.device_type, got.device_index),
                          (want.device_type, want.device_index))
         computed = [node for node in backward.node_def
-                    if node.name.startswith((f'{recompute.RECOMPUTE_SCOPE}/', 'gradients/'))]
+                    if node.name.startswith((f'{cell_lib.RECOMPUTE_SCOPE}/', 'gradients/'))]
         self.assertGreater(len(computed), 10)
         # (The test's py_function recorder is pinned to the host by TensorFlow.)
         self.assertEqual([node.name for node in computed
@@ -261,7 +260,7 @@ class CellFunctionsTest(tf.test.TestCase, parameterized.TestCase):
 
     def testEachFunctionIsTracedOnceAndRunsOncePerCall(self):
         cell = MakeCell()
-        functions = recompute.CellFunctions(cell, DEVICE)
+        functions = cell_lib.CellFunctions(cell, DEVICE)
         x, dy = RandomArrays(5)
         step, theta = Ids(7), cell.theta
         for m in range(3):
@@ -277,7 +276,7 @@ class CellFunctionsTest(tf.test.TestCase, parameterized.TestCase):
 
     def testNestInputsGetNoneForIntegersAndZerosWhenUnused(self):
         cell = MakeCell()
-        functions = recompute.CellFunctions(cell, DEVICE)
+        functions = cell_lib.CellFunctions(cell, DEVICE)
         x, dy = RandomArrays(6)
         inputs = NestedMap(x=tf.constant(x), ids=tf.constant([3, 1, 4, 1], tf.int32),
                            unused=tf.ones([BATCH], tf.float64))
@@ -310,7 +309,7 @@ class StatelessDropoutTest(tf.test.TestCase):
 
     def testBackwardUsesTheForwardsMask(self):
         cell = self._Cell()
-        functions = recompute.CellFunctions(cell, DEVICE)
+        functions = cell_lib.CellFunctions(cell, DEVICE)
         x, dy = RandomArrays(7, shape=(8, DIM))
         step, theta = Ids(3), cell.theta
         y, _ = functions.Forward(theta, tf.constant(x), step, Ids(1))
@@ -348,10 +347,10 @@ class SharedTraceTest(tf.test.TestCase):
     def _Run(self, keep_prob):
         shared = {}
         cells = [self._Cell(f'layer_{i}', keep_prob) for i in range(3)]
-        functions = [recompute.CellFunctions(c, DEVICES[i], shared=shared)
+        functions = [cell_lib.CellFunctions(c, DEVICES[i], shared=shared)
                      for i, c in enumerate(cells)]
-        other = recompute.CellFunctions(self._Cell('layer_9', keep_prob=0.7), DEVICE,
-                                        shared=shared)
+        other = cell_lib.CellFunctions(self._Cell('layer_9', keep_prob=0.7), DEVICE,
+                                       shared=shared)
         self.assertLen(shared, 2)  # keep_prob differs: a structure of its own.
         x, dy = RandomArrays(8, shape=(8, DIM))
         step = Ids(5)
@@ -410,7 +409,7 @@ class DifferentiateTest(tf.test.TestCase, parameterized.TestCase):
             with tf.GradientTape(persistent=True) as tape:
                 tape.watch(theta + [inputs.x])
                 y = tf.matmul(inputs.x, theta[0]) + theta[1]
-            return recompute.Differentiate(
+            return cell_lib.Differentiate(
                 y, theta, inputs, [tf.constant(dy)], [True, False],
                 tape=tape if use_tape else None)
 
