@@ -4,10 +4,11 @@ The layers are partitioned into K cells (v K with v virtual stages per device), 
 under a device of its own. A mini-batch is split into M micro-batches, and the schedule
 (`schedule.Make(p.schedule, K, M, v)`: per device, its ordered forwards and backwards) is compiled
 into the graph by an `executor.Executor` (`unrolled.UnrolledSchedule`, or
-`looped.LoopedSchedule` from many cell calls): every cell's forward and backward (and its recompute) runs under that
-cell's device, and each cell's weight gradients are summed over the M micro-batches on that
-device. The result, outputs and gradients, equals the same layers run un-partitioned, whatever
-the schedule.
+`looped.LoopedSchedule` from many cell calls): every cell's forward and backward (and its
+recompute) runs under that cell's device, and each cell's weight gradients are summed over the M
+micro-batches on that device. With R replicas each runs its own executor on its shard of the
+batch, and the training step is one custom-gradient op over all of them (`replicas`). The
+result, outputs and gradients, equals the same layers run un-partitioned, whatever the schedule.
 
 With gpipe (fill-drain) the loss may be computed after the pipeline (`FProp`); the other schedules
 start backwards before the last forward, so the loss is computed per micro-batch on the last stage
@@ -24,7 +25,6 @@ from absl import logging
 
 from gpipe_tf import errors
 from gpipe_tf import hyperparams
-from gpipe_tf import loss_scale as loss_scale_lib
 from gpipe_tf.layers import fprop_context
 from gpipe_tf.layers import precision
 from gpipe_tf.layers import sequential
@@ -35,15 +35,13 @@ from gpipe_tf.pipeline import cell as cell_lib
 from gpipe_tf.pipeline import devices as devices_lib
 from gpipe_tf.pipeline import executor
 from gpipe_tf.pipeline import fields
-from gpipe_tf.pipeline import gradient_sums
-from gpipe_tf.pipeline import leaves
 from gpipe_tf.pipeline import looped
 from gpipe_tf.pipeline import microbatch
 from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import plan as plan_lib
+from gpipe_tf.pipeline import replicas
 from gpipe_tf.pipeline import schedule as schedule_lib
 from gpipe_tf.pipeline import unrolled
-from gpipe_tf.pipeline import unfolded
 
 # A method's name, or boundaries (which the plan checks against the layers and cells).
 _PARTITION_METHOD = hyperparams.Check(
@@ -128,10 +126,10 @@ class PipeliningLayer(BaseLayer):
                  'where the unrolled graph takes long to optimize, else unrolled (its steps '
                  'are as fast or faster).', check=hyperparams.OneOf(*plan_lib.UNROLL_MODES))
         p.Define('partition_method', 'flops',
-                 f'How layer_tpl is split: one of {plan_lib.PARTITION_METHODS}, or explicit boundaries '
-                 '[0, b_1, ..., L] (cell k holds layers b_k .. b_{k+1} - 1). "time" measures '
-                 'each layer\'s training forward and backward on one micro-batch on the first '
-                 'cell\'s device and balances their sum; its caller measures (the trainer, '
+                 f'How layer_tpl is split: one of {plan_lib.PARTITION_METHODS}, or explicit '
+                 'boundaries [0, b_1, ..., L] (cell k holds layers b_k .. b_{k+1} - 1). "time" '
+                 'measures each layer\'s training forward and backward on one micro-batch on the '
+                 'first cell\'s device and balances their sum; its caller measures (the trainer, '
                  'or perf.measured_costs.TimedBoundaries(p), whose boundaries the layer takes).',
                  check=_PARTITION_METHOD)
         p.Define('input_shapes', None,
@@ -271,7 +269,8 @@ class PipeliningLayer(BaseLayer):
                 'forward, so the loss must be computed per micro-batch inside the pipeline: '
                 'train with FPropLoss(theta, inputs, loss_fn) (tasks do), or use '
                 'schedule="gpipe".')
-        outputs, updates = self._Train(runs, thetas, inputs)
+        outputs, updates = replicas.Train(runs, thetas, inputs, self._devices,
+                                          self.p.batch_dim)
         self._ApplyUpdates(updates)
         return outputs
 
@@ -300,8 +299,8 @@ class PipeliningLayer(BaseLayer):
             outputs = self._Infer(runs, thetas, inputs)
             value, weight = loss_fn(outputs, loss_inputs)
             return outputs, value, tf.cast(weight, value.dtype)
-        outputs, updates, loss, weight = self._TrainWithLoss(runs, thetas, inputs, loss_fn,
-                                                             loss_inputs)
+        outputs, updates, loss, weight = replicas.TrainWithLoss(
+            runs, thetas, inputs, loss_fn, loss_inputs, self._devices, self.p.batch_dim)
         self._ApplyUpdates(updates)
         return tf.nest.map_structure(tf.stop_gradient, outputs), loss, weight
 
@@ -333,7 +332,7 @@ class PipeliningLayer(BaseLayer):
         shard_starts = microbatch.Starts(microbatch.RunBatchSize(inputs, p.batch_dim),
                                          p.num_replicas)
         runs: list[executor.Executor] = []
-        for r, size in enumerate(_ShardSizes(batch_size, p.num_replicas)):
+        for r, size in enumerate(replicas.ShardSizes(batch_size, p.num_replicas)):
             # No layer runs on zero examples: a static shard of fewer examples than M runs the
             # schedule of its first micro-batches only (one example each), a batch of fewer
             # examples than R on fewer replicas. A batch known only when the step runs skips
@@ -358,9 +357,9 @@ class PipeliningLayer(BaseLayer):
     def _Infer(self, runs: list[executor.Executor], thetas: list, inputs):
         """The outputs of every replica's forward-only schedule: micro-batched, no
         re-materialization, nothing recorded for a backward."""
-        return self._Replicated(
+        return replicas.Replicated(
             lambda r, shard: runs[r].Forward(thetas, shard, training=False)[0], inputs,
-            len(runs))
+            len(runs), self._devices, self.p.batch_dim)
 
     def _ApplyUpdates(self, updates: list) -> None:
         """Hands each cell's layers their training statistics, summed over micro-batches (and
@@ -391,165 +390,10 @@ class PipeliningLayer(BaseLayer):
         """`p.logical_device_fn`, checked to be usable here (it annotates graph tensors)."""
         fn = self.p.logical_device_fn
         if fn is not None and tf.executing_eagerly():
-            raise errors.ConfigError(f'{self.path}: logical_device_fn annotates graph tensors; call the '
-                             'layer inside a tf.function (or strategy.run), not eagerly.')
+            raise errors.ConfigError(
+                f'{self.path}: logical_device_fn annotates graph tensors; call the '
+                'layer inside a tf.function (or strategy.run), not eagerly.')
         return fn
-
-    def _ReplicaScope(self, r: int):
-        """Replica r's name scope; none with one replica, so op names stay `cell_<k>_mb_<m>_*`."""
-        return tf.name_scope(f'replica_{r}') if self.p.num_replicas > 1 else contextlib.nullcontext()
-
-    def _Replicated(self, fn, inputs, num_replicas: int):
-        """Concatenation over `num_replicas` replicas (fewer than R for a static batch of
-        fewer examples) of `fn(r, replica r's shard of inputs)`; with one, `fn(0, inputs)`."""
-        if num_replicas == 1:
-            return fn(0, inputs)
-        with tf.device(self._devices[0]):
-            shards = microbatch.Split(inputs, num_replicas, self.p.batch_dim)
-        outputs = []
-        for r, shard in enumerate(shards):
-            with self._ReplicaScope(r):
-                outputs.append(fn(r, shard))
-        with tf.device(self._devices[-1]):
-            return self._Joined(outputs, inputs)
-
-    def _Joined(self, shards: list, inputs):
-        """The replicas' shards of a nest joined along the batch (`microbatch.Concat`: a shard
-        of a batch known only when the step runs may be empty, fewer examples than R)."""
-        batch_dim = self.p.batch_dim
-        sizes = None
-        if microbatch.StaticBatchSize(inputs, batch_dim) is None:
-            sizes = microbatch.Sizes(microbatch.RunBatchSize(inputs, batch_dim), len(shards))
-        return microbatch.Concat(shards, batch_dim, sizes)
-
-    def _Train(self, runs: list[executor.Executor], thetas: list, inputs):
-        """The unrolled step of every replica as one custom-gradient op, so that its backward is
-        ours: built per cell under the cell's device, in the schedule's order. With R replicas,
-        each cell's weight gradient is the sum of the replicas', taken on the device of the
-        variables (replica 0's): an in-graph all-reduce whose broadcast is the next step's read.
-
-        Returns:
-          (outputs, per cell its layers' training statistics summed over micro-batches and
-          replicas).
-        """
-        num_replicas, batch_dim = len(runs), self.p.batch_dim
-        results = []
-
-        @tf.custom_gradient
-        def Pipeline(*flat):
-            thetas_in, offset = _Unflatten(thetas, flat)
-            replica_updates = []
-
-            def Forward(r, shard):
-                outputs, updates = runs[r].Forward(thetas_in, shard)
-                replica_updates.append(updates)
-                return outputs
-
-            outputs = self._Replicated(Forward, tf.nest.pack_sequence_as(inputs, flat[offset:]),
-                                       num_replicas)
-            results.append((outputs, self._SumOverReplicas(replica_updates)))
-
-            def Grad(*d_flat):
-                d_outputs = tf.nest.pack_sequence_as(outputs, _FloatGrads(outputs, d_flat))
-                replica_d_thetas = []
-
-                def Backward(r, d_shard):
-                    d_thetas, d_inputs = runs[r].Backward(d_shard)
-                    replica_d_thetas.append(d_thetas)
-                    return d_inputs
-
-                if num_replicas == 1:
-                    d_inputs = Backward(0, d_outputs)
-                else:
-                    with tf.device(self._devices[-1]):
-                        d_shards = microbatch.Split(d_outputs, num_replicas, batch_dim)
-                    d_inputs = []
-                    for r, d_shard in enumerate(d_shards):
-                        with self._ReplicaScope(r):
-                            d_inputs.append(Backward(r, d_shard))
-                    with tf.device(self._devices[0]):
-                        d_inputs = self._Joined(d_inputs, d_outputs)
-                d_thetas = self._SumOverReplicas(replica_d_thetas)
-                return [g for cell in d_thetas for g in cell] + tf.nest.flatten(d_inputs)
-
-            return tf.nest.flatten(outputs), Grad
-
-        flat_outputs = Pipeline(*[t for theta in thetas for t in tf.nest.flatten(theta)],
-                                *tf.nest.flatten(inputs))
-        outputs, updates = results[0]
-        return tf.nest.pack_sequence_as(outputs, list(flat_outputs)), updates
-
-    def _TrainWithLoss(self, runs: list[executor.Executor], thetas: list, inputs, loss_fn,
-                       loss_inputs):
-        """Every replica's whole step (forwards, per micro-batch losses, backwards, in its
-        schedule's order) run as the forward of one custom-gradient op whose output is the
-        loss: the gradients, computed with the loss, are scaled by the incoming gradient and
-        divided by the weight.
-
-        Returns:
-          (outputs, per cell its training statistics, loss, weight).
-        """
-        num_replicas = len(runs)
-        loss_scale = fprop_context.Current().loss_scale
-        if loss_scale is not None:
-            loss_scale = tf.cast(loss_scale, tf.float32)
-        results = []
-
-        @tf.custom_gradient
-        def Pipeline(*flat):
-            thetas_in, offset = _Unflatten(thetas, flat)
-            steps = []
-
-            def Step(r, shard):
-                pipeline_shard, loss_shard = shard
-                steps.append(runs[r].ForwardBackward(thetas_in, pipeline_shard, loss_fn,
-                                                     loss_shard, loss_scale))
-                return steps[-1][0]
-
-            outputs = self._Replicated(
-                Step, (tf.nest.pack_sequence_as(inputs, flat[offset:]), loss_inputs),
-                num_replicas)
-            with tf.device(self._devices[-1]):
-                total = tf.add_n([s[2][0] for s in steps])
-                weight = tf.add_n([s[2][1] for s in steps])
-                loss = tf.math.divide_no_nan(total, weight)
-            with tf.device(self._devices[0]):
-                d_inputs = (steps[0][4] if num_replicas == 1 else
-                            self._Joined([s[4] for s in steps], inputs))
-            d_thetas = self._SumOverReplicas([s[3] for s in steps])
-            results.append((outputs, self._SumOverReplicas([s[1] for s in steps]), weight))
-
-            def Grad(d_loss):
-                # Each cell's gradients on its device, then the inputs' on the first. They
-                # were computed for the loss times loss_scale.
-                pieces = list(enumerate(d_thetas)) + [(0, tf.nest.flatten(d_inputs))]
-                grads = []
-                for k, piece in pieces:
-                    with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_grad_scale'):
-                        scale = tf.math.divide_no_nan(
-                            d_loss, weight if loss_scale is None else weight * loss_scale)
-                        grads += [loss_scale_lib.ScaleGradient(g, scale) for g in piece]
-                return grads
-
-            return loss, Grad
-
-        loss = Pipeline(*[t for theta in thetas for t in tf.nest.flatten(theta)],
-                        *tf.nest.flatten(inputs))
-        outputs, updates, weight = results[0]
-        return outputs, updates, loss, weight
-
-    def _SumOverReplicas(self, per_replica: list) -> list:
-        """Per cell, the sum over replicas (on the cell's variables' device) of a per-replica
-        list of per-cell nests; None leaves stay None."""
-        if len(per_replica) == 1:
-            return per_replica[0]
-        summed = []
-        for k, cells in enumerate(zip(*per_replica)):
-            with tf.device(self._devices[k]), tf.name_scope(f'cell_{k}_replica_sum'):
-                summed.append(tf.nest.map_structure(
-                    lambda *xs: None if xs[0] is None else gradient_sums.AddAll(list(xs)),
-                    *cells))
-        return summed
 
     @classmethod
     def FPropMeta(cls, p, *input_shapes):
@@ -568,15 +412,6 @@ def IsPipeline(p) -> bool:
     return p is not None and issubclass(p.cls, PipeliningLayer)
 
 
-def _ShardSizes(batch_size: int | None, num_replicas: int) -> list:
-    """Per replica that runs, its shard's examples (`microbatch.Sizes`): all R with None
-    (a batch known only when the step runs); of a static batch, only those with examples
-    (one, of no example, for an empty batch)."""
-    if batch_size is None:
-        return [None] * num_replicas
-    return [size for size in microbatch.Sizes(batch_size, num_replicas) if size] or [0]
-
-
 def _ArrayLikesAsTensors(inputs: tuple) -> tuple:
     """The layer's inputs, each that is a (nested) list of Python numbers converted to a tensor,
     as Keras layers take array-likes (ints become int32, as token ids should; floats float32);
@@ -593,21 +428,3 @@ def _ArrayLikesAsTensors(inputs: tuple) -> tuple:
         except (ValueError, TypeError):
             return x
     return tuple(AsTensor(x) for x in inputs)
-
-
-def _Unflatten(thetas: list, flat) -> tuple[list, int]:
-    """(per cell its theta with the leaves taken in order from `flat`, the index in `flat`
-    after the last theta leaf): how the custom-gradient ops receive the cells' thetas."""
-    thetas_in, offset = [], 0
-    for theta in thetas:
-        size = len(tf.nest.flatten(theta))
-        thetas_in.append(tf.nest.pack_sequence_as(theta, flat[offset:offset + size]))
-        offset += size
-    return thetas_in, offset
-
-
-def _FloatGrads(outputs, d_flat) -> list:
-    """Incoming gradients with zeros where none arrived (unused outputs), filled each step."""
-    return [d if d is not None or not leaves.IsFloat(y) else unfolded.ZerosLike(y)
-            for y, d in zip(tf.nest.flatten(outputs), d_flat)]
-
