@@ -223,6 +223,14 @@ class ContractTest(FunctionalTestCase):
         enc_1 = next(k for k, t in pipelined.graph.tensors.items() if t is enc_1)
         self.assertEqual([enc_1 in stage.inputs for stage in pipelined.stages],
                          [False, True, True, True, True])
+        # Stage 1 reads it (down_1), stages 2 and 3 only carry it (unrolled, it goes from
+        # stage 1's device to stage 4's: tests/test_skips.py reads such a placement back from
+        # the graph), stage 4 reads it (cat_1).
+        carried = [[stage.inputs[i] for i in p.cls.PassedLeaves(p)]
+                   for stage, p in zip(pipelined.stages, pipelined.pipeline.params.layer_tpl)]
+        self.assertEqual([enc_1 in keys for keys in carried], [False, False, True, True, False])
+        self.assertEqual(pipelined.StageReport().splitlines()[0].split()[3:7],
+                         ['receives', 'sends', 'carries', 'layers'])
 
     def testATiedEmbeddingIsOneWeightOnTheFirstStageItsGradientSummed(self):
         # That the comparison sees a use's gradient dropped (each use's is a large part of

@@ -19,8 +19,10 @@ even (or their measured training time, `partition_method='time'`, on `example_in
 micro-batch, as torch's `mb_args`; or `balance=`, calls per stage). Each stage is a cell
 (`functional_stage.FunctionalStage`) on a device of its own: it receives every tensor an
 earlier stage made that it or a later one reads, and the model's inputs (a padding mask reaches
-every stage that reads it). A skip connection from stage 0 to stage 3 is carried through stages
-1 and 2.
+every stage that reads it). A skip connection from stage 0 to stage 3, which stages 1 and 2
+only carry, goes straight from stage 0's device to stage 3's when the step is unrolled
+(`FunctionalStage.PassedLeaves`); a loop (`unroll=False`, or 'auto' from 64 cell calls) carries
+it through stages 1 and 2.
 
 The layers are the model's own objects. Their weights are moved, when the pipeline is made, to
 the device of the first stage that calls them (a layer's Keras variables keep their identity;
@@ -180,19 +182,24 @@ class Functional(pipeline_model.PipelineModel):
 
     def StageReport(self, examples: int = 1) -> str:
         """A table: per stage its device, the layers it calls (a layer an earlier stage
-        calls too marked `*`: its weights live there), its parameters, and the tensors it
-        receives and sends with their bytes: per micro-batch of the `example_inputs` given,
-        else for `examples` examples ('?' where a dimension is known only when the model
-        runs)."""
+        calls too marked `*`: its weights live there), its parameters, the tensors it
+        receives and sends, and those it only carries (given on unread: a skip to a later
+        stage, which the unrolled executor sends past it, and a loop through it), with their
+        bytes: per micro-batch of the `example_inputs` given, else for `examples` examples
+        ('?' where a dimension is known only when the model runs)."""
         devices = self._pipeline_layer.pipeline.devices
-        rows = [('stage', 'device', 'params', 'receives', 'sends', 'layers')]
+        rows = [('stage', 'device', 'params', 'receives', 'sends', 'carries', 'layers')]
         for s, stage in enumerate(self._stages):
-            earlier = set(self._pipeline_layer.params.layer_tpl[s].earlier_layers)
+            stage_params = self._pipeline_layer.params.layer_tpl[s]
+            earlier = set(stage_params.earlier_layers)
+            carried = {stage.inputs[i] for i in stage_params.cls.PassedLeaves(stage_params)}
             layers = self.StageLayers(s)
             owned = sum(l.count_params() for l in layers if l.name not in earlier)
             rows.append((
                 str(s), devices[s], f'{owned:,}',
-                self._Bytes(stage.inputs, examples), self._Bytes(stage.outputs, examples),
+                self._Bytes([k for k in stage.inputs if k not in carried], examples),
+                self._Bytes([k for k in stage.outputs if k not in carried], examples),
+                self._Bytes(sorted(carried), examples),
                 ', '.join(l.name + ('*' if l.name in earlier else '') for l in layers)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
         return '\n'.join('  '.join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) +

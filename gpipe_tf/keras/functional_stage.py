@@ -80,6 +80,18 @@ class FunctionalStage(keras_layer.KerasLayer):
         return given[0] if len(given) == 1 else given
 
     @classmethod
+    def PassedLeaves(cls, p) -> dict[int, int]:
+        """The tensors the stage receives and gives on without any of its calls reading them
+        (a skip connection to a later stage): {input position: output position}. Given None
+        for one, `_Call` gives None (`graph.Graph.Run` looks it up), so the executor sends the
+        tensor straight from the stage that made it to the one that reads it."""
+        graph = GraphOf(keras_layer.Resolve(p.layer))
+        read = {key for position in p.calls for key in graph.Reads(position)}
+        outputs = list(p.stage_outputs)
+        return {i: outputs.index(key) for i, key in enumerate(p.stage_inputs)
+                if key in outputs and key not in read}
+
+    @classmethod
     def FPropMeta(cls, p, *input_shapes):
         model = keras_layer.Resolve(p.layer)
         graph = GraphOf(model)

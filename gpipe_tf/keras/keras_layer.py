@@ -301,7 +301,9 @@ class KerasLayer(base_layer.BaseLayer):
         if not stats:
             return
         batch_dim = fprop_context.Current().batch_dim
-        count = tf.cast(tf.shape(tf.nest.flatten(inputs)[0])[batch_dim], tf.float32)
+        # The first input the call was given (an unread skip, passed on, is None).
+        first = next(x for x in tf.nest.flatten(inputs) if x is not None)
+        count = tf.cast(tf.shape(first)[batch_dim], tf.float32)
         stats = stats.Transform(lambda delta: delta * tf.cast(count, delta.dtype))
         stats.count = count
         self.AddUpdate(stats)

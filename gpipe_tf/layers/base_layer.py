@@ -430,6 +430,17 @@ class BaseLayer(tf.Module):
         """Output shapes and costs for `input_shapes`, from Params alone. Subclasses override."""
         raise NotImplementedError(f'{cls.__name__}.FPropMeta')
 
+    @classmethod
+    def PassedLeaves(cls, p: hyperparams.Params) -> dict[int, int]:
+        """The leaves of the layer's inputs that it gives on unread, as they are: {input leaf:
+        output leaf}, positions in `tf.nest.flatten` of its inputs and of its outputs (a skip
+        connection a stage only carries). Called with None for such an input leaf, the layer
+        gives None for its output leaf, so an executor may send the tensor straight from the
+        cell that made it to the cell that reads it. From Params alone; most layers pass
+        none."""
+        del p
+        return {}
+
     # -- side effects of a training forward pass
     def AddUpdate(self, stats: NestedMap) -> None:
         """Hands statistics of one forward pass to the active collector, or applies them now.

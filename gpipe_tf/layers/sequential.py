@@ -84,6 +84,17 @@ def ChainMeta(layer_params: list, *input_shapes) -> tuple[LayerMeta, list[LayerM
     return total, metas
 
 
+def ChainPassed(layer_params: list) -> dict[int, int]:
+    """`BaseLayer.PassedLeaves` of layers applied in sequence: the input leaves that every one
+    of them gives on unread, each to the next one's."""
+    passed = None
+    for p in layer_params:
+        step = p.cls.PassedLeaves(p)
+        passed = dict(step) if passed is None else {
+            i: step[o] for i, o in passed.items() if o in step}
+    return passed or {}
+
+
 class SequentialLayer(BaseLayer):
     """Applies `sub` layers in order, `repeat` times; each output feeds the next layer.
 

@@ -4,6 +4,9 @@ and activations, with and without re-materialization, under the plan's schedule.
 The model follows what the graph keeps alive (`pipeline/executor.py`, `pipeline/cell.py`),
 walking each stage's actions in the order its device runs them (`pipeline/schedule.py`):
 
+* A tensor a stage gives on unread (a skip to a later stage, `BaseLayer.PassedLeaves`) is
+  counted on the stage that reads it, where the unrolled executor sends it straight; the loop
+  carries it through the stages between, each of which holds it as its input.
 * Stage s's device holds its variables, the running sum of its weight gradients (from the
   first weight gradient on: a fused backward B allocates it as it frees the micro-batch's
   activations, so the first holds the larger of the two; a sparse gradient, an embedding
@@ -47,6 +50,7 @@ from gpipe_tf import units
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import sequential
 from gpipe_tf.perf import simulator
+from gpipe_tf.pipeline import executor
 from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import schedule as schedule_lib
@@ -338,10 +342,16 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1,
         before_sparse_bytes = before_meta.sparse_gradient_bytes
         shapes = base_layer.AsArgs(before_meta.out_shapes)
     num = len(cells)
+    # The unrolled executor sends a skip a cell only carries straight to the cell that reads
+    # it: it is held there (the reader's input), not on the cells between. The loop carries it.
+    straight = not executor.Choose(pipeline_plan, m, training).loops
     plan = []
     for k, layers in enumerate(cells):
         meta, layer_metas = sequential.ChainMeta(layers, *shapes)
-        input_bytes = base_layer.OutputBytes(shapes, activation_dtype)
+        passed = sequential.ChainPassed(layers) if straight else {}
+        input_bytes = base_layer.OutputBytes(
+            [s for i, s in enumerate(base_layer.FlattenShapes(shapes)) if i not in passed],
+            activation_dtype)
         output_bytes = base_layer.OutputBytes(meta.out_shapes, activation_dtype)
         layer_outputs = [base_layer.OutputBytes(layer.out_shapes, activation_dtype)
                          for layer in layer_metas]

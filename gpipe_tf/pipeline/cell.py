@@ -63,6 +63,12 @@ class Cell:
         return [layer.p.name for layer in self._layers]
 
     @property
+    def passed_leaves(self) -> dict[int, int]:
+        """The leaves of the cell's input that its layers give on unread: {input leaf: output
+        leaf} (`BaseLayer.PassedLeaves`)."""
+        return sequential.ChainPassed([layer.p for layer in self._layers])
+
+    @property
     def vars(self) -> NestedMap:
         """Each layer's variables, keyed by the layer's name."""
         return NestedMap({layer.p.name: layer.vars for layer in self._layers})

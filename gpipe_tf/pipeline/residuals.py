@@ -66,7 +66,7 @@ class Parts:
                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
             traced.update(outputs=outputs, stats=stats, d_ys=d_ys,
                           d_theta=grads[:len(sources)], d_x=grads[len(sources):])
-            return tf.nest.flatten(outputs), tf.nest.flatten(stats)
+            return _Present(outputs), tf.nest.flatten(stats)
 
         # Traced, and pruned (`_Part`), with no device scope: a trace (and a pruned copy of
         # it) takes the device scope it is made in onto its ops, and the parts serve every
@@ -129,7 +129,7 @@ class Parts:
         self._prune = {
             'forward': lambda: wrapped.prune(
                 feeds=given + x_ph,
-                fetches=[tf.nest.flatten(traced['outputs']), tf.nest.flatten(traced['stats']),
+                fetches=[_Present(traced['outputs']), tf.nest.flatten(traced['stats']),
                          [t for t, i in zip(kept, self._kept_from_input) if i is None]]),
             'backward': lambda: wrapped.prune(feeds=given + kept + d_ys,
                                               fetches=[d_theta, d_x]),
@@ -161,6 +161,9 @@ class Parts:
         outputs, stats, kept = self._Part('forward')(*self._Given(theta, step, first_example), *x)
         kept = iter(kept)
         kept = [next(kept) if i is None else x[i] for i in self._kept_from_input]
+        outputs = iter(outputs)  # None leaves (an input passed on unread) are not fetched.
+        outputs = [None if y is None else next(outputs)
+                   for y in tf.nest.flatten(self._output_structure)]
         return (tf.nest.pack_sequence_as(self._output_structure, outputs),
                 tf.nest.pack_sequence_as(self._stats_structure, stats), kept)
 
@@ -194,6 +197,11 @@ class Parts:
         grads = iter(grads)
         return tf.nest.pack_sequence_as(self._theta_structure, [
             next(grads) if keep else None for keep in self._trainable])
+
+
+def _Present(structure) -> list:
+    """The leaves of a nest that are tensors (a pruned function fetches no None)."""
+    return [t for t in tf.nest.flatten(structure) if t is not None]
 
 
 def _Classes(order: dict, inputs, d_outputs) -> dict:

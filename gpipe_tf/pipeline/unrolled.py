@@ -16,6 +16,12 @@ examples than M): each action then runs inside a tf.cond that skips it for no ex
 layer runs on zero examples; a stage that keeps its activations then keeps them as residuals
 (`cell.CellSplit`), which pass through the tf.cond, instead of differentiating its
 forward's call.
+
+A tensor a stage gives on unread (`Cell.passed_leaves`: a skip from stage 0 to stage 3 that
+stages 1 and 2 only carry) is not given to those stages: their calls take None in its place,
+and the reader's forward takes the tensor stage 0 made, so TensorFlow sends it from device 0 to
+device 3 and nothing of it goes to devices 1 and 2; its gradient goes from stage 3's backward to
+stage 0's the same way.
 """
 
 from __future__ import annotations
@@ -72,6 +78,9 @@ class UnrolledSchedule:
                              f'{len(functions)} cells.')
         self._functions = functions
         self._devices = [f.device for f in functions]
+        # Per cell, the input leaves it gives on unread (a skip a stage only carries): sent
+        # from the cell that made them straight to the one that reads them (`_Read`, `_Given`).
+        self._passed = [f.cell.passed_leaves for f in functions]
         self._recomputes = list(recomputes)
         self._schedule = sched
         self._num_cells = len(functions)
@@ -220,12 +229,12 @@ class UnrolledSchedule:
             with self._tape or contextlib.nullcontext(), tf.device(self._devices[k]):
                 if m == 0:
                     self._thetas[k] = leaves.Identity(self._thetas[k])
-                self._inputs[k][m] = leaves.Identity(self._Assign(k, self._acts[k][m]))
+                self._inputs[k][m] = leaves.Identity(self._Assign(k, self._Read(k, m)))
                 if self._tape:
                     self._tape.watch(tf.nest.flatten(self._thetas[k]) +
                                      leaves.FloatLeaves(self._inputs[k][m]))
         else:
-            self._inputs[k][m] = self._Assign(k, self._acts[k][m])
+            self._inputs[k][m] = self._Assign(k, self._Read(k, m))
         last = k == self._num_cells - 1 and self._loss_fn is not None
 
         def Run():
@@ -241,13 +250,14 @@ class UnrolledSchedule:
             new = {'outputs': outputs, 'stats': stats, 'kept': kept}
             if last:
                 with tf.device(self._devices[k]), tf.name_scope('loss'):
-                    new['loss'] = executor.MicroBatchLoss(self._loss_fn, outputs,
+                    new['loss'] = executor.MicroBatchLoss(self._loss_fn, self._Given(k, m, outputs),
                                                           self._loss_inputs[m],
                                                           self._loss_scale)
             return (), new
 
         _, new = self._UnlessEmpty(m, Run)
-        self._acts[k + 1][m] = self._outputs[k][m] = new['outputs']
+        self._outputs[k][m] = new['outputs']
+        self._acts[k + 1][m] = self._Given(k, m, new['outputs'])
         self._stats[k][m] = new['stats']
         self._kept[k][m] = new['kept']
         if last:
@@ -256,12 +266,43 @@ class UnrolledSchedule:
             return [new['outputs'], self._d_acts[k][m]], None
         return new['outputs'], None
 
+    def _Read(self, k, m):
+        """Cell k's input of micro-batch m as the cell reads it: None for the leaves it gives
+        on unread, which do not go to its device."""
+        if not self._passed[k]:
+            return self._acts[k][m]
+        flat = tf.nest.flatten(self._acts[k][m])
+        return tf.nest.pack_sequence_as(
+            self._acts[k][m], [None if i in self._passed[k] else x for i, x in enumerate(flat)])
+
+    def _Given(self, k, m, outputs):
+        """What cell k gives on for micro-batch m: its outputs, with the input leaves it passes
+        unread in their place (the tensors themselves, on the device that made them)."""
+        if not self._passed[k]:
+            return outputs
+        flat = tf.nest.flatten(outputs)
+        inputs = tf.nest.flatten(self._acts[k][m])
+        for i, o in self._passed[k].items():
+            flat[o] = inputs[i]
+        return tf.nest.pack_sequence_as(outputs, flat)
+
     def _IncomingGradient(self, k, m):
-        return self._Assign(k, leaves.FloatLeaves(self._d_acts[k][m]))
+        """The gradients of cell k's float outputs of micro-batch m, those it gave on unread
+        apart (`_PassOn` hands them back)."""
+        flat = tf.nest.flatten(self._d_acts[k][m])
+        passed = set(self._passed[k].values())
+        return self._Assign(k, [d for o, d in enumerate(flat)
+                                if o not in passed and leaves.IsFloat(d)])
 
     def _PassOn(self, k, m, d_x):
-        """Hands the input gradient of (k, m) to the previous stage (or the pipeline's input)."""
-        d_x = tf.nest.pack_sequence_as(self._inputs[k][m], d_x)
+        """Hands the input gradient of (k, m) to the previous stage (or the pipeline's input):
+        the cell's, and for each input leaf it gave on unread, its output leaf's gradient."""
+        if self._passed[k]:
+            d_y = tf.nest.flatten(self._d_acts[k][m])
+            d_x = list(d_x)
+            for i, o in self._passed[k].items():
+                d_x[i] = d_y[o]
+        d_x = tf.nest.pack_sequence_as(self._acts[k][m], d_x)
         if k:
             self._d_acts[k - 1][m] = d_x
         else:
