@@ -141,9 +141,10 @@ def Tuned(name, p, top, chosen_from, repeats, emit):
     costs calibrated on measured gpipe steps (`tuner.Calibrate`), the fastest measured of the
     `chosen_from` best-ranked chosen (`tuner.MeasureBest`), as `--mode=tune` does; then the
     `top` best-ranked are measured again, afresh, as the oracle."""
+    from gpipe_tf.perf import cost_model  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import tuner  # pylint: disable=g-import-not-at-top
     base = p.Copy().Set(num_cells=2, devices=bench.DEVICES[:2])
-    costs = tuner.MeasuredCosts(base)
+    costs = cost_model.MeasuredCosts(base)
     timed = lambda candidate: Measure(candidate.params, repeats)[0]
     calibrated = tuner.Calibrate(base, 2, costs, timed, 64 * 2**30, slots_per_param=0)
     print(f'{name}: layer costs {calibrated.description}', flush=True)
@@ -195,10 +196,11 @@ def Tuned(name, p, top, chosen_from, repeats, emit):
 def Fitted(name, p, repeats, memory_share, emit):
     """The tuner's pick under a memory limit the FLOPs-balanced gpipe configuration exceeds:
     its planned step bytes against the measured."""
+    from gpipe_tf.perf import cost_model  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import memory as memory_lib  # pylint: disable=g-import-not-at-top
     from gpipe_tf.perf import tuner  # pylint: disable=g-import-not-at-top
     base = p.Copy().Set(num_cells=2, devices=bench.DEVICES[:2])
-    costs = tuner.MeasuredCosts(base)
+    costs = cost_model.MeasuredCosts(base)
     gpipe = memory_lib.PlanMemory(base.Copy().Set(schedule='gpipe', recompute='never',
                                                   virtual_stages=1, partition_method='flops'),
                                   0)

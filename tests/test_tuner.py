@@ -1,4 +1,5 @@
-"""The tuner (`gpipe_tf.perf.tuner`) and the trainer's `--mode=tune`.
+"""The tuner (`gpipe_tf.perf.tuner`, on the costs of `perf.cost_model`) and the trainer's
+`--mode=tune`.
 
 The tuner's search, checked against oracles of its own: on K=2 every boundary placement is
 scored and none beats the tuner's for its configuration; its pick fits the memory by a memory
@@ -23,6 +24,7 @@ from gpipe_tf import units
 from gpipe_tf import test_utils
 from gpipe_tf import trainer
 from gpipe_tf.layers import basic
+from gpipe_tf.perf import cost_model
 from gpipe_tf.perf import memory as memory_lib
 from gpipe_tf.perf import tuner
 from gpipe_tf.pipeline import pipelining_layer
@@ -65,7 +67,7 @@ class TuneTest(tf.test.TestCase):
                  for mode in ('never', 'always')]
         result = tuner.Tune(p, 2, 1e12, space=space)
         self.assertLen(result.candidates, len(space))
-        costs = tuner.FlopsCosts(p)
+        costs = cost_model.FlopsCosts(p)
         before, layers = costs.Of(256 // 8)
         for candidate in result.candidates:
             for cut in range(1, 6):
@@ -80,14 +82,14 @@ class TuneTest(tf.test.TestCase):
         # action in turn, M forwards and M backwards (zero_bubble: I and W, two calls), each
         # one call's cost more than the layers' work alone.
         p = Dense([32, 64, 32, 64, 32], 64)
-        before, work = tuner.FlopsCosts(p).Of(64 // 4)
+        before, work = cost_model.FlopsCosts(p).Of(64 // 4)
         call = 1e-3
-        timed = [tuner.LayerSeconds(c.forward + call, c.backward, c.input_grad) for c in work]
+        timed = [cost_model.LayerSeconds(c.forward + call, c.backward, c.input_grad) for c in work]
         for kind, calls_per_micro_batch in (('gpipe', 2), ('1f1b', 2), ('zero_bubble', 3)):
             config = tuner.Config(kind, 4, 1, 'never')
             bare = tuner.Score(p, 1, config, [0, 4], before, work, 1e12)
             called = tuner.Score(p, 1, config, [0, 4], before, timed, 1e12,
-                                 overheads=tuner.Overheads(action_s=call, call_s=call))
+                                 overheads=cost_model.Overheads(action_s=call, call_s=call))
             self.assertAlmostEqual(called.step_s - bare.step_s, 4 * calls_per_micro_batch * call,
                                    msg=kind)
 
@@ -197,9 +199,9 @@ class TuneTest(tf.test.TestCase):
         # drain), each slot a micro-batch's share of a cell's work and one action's cost.
         p = Dense([32, 64, 32, 64, 32], 64)
 
-        class Costs(tuner.FlopsCosts):
+        class Costs(cost_model.FlopsCosts):
             def Overheads(self, micro_batch_size):
-                return tuner.Overheads(action_s=1e-3)
+                return cost_model.Overheads(action_s=1e-3)
 
         costs = Costs(p)
         before, layers = costs.Of(64)
@@ -235,7 +237,7 @@ class TuneTest(tf.test.TestCase):
 
     def testCalibrationWithNothingThatFitsLeavesTheCosts(self):
         p = Dense([32, 64, 32], 64)
-        costs = tuner.FlopsCosts(p)
+        costs = cost_model.FlopsCosts(p)
         self.assertIs(tuner.Calibrate(p, 2, costs, lambda c: 1.0, 1024), costs)
 
     def testMeasureBestRunsTheBestRankedThatFitAndPutsTheFastestFirst(self):

@@ -13,7 +13,7 @@ calls, within a time limit per layer: F (the forward), FB (forward and every gra
 (forward and the input gradient); backward = FB - F, input gradient = FI - F. A call that only
 passes the inputs on is timed too: a call's own cost (dispatching it, waiting for its outputs),
 which F includes and the differences do not; in the pipeline a cell's layers run in one call
-per action, and the tuner charges it so (`tuner.MeasuredCosts`). Inputs are
+per action, and the tuner charges it so (`cost_model.MeasuredCosts`). Inputs are
 synthesized from shapes and dtypes (uniform floats, zero integers: valid ids and labels), and
 each layer takes its predecessor's output, as in the pipeline.
 

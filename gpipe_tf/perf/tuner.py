@@ -12,152 +12,31 @@ partition of the layers' step costs (the min-max partition `partition_method='ti
 where a device's planned peak exceeds its memory, boundaries next to the fullest device move
 one layer at a time to its neighbours while the peak falls (so a 1F1B stage 0, which holds K
 micro-batches, is given fewer layers than the last stage, which holds one). Each configuration is
-then scored by `simulator.Simulate` on the per-cell sums of the layers' costs and by the memory
-planner (`memory.FromPlan`) on the same plan the pipeline would make, so the prediction and the
-run share one partition.
+then scored by the simulated step (`cost_model.Simulated`: `simulator.Simulate` on the per-cell
+sums of the layers' costs) and by the memory planner (`memory.FromPlan`) on the same plan the
+pipeline would make, so the prediction and the run share one partition.
 
-Layer costs come from a `Costs`: measured on the device (`MeasuredCosts`, the costs
-`partition_method='time'` uses, per micro-batch size) or estimated from FLOPs at a nominal rate
-(`FlopsCosts`, for models no device here can run: their predicted steps rank configurations but
-are not seconds of any device). Boundary transfers are not modelled (free), as between virtual
-devices of one host.
+Layer costs are the cost model's (`cost_model`: measured, or estimated from FLOPs); with
+measured ones, `Calibrate` scales them to measured gpipe steps at the M of the search, and
+`MeasureBest` runs the best-ranked configurations and puts the fastest measured first.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from typing import Callable, Sequence
 
 from gpipe_tf import errors
 from gpipe_tf import units
-from gpipe_tf.layers import sequential
-from gpipe_tf.perf import measured_costs
+from gpipe_tf.perf import cost_model
 from gpipe_tf.perf import memory as memory_lib
-from gpipe_tf.perf import simulator
 from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import partition
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import schedule as schedule_lib
 
-# The FLOP rate of FLOPs-estimated costs: ranks configurations, is no device's.
-NOMINAL_FLOPS_PER_SEC = 1e12
 # Per configuration, at most this many one-layer boundary moves towards fitting.
 _MAX_MOVES = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerSeconds:
-    """One layer's seconds on one micro-batch: forward, backward (all gradients), and the
-    backward's input gradient (zero-bubble's I; its W is the rest)."""
-    forward: float
-    backward: float
-    input_grad: float
-
-    def Step(self, recompute: bool) -> float:
-        return self.forward * (2 if recompute else 1) + self.backward
-
-
-@dataclasses.dataclass(frozen=True)
-class Overheads:
-    """What a step costs besides its layers' work: `action_s` per action (one call of a cell's
-    forward or backward part on a micro-batch; a backward split into I and W is two), and
-    `call_s`, what each layer's forward of the costs includes besides its work (each layer was
-    timed as a call of its own: `Score` takes it out)."""
-    action_s: float = 0.0
-    call_s: float = 0.0
-
-
-class Costs:
-    """Per-layer costs on one micro-batch of a given size: `Of(micro_batch_size)` -> (the
-    before_tpl layers', the body layers'). `measured` says whether they are seconds measured
-    on a device or an estimate; `Overheads`, what a step costs besides its layers' work."""
-    measured: bool = False
-    description: str = ''
-
-    def Of(self, micro_batch_size: int) -> tuple[list[LayerSeconds], list[LayerSeconds]]:
-        raise NotImplementedError
-
-    def Overheads(self, micro_batch_size: int) -> Overheads:  # pylint: disable=unused-argument
-        """What a step costs besides its layers' work (nothing in an estimate)."""
-        return Overheads()
-
-
-class FlopsCosts(Costs):
-    """Seconds at `flops_per_sec` from each layer's forward FLOPs (`FPropMeta`), the backward
-    twice the forward and split evenly into input and weight gradients."""
-
-    def __init__(self, p, flops_per_sec: float = NOMINAL_FLOPS_PER_SEC):
-        self.description = f'estimated from FLOPs at {flops_per_sec:.0e} FLOP/s'
-        self._rate = flops_per_sec
-        self._batch = fields.BatchSize(p)
-        before = fields.BeforeLayers(p)
-        shapes = fields.InputShapes(p)
-        self._before = ([m.flops for m in sequential.ChainMeta(before, *shapes)[1]]
-                        if before else [])
-        layers = fields.BodyLayers(p)
-        self._layers = [m.flops for m in
-                        sequential.ChainMeta(layers, *fields.BodyInputShapes(p))[1]]
-
-    def Of(self, micro_batch_size):
-        def Seconds(flops):
-            forward = flops * micro_batch_size / self._batch / self._rate
-            return LayerSeconds(forward, 2 * forward, forward)
-        return [Seconds(f) for f in self._before], [Seconds(f) for f in self._layers]
-
-
-class MeasuredCosts(Costs):
-    """Seconds measured on the pipeline's first device (`measured_costs.PipelineLayerCosts`),
-    once per micro-batch size, cached in `p.costs_file`."""
-    measured = True
-
-    def __init__(self, p, progress: Callable | None = None):
-        self.description = 'measured on ' + measured_costs.DescribeDevice(
-            measured_costs.FirstDevice(p))
-        self._p, self._progress, self._memo, self._calls = p, progress, {}, {}
-
-    def Of(self, micro_batch_size):
-        if micro_batch_size not in self._memo:
-            before, layers = measured_costs.PipelineLayerCosts(self._p, micro_batch_size,
-                                                               self._progress)
-            self._memo[micro_batch_size] = tuple(
-                [LayerSeconds(c.forward_s, c.backward_s, c.input_grad_s) for c in costs]
-                for costs in (before, layers))
-            self._calls[micro_batch_size] = statistics.median(
-                c.call_s for c in list(before) + list(layers))
-        return self._memo[micro_batch_size]
-
-    def Overheads(self, micro_batch_size):
-        """A call's own cost, measured with the layers (their median), taken as each
-        action's: each layer's forward was timed as a call of its own, the pipeline runs a
-        cell's layers in one call per action, so `Score` takes it out of every layer's forward
-        and charges it once per action. (`Calibrated` replaces it with what an action of the
-        pipeline itself costs.)"""
-        self.Of(micro_batch_size)
-        call = self._calls[micro_batch_size]
-        return Overheads(action_s=call, call_s=call)
-
-
-class Calibrated(Costs):
-    """`costs` times `scale`, fitted to measured steps of the pipeline itself (`Calibrate`):
-    every layer's seconds and every overhead. A layer timed alone on one device is not the layer
-    inside the pipeline's graph (no call of its own, other ops beside it that may share the
-    device's cores, other caches)."""
-
-    def __init__(self, costs: Costs, scale: float, description: str):
-        self._costs, self.scale = costs, scale
-        self.measured = costs.measured
-        self.description = f'{costs.description}, {description}'
-
-    def Of(self, micro_batch_size):
-        return tuple([LayerSeconds(self.scale * c.forward, self.scale * c.backward,
-                                   self.scale * c.input_grad) for c in costs]
-                     for costs in self._costs.Of(micro_batch_size))
-
-    def Overheads(self, micro_batch_size):
-        overheads = self._costs.Overheads(micro_batch_size)
-        return Overheads(*(self.scale * getattr(overheads, field.name)
-                           for field in dataclasses.fields(Overheads)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +183,7 @@ def Space(num_layers: int, num_devices: int, batch_per_replica: int,
     return space
 
 
-def Tune(p, num_devices: int, device_memory_bytes: float, costs: Costs | None = None,
+def Tune(p, num_devices: int, device_memory_bytes: float, costs: cost_model.Costs | None = None,
          slots_per_param: int = 1, space: Sequence[Config] | None = None,
          progress: Callable | None = None, search_kept_cells: bool = True) -> Result:
     """Scores every configuration of `space` for PipeliningLayer Params `p` (with layer_tpl
@@ -329,7 +208,7 @@ def Tune(p, num_devices: int, device_memory_bytes: float, costs: Costs | None = 
     if p.layer_tpl is None or p.input_shapes is None:
         raise errors.ConfigError(f'{p.name}: tuning needs layer_tpl (layers to partition) and '
                                  'input_shapes (the shapes of one mini-batch).')
-    costs = costs or FlopsCosts(p)
+    costs = costs or cost_model.FlopsCosts(p)
     batch = fields.BatchSize(p) // p.num_replicas
     if space is None:
         space = Space(len(p.layer_tpl), num_devices, batch)
@@ -367,15 +246,15 @@ def Tune(p, num_devices: int, device_memory_bytes: float, costs: Costs | None = 
     return Result(scored, device_memory_bytes, costs.description, costs.measured, skipped)
 
 
-def Calibrate(p, num_devices: int, costs: Costs,
+def Calibrate(p, num_devices: int, costs: cost_model.Costs,
               measure: Callable[[Candidate], float | None],
               device_memory_bytes: float, slots_per_param: int = 1,
-              space: Sequence[Config] | None = None) -> Costs:
-    """`costs` scaled to measured steps of the pipeline itself (`Calibrated`): gpipe at each M
-    of `space` (the first recompute mode of each that fits, at its time-optimal boundaries) is
-    run by `measure` (a Candidate -> its step in seconds, or None where it was not run), and
-    the scale is the least squares fit of their predicted steps to the measured in relative
-    error (each M weighs the same, however long its step).
+              space: Sequence[Config] | None = None) -> cost_model.Costs:
+    """`costs` scaled to measured steps of the pipeline itself (`cost_model.Calibrated`): gpipe
+    at each M of `space` (the first recompute mode of each that fits, at its time-optimal
+    boundaries) is run by `measure` (a Candidate -> its step in seconds, or None where it was
+    not run), and the scale is the least squares fit of their predicted steps to the measured in
+    relative error (each M weighs the same, however long its step).
 
     One number. Two were tried, the layers' work scaled and an action's cost fitted apart: a
     small model's steps are mostly a fixed cost per step (the update, the function's call),
@@ -402,7 +281,8 @@ def Calibrate(p, num_devices: int, costs: Costs,
     ratios = [predicted / seconds for _, predicted, seconds in references]
     scale = sum(ratios) / sum(r * r for r in ratios)
     shown = ', '.join(f'{m}: {t * 1e3:.1f} ms' for m, _, t in references)
-    return Calibrated(costs, scale, f'x{scale:.2f} calibrated on measured gpipe steps (M={shown})')
+    return cost_model.Calibrated(costs, scale,
+                                 f'x{scale:.2f} calibrated on measured gpipe steps (M={shown})')
 
 
 def _FittedOrNone(*args) -> Candidate | None:
@@ -449,11 +329,11 @@ def _GiB(value: float) -> str:
 
 
 def Score(p, num_devices: int, config: Config, boundaries: Sequence[int],
-          before: Sequence[LayerSeconds], layers: Sequence[LayerSeconds],
+          before: Sequence[cost_model.LayerSeconds], layers: Sequence[cost_model.LayerSeconds],
           device_memory_bytes: float, slots_per_param: int = 1, moved: bool = False,
-          overheads: Overheads = Overheads()) -> Candidate:
-    """One configuration with `boundaries`, simulated (`_Simulated`) and planned on the plan the
-    pipeline makes of it.
+          overheads: cost_model.Overheads = cost_model.Overheads()) -> Candidate:
+    """One configuration with `boundaries`, simulated (`cost_model.Simulated`) and planned on the
+    plan the pipeline makes of it.
 
     Raises:
       errors.ConfigError: if the pipeline refuses the configuration.
@@ -464,42 +344,16 @@ def Score(p, num_devices: int, config: Config, boundaries: Sequence[int],
                      partition_method=list(boundaries))
     pipeline_plan = plan_lib.MakePlan(q, place=False)
     memory = memory_lib.FromPlan(pipeline_plan, slots_per_param)
-    timeline = _Simulated(pipeline_plan, boundaries, before, layers, overheads)
+    timeline = cost_model.Simulated(pipeline_plan, boundaries, before, layers, overheads)
     totals = tuple(memory.device_totals)
     return Candidate(config, tuple(boundaries), timeline.makespan, timeline.bubble, totals,
                      memory.Fits(device_memory_bytes), moved, q, memory)
 
 
-def _Simulated(pipeline_plan, boundaries: Sequence[int], before: Sequence[LayerSeconds],
-               layers: Sequence[LayerSeconds],
-               overheads: Overheads = Overheads()) -> simulator.Timeline:
-    """The simulated actions of a plan whose cells hold the layers between `boundaries` (the
-    before layers in cell 0): each cell's forward is its layers' work (their forwards less
-    `overheads.call_s` each) and one action's cost, its backward theirs and one action's (a
-    split one, two)."""
-    forward, backward, input_grad, counts = [], [], [], []
-    for k in range(len(boundaries) - 1):
-        cell = list(layers[boundaries[k]:boundaries[k + 1]]) + (list(before) if k == 0 else [])
-        counts.append(len(cell))
-        forward.append(sum(c.forward for c in cell))
-        backward.append(sum(c.backward for c in cell))
-        input_grad.append(sum(c.input_grad for c in cell))
-    total = sum(backward)
-    weight_fraction = min(max(1 - sum(input_grad) / total, 0.0), 1.0) if total else 0.5
-    backward_calls = 2 if pipeline_plan.schedule.splits_backward else 1
-    action_s = overheads.action_s
-    work = [max(f - layers_in * overheads.call_s, 0.0) for f, layers_in in zip(forward, counts)]
-    return simulator.Simulate(
-        simulator.CellCosts(forward=[w + action_s for w in work],
-                            backward=[b + backward_calls * action_s for b in backward],
-                            recompute=work, weight_fraction=weight_fraction),
-        pipeline_plan.num_micro_batches, pipeline_plan.recompute, pipeline_plan.schedule)
-
-
 def MostKept(p, num_devices: int, scored: Sequence[Candidate],
-             before: Sequence[LayerSeconds], layers: Sequence[LayerSeconds],
+             before: Sequence[cost_model.LayerSeconds], layers: Sequence[cost_model.LayerSeconds],
              device_memory_bytes: float, slots_per_param: int = 1,
-             overheads: Overheads = Overheads()) -> Candidate | None:
+             overheads: cost_model.Overheads = cost_model.Overheads()) -> Candidate | None:
     """Of one schedule, M and v (those of `scored`, candidates that differ only in recompute),
     the configuration that keeps the activations of the most last cells (j of the S cells,
     recompute 'except_last_<j>'; 'always' for j = 0) and still fits, its boundaries fitted as
@@ -536,7 +390,7 @@ def MostKept(p, num_devices: int, scored: Sequence[Candidate],
 
 
 def _Fitted(p, num_devices, config, before, layers, device_memory_bytes, slots_per_param,
-            overheads=Overheads()):
+            overheads=cost_model.Overheads()):
     """The configuration at its time-optimal boundaries, or, if a device does not fit, at the
     boundaries one-layer moves away from the fullest device reach while its peak falls."""
     # Boundaries come before the cells: with any cell re-materializing, every layer's

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from gpipe_tf import errors
 from gpipe_tf import units
+from gpipe_tf.perf import cost_model
 from gpipe_tf.perf import measured_costs
 from gpipe_tf.perf import memory as memory_lib
 from gpipe_tf.perf import tuner
@@ -80,7 +81,7 @@ def _HostBytes() -> int:
     return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
 
 
-def ChooseCosts(p, kind: str, slots_per_param: int, micro_batches: int) -> tuner.Costs:
+def ChooseCosts(p, kind: str, slots_per_param: int, micro_batches: int) -> cost_model.Costs:
     """The layer costs for `kind` ('auto': measured where the model's un-partitioned step at
     its smallest micro-batch fits in half the host's memory, else FLOPs).
 
@@ -88,7 +89,7 @@ def ChooseCosts(p, kind: str, slots_per_param: int, micro_batches: int) -> tuner
       errors.ConfigError: for 'measured' on a model too large to measure here.
     """
     if kind == 'flops':
-        return tuner.FlopsCosts(p)
+        return cost_model.FlopsCosts(p)
     needed = memory_lib.PlanMemory(p, slots_per_param, num_cells=1,
                                    num_micro_batches=micro_batches,
                                    recompute='always').peak_device_bytes
@@ -99,8 +100,8 @@ def ChooseCosts(p, kind: str, slots_per_param: int, micro_batches: int) -> tuner
             f'more than half of this machine\'s {units.MiB(_HostBytes())} MiB; use '
             '--tune_costs=flops (or auto).')
     if not fits:
-        return tuner.FlopsCosts(p)
-    return tuner.MeasuredCosts(p, progress=lambda line: print(line, flush=True))
+        return cost_model.FlopsCosts(p)
+    return cost_model.MeasuredCosts(p, progress=lambda line: print(line, flush=True))
 
 
 def _PlannedStepBytes(memory: memory_lib.MemoryPlan) -> int:
