@@ -11,6 +11,11 @@ def IsFloat(x) -> bool:
     return x is not None and x.dtype.is_floating
 
 
+def Present(structure) -> list:
+    """The leaves of a nest that are not None, in `tf.nest` order (IndexedSlices are leaves)."""
+    return [x for x in tf.nest.flatten(structure) if x is not None]
+
+
 def FloatLeaves(structure) -> list:
     """The floating-point tensors of a nest, in `tf.nest` order: what gradients flow through."""
     return [x for x in tf.nest.flatten(structure) if IsFloat(x)]

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-
-def _Leaves(inputs) -> list:
-    return [x for x in tf.nest.flatten(inputs) if x is not None]
+from gpipe_tf.pipeline import leaves
 
 
 def StaticBatchSize(inputs, batch_dim: int) -> int | None:
@@ -17,7 +15,7 @@ def StaticBatchSize(inputs, batch_dim: int) -> int | None:
       TypeError: for an input that is not a tensor or an array.
     """
     sizes = set()
-    for x in _Leaves(inputs):
+    for x in leaves.Present(inputs):
         if not hasattr(x, 'shape'):
             raise TypeError(f'Inputs to split into micro-batches must be tensors or arrays; got '
                             f'{type(x).__name__} {x!r:.60}.')
@@ -37,7 +35,7 @@ def RunBatchSize(inputs, batch_dim: int):
     scalar tensor (the batch is known only when the step runs)."""
     size = StaticBatchSize(inputs, batch_dim)
     if size is None:
-        size = tf.shape(_Leaves(inputs)[0], out_type=tf.int64)[batch_dim]
+        size = tf.shape(leaves.Present(inputs)[0], out_type=tf.int64)[batch_dim]
     return size
 
 
@@ -139,7 +137,7 @@ def Split(inputs, num_micro_batches: int, batch_dim: int = 0) -> list:
       A list of M nests shaped like `inputs`.
     """
     flat = tf.nest.flatten(inputs)
-    batch_size = RunBatchSize(inputs, batch_dim) if _Leaves(inputs) else 0
+    batch_size = RunBatchSize(inputs, batch_dim) if leaves.Present(inputs) else 0
     if isinstance(batch_size, int) and batch_size % num_micro_batches == 0:
         sizes = num_micro_batches  # Equal parts: tf.split's own static shapes.
     else:
@@ -175,20 +173,15 @@ def UnlessEmpty(size, run, carried):
 
     def Run():
         built.append(run())
-        return _NonNone(built[0])
+        return leaves.Present(built[0])
 
     def Skip():
         changed, new = built[0]
-        return _NonNone((carried(changed), tf.nest.map_structure(_NoExamples, new)))
+        return leaves.Present((carried(changed), tf.nest.map_structure(_NoExamples, new)))
 
     results = tf.cond(size > 0, Run, Skip)
     values = iter(results or [])
     return tf.nest.map_structure(lambda x: None if x is None else next(values), built[0])
-
-
-def _NonNone(nest) -> list:
-    """The leaves of `nest` that are not None (IndexedSlices are leaves), for a tf.cond."""
-    return [x for x in tf.nest.flatten(nest) if x is not None]
 
 
 def _NoExamples(x):

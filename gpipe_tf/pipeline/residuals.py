@@ -49,7 +49,7 @@ class Parts:
         theta_specs = [tf.TensorSpec(t.shape, t.dtype) for t in tf.nest.flatten(theta)]
         self._theta_structure = theta
         self._trainable = list(trainable)
-        input_specs = [x for x in tf.nest.flatten(input_spec) if x is not None]
+        input_specs = leaves.Present(input_spec)
         traced = {}
 
         def Trace(theta_flat, input_flat, step, first_example):
@@ -66,7 +66,7 @@ class Parts:
                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
             traced.update(outputs=outputs, stats=stats, d_ys=d_ys,
                           d_theta=grads[:len(sources)], d_x=grads[len(sources):])
-            return _Present(outputs), tf.nest.flatten(stats)
+            return leaves.Present(outputs), tf.nest.flatten(stats)
 
         # Traced, and pruned (`_Part`), with no device scope: a trace (and a pruned copy of
         # it) takes the device scope it is made in onto its ops, and the parts serve every
@@ -129,7 +129,7 @@ class Parts:
         self._prune = {
             'forward': lambda: wrapped.prune(
                 feeds=given + x_ph,
-                fetches=[_Present(traced['outputs']), tf.nest.flatten(traced['stats']),
+                fetches=[leaves.Present(traced['outputs']), tf.nest.flatten(traced['stats']),
                          [t for t, i in zip(kept, self._kept_from_input) if i is None]]),
             'backward': lambda: wrapped.prune(feeds=given + kept + d_ys,
                                               fetches=[d_theta, d_x]),
@@ -157,7 +157,7 @@ class Parts:
 
     def Forward(self, theta, inputs, step, first_example):
         """(outputs, statistics, the kept residuals as a flat list) for one micro-batch."""
-        x = [t for t in tf.nest.flatten(inputs) if t is not None]
+        x = leaves.Present(inputs)
         outputs, stats, kept = self._Part('forward')(*self._Given(theta, step, first_example), *x)
         kept = iter(kept)
         kept = [next(kept) if i is None else x[i] for i in self._kept_from_input]
@@ -197,11 +197,6 @@ class Parts:
         grads = iter(grads)
         return tf.nest.pack_sequence_as(self._theta_structure, [
             next(grads) if keep else None for keep in self._trainable])
-
-
-def _Present(structure) -> list:
-    """The leaves of a nest that are tensors (a pruned function fetches no None)."""
-    return [t for t in tf.nest.flatten(structure) if t is not None]
 
 
 def _Classes(order: dict, inputs, d_outputs) -> dict:

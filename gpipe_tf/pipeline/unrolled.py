@@ -269,11 +269,7 @@ class UnrolledSchedule:
     def _Read(self, k, m):
         """Cell k's input of micro-batch m as the cell reads it: None for the leaves it gives
         on unread, which do not go to its device."""
-        if not self._passed[k]:
-            return self._acts[k][m]
-        flat = tf.nest.flatten(self._acts[k][m])
-        return tf.nest.pack_sequence_as(
-            self._acts[k][m], [None if i in self._passed[k] else x for i, x in enumerate(flat)])
+        return _WithNone(self._acts[k][m], self._passed[k])
 
     def _Given(self, k, m, outputs):
         """What cell k gives on for micro-batch m: its outputs, with the input leaves it passes
@@ -289,10 +285,8 @@ class UnrolledSchedule:
     def _IncomingGradient(self, k, m):
         """The gradients of cell k's float outputs of micro-batch m, those it gave on unread
         apart (`_PassOn` hands them back)."""
-        flat = tf.nest.flatten(self._d_acts[k][m])
-        passed = set(self._passed[k].values())
-        return self._Assign(k, [d for o, d in enumerate(flat)
-                                if o not in passed and leaves.IsFloat(d)])
+        return self._Assign(k, leaves.FloatLeaves(
+            _WithNone(self._d_acts[k][m], self._passed[k].values())))
 
     def _PassOn(self, k, m, d_x):
         """Hands the input gradient of (k, m) to the previous stage (or the pipeline's input):
@@ -413,3 +407,12 @@ class UnrolledSchedule:
     def _Gradients(self):
         with tf.device(self._devices[0]):
             return self._d_thetas, self._Joined(self._d_inputs)
+
+
+def _WithNone(structure, positions):
+    """`structure` with None for its flat leaves at `positions`."""
+    positions = set(positions)
+    if not positions:
+        return structure
+    return tf.nest.pack_sequence_as(structure, [
+        None if i in positions else x for i, x in enumerate(tf.nest.flatten(structure))])
