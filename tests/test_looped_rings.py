@@ -35,11 +35,28 @@ def _Events(action, last, loss_in_loop, keeps):
     return [(('kept' if keeps[s] else 'act', s), m), (('d_act', s + 1), m)], writes
 
 
-def _Replay(sched, phases, loss_in_loop, sizes, eager=False, keeps=None):
+def _SkipEvents(action, last, keeps):
+    """(reads, writes) of an action for a skip that stage 0 makes (an output) and the last
+    stage reads, the stages between passing it on: the last stage's forward reads it, and so
+    does its backward (B or I) unless it keeps its activations; that backward gives the skip's
+    gradient, which stage 0's backward reads."""
+    s, m = action.stage, action.micro_batch
+    if action.kind == F:
+        return ([(('skip', 0), m)] if s == last - 1 else []), (
+            [(('skip', 0), m)] if s == 0 else [])
+    if action.kind == W:
+        return [], []
+    if s == last - 1:
+        return ([] if keeps[s] else [(('skip', 0), m)]), [(('d_skip', 0), m)]
+    return ([(('d_skip', 0), m)] if s == 0 else []), []
+
+
+def _Replay(sched, phases, loss_in_loop, sizes, eager=False, keeps=None, skip=False):
     """Runs the loops' ticks on rings of `sizes`; returns the reads that found another
     micro-batch than theirs (as (array, wanted, found)). In a graph every read of a tick sees
     the rings as the tick began; `eager`: device by device, each seeing the writes of the
-    devices before it in the tick (an eager TensorArray write changes it in place)."""
+    devices before it in the tick (an eager TensorArray write changes it in place). `skip`:
+    with a skip from stage 0 to the last stage (`_SkipEvents`)."""
     m_count, last = sched.num_micro_batches, sched.num_stages
     keeps = keeps or [False] * last
     rings = {}
@@ -61,6 +78,8 @@ def _Replay(sched, phases, loss_in_loop, sizes, eager=False, keeps=None):
         for tick in ticks_lib.Ticks(sched, kinds):
             # In the order the loop runs them: device by device, each in lane order.
             events = [_Events(a, last, loss_in_loop, keeps) for actions in tick for a in actions]
+            if skip:
+                events += [_SkipEvents(a, last, keeps) for actions in tick for a in actions]
             for reads, writes in events:
                 wrong += [(key, m, Get(key, m)) for key, m in reads if Get(key, m) != m]
                 if eager:
@@ -150,6 +169,38 @@ class RingTest(parameterized.TestCase):
                 smaller = {**sizes, key: size - 1}
                 self.assertNotEqual(
                     _Replay(sched, phases, loss_in_loop, smaller, keeps=keeps), [], key)
+
+    @parameterized.parameters(*[c for c in _Cases() if c[1] * c[3] >= 3])
+    def testSkipRingsAreRightAndNoneCanBeSmaller(self, kind, k, m, v):
+        sched = schedule_lib.Make(kind, k, m, v)
+        phases, loss_in_loop = _Phases(kind)
+        last = sched.num_stages
+        # x -> (h, s) -> ... -> (h, s) -> y: the stages between pass s on unread.
+        passed = [{}] + [{1: 1}] * (last - 2) + [{}]
+        floats = [[True]] + [[True, True]] * (last - 1) + [[True]]
+        routes = rings.Routes(passed, floats)
+        self.assertEqual(routes, [rings.Route(start=1, source=1, end=last - 1, target=1,
+                                              writer=0, reader=last - 1, differentiable=True)])
+        for keeps in ([False] * last, [True] * last):
+            sizes = rings.RingSizes(sched, phases, loss_in_loop, keeps=keeps, routes=routes)
+            self.assertEqual(_Replay(sched, phases, loss_in_loop, sizes, keeps=keeps,
+                                     skip=True), [])
+            for key in (('skip', 0), ('d_skip', 0)):
+                if sizes[key] > 1:
+                    smaller = {**sizes, key: sizes[key] - 1}
+                    self.assertNotEqual(_Replay(sched, phases, loss_in_loop, smaller,
+                                                keeps=keeps, skip=True), [], key)
+
+    def testRoutesFollowAChainOfPassesToItsReader(self):
+        # Four stages. Stage 0 passes input leaf 1 on as its output leaf 2, which stages 1
+        # to 3 pass on to the output's leaf 0; stage 1 passes its input leaf 0 (stage 0's
+        # output, an integer mask) to stage 2, which reads it.
+        passed = [{1: 2}, {2: 1, 0: 2}, {1: 0}, {0: 0}]
+        floats = [[True, True], [True, True, True], [True, True, False], [True, True],
+                  [True]]
+        floats[1][0] = False
+        self.assertEqual(rings.Routes(passed, floats), [
+            rings.Route(0, 1, 4, 0, 0, 3, True), rings.Route(1, 0, 2, 2, 0, 2, False)])
 
     def testOneFOneBKeepsAboutKMinusBMicroBatchesAtBoundaryB(self):
         k, m = 4, 16

@@ -1,15 +1,17 @@
-"""A skip connection past stages that only carry it (`BaseLayer.PassedLeaves`): the unrolled
-executor sends it from the cell that made it straight to the cell that reads it, and its
-gradient straight back; the loop carries it through the stages between. Either way the loss,
-outputs and gradients equal the same layers run in sequence on the whole batch, under every
-schedule and recompute mode; placement is read back from the step's graph; the memory plan
-counts the skip on the stages that hold it.
+"""A skip connection past stages that only carry it (`BaseLayer.PassedLeaves`): both executors
+send it from the cell that made it straight to the cell that reads it, and its gradient
+straight back (the loop through a ring of its own). The loss, outputs and gradients equal the
+same layers run in sequence on the whole batch, under every schedule and recompute mode;
+placement is read back from the step's graph; the memory plan counts the skip on the stages
+that hold it.
 
 The oracle is `test_utils.Unpartitioned` (the layers chained directly, no executor). A skip
 read from another micro-batch, or a skip gradient dropped or sent to the wrong stage, misses
 it: every micro-batch's inputs are distinct random values, and the skip's gradient is a large
 part of the input's (the join multiplies by it and adds it).
 """
+
+import collections
 
 import pytest
 import tensorflow as tf
@@ -130,8 +132,9 @@ class ContractTest(tf.test.TestCase, parameterized.TestCase):
                            ('d_x', got[2][0], want[2][0]), ('weights', got[2][1:], want[2][1:])]:
             self.assertLessEqual(test_utils.MaxRelativeError(a, b), RTOL, msg=name)
 
-    def testInferenceEqualsTheLayersInSequence(self):
-        layer = Pipeline('1f1b', 3).Instantiate()
+    @parameterized.parameters(True, False)
+    def testInferenceEqualsTheLayersInSequence(self, unroll):
+        layer = Pipeline('1f1b', 3, unroll=unroll).Instantiate()
         x, _ = Data()
 
         @tf.function
@@ -162,7 +165,33 @@ def _SkipConsumers(graph) -> set:
             for op in graph.get_operations() if skip.ref() in {t.ref() for t in op.inputs}}
 
 
+def _DeviceIndex(device: str) -> int:
+    return tf.DeviceSpec.from_string(device).device_index
+
+
+def _LoopTransfers(graph) -> collections.Counter:
+    """Per (from, to) pair of device indices, how many tensors the body of the step's loop
+    (one tick) sends: the inputs of its ops placed on another device than their producer's."""
+    graph_def = graph.as_graph_def()
+    functions = {f.signature.name: f for f in graph_def.library.function}
+    loops = [node for node in graph_def.node if node.op in ('While', 'StatelessWhile')]
+    assert len(loops) == 1, [node.name for node in loops]
+    body = functions[loops[0].attr['body'].func.name].node_def
+    devices = {node.name: node.device for node in body}
+    sends = collections.Counter()
+    for node in body:
+        for name in (i.split(':')[0] for i in node.input if not i.startswith('^')):
+            if devices.get(name) and node.device and devices[name] != node.device:
+                sends[(_DeviceIndex(devices[name]), _DeviceIndex(node.device))] += 1
+    return sends
+
+
 class PlacementTest(tf.test.TestCase, parameterized.TestCase):
+
+    def _Graph(self, declare, **overrides):
+        layer = Pipeline('1f1b', 4, declare=declare, **overrides).Instantiate()
+        x, loss_inputs = Data()
+        return tf.function(lambda: Step(layer, x, loss_inputs)).get_concrete_function().graph
 
     def _Consumers(self, declare, **overrides):
         layer = Pipeline('1f1b', 4, declare=declare, unroll=True, **overrides).Instantiate()
@@ -179,6 +208,21 @@ class PlacementTest(tf.test.TestCase, parameterized.TestCase):
         # What the check above would see without the pass: the skip goes to cell 1.
         self.assertEqual(self._Consumers(False) - {0}, {1})
 
+    @parameterized.parameters('always', 'never')
+    def testTheLoopSendsASkipStraightToo(self, recompute):
+        # Each tick, each cell sends the next its output and the one before its input's
+        # gradient; the skip goes from device 0 to 3, its gradient from 3 to 0.
+        sends = _LoopTransfers(self._Graph(True, unroll=False, recompute=recompute))
+        self.assertEqual(sends, {(0, 1): 1, (1, 2): 1, (2, 3): 1, (1, 0): 1, (2, 1): 1,
+                                 (3, 2): 1, (0, 3): 1, (3, 0): 1})
+
+    def testUndeclaredTheLoopCarriesItThroughEveryStage(self):
+        # The control of the check above: the skip and its gradient go with the output and
+        # its gradient, from stage to stage.
+        sends = _LoopTransfers(self._Graph(False, unroll=False))
+        self.assertEqual(sends, {(0, 1): 2, (1, 2): 2, (2, 3): 2, (1, 0): 2, (2, 1): 2,
+                                 (3, 2): 2})
+
 
 class MemoryTest(tf.test.TestCase):
 
@@ -190,7 +234,7 @@ class MemoryTest(tf.test.TestCase):
             return [cell.before_backward for cell in memory.FromPlan(plan).cells]
 
         straight, carried, looped = Held(True, True), Held(True, False), Held(False, True)
-        self.assertEqual(looped, carried)  # The loop carries it.
+        self.assertEqual(looped, straight)  # The loop sends it straight too.
         # Cells 1 and 2 no longer keep s (BATCH / M x DIM float32: 32 bytes) per micro-batch
         # for their re-materializing backward; cell 0 makes it, cell 3 reads it: unchanged.
         skip = BATCH // M * DIM * 4

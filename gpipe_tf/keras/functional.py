@@ -20,9 +20,8 @@ micro-batch, as torch's `mb_args`; or `balance=`, calls per stage). Each stage i
 (`functional_stage.FunctionalStage`) on a device of its own: it receives every tensor an
 earlier stage made that it or a later one reads, and the model's inputs (a padding mask reaches
 every stage that reads it). A skip connection from stage 0 to stage 3, which stages 1 and 2
-only carry, goes straight from stage 0's device to stage 3's when the step is unrolled
-(`FunctionalStage.PassedLeaves`); a loop (`unroll=False`, or 'auto' from 64 cell calls) carries
-it through stages 1 and 2.
+only carry, goes straight from stage 0's device to stage 3's, unrolled or looped
+(`FunctionalStage.PassedLeaves`): stages 1 and 2 are not given it.
 
 The layers are the model's own objects. Their weights are moved, when the pipeline is made, to
 the device of the first stage that calls them (a layer's Keras variables keep their identity;
@@ -184,7 +183,7 @@ class Functional(pipeline_model.PipelineModel):
         """A table: per stage its device, the layers it calls (a layer an earlier stage
         calls too marked `*`: its weights live there), its parameters, the tensors it
         receives and sends, and those it only carries (given on unread: a skip to a later
-        stage, which the unrolled executor sends past it, and a loop through it), with their
+        stage, which the executors send past it: it is not given them), with their
         bytes: per micro-batch of the `example_inputs` given, else for `examples` examples
         ('?' where a dimension is known only when the model runs)."""
         devices = self._pipeline_layer.pipeline.devices

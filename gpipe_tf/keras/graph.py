@@ -6,8 +6,8 @@ A functional model (`keras.Model(inputs, outputs)`) is a graph of nodes, one per
 inputs come from deeper nodes), its calls form a sequence any contiguous cut of which is a
 valid pipeline stage: everything a call reads is computed in its stage or an earlier one. A
 stage receives, from the stage before it, every tensor computed earlier that it or a later stage
-reads (a skip connection is listed by the stages between, which only carry it: the unrolled
-executor sends it past them, `functional_stage.FunctionalStage.PassedLeaves`), and the model's
+reads (a skip connection is listed by the stages between, which only carry it: the executors
+send it past them, `functional_stage.FunctionalStage.PassedLeaves`), and the model's
 inputs; the last stage gives the model's outputs.
 
 A nested functional model called on its inputs (a keras_hub backbone inside its task) is looked

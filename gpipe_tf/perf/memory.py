@@ -5,8 +5,10 @@ The model follows what the graph keeps alive (`pipeline/executor.py`, `pipeline/
 walking each stage's actions in the order its device runs them (`pipeline/schedule.py`):
 
 * A tensor a stage gives on unread (a skip to a later stage, `BaseLayer.PassedLeaves`) is
-  counted on the stage that reads it, where the unrolled executor sends it straight; the loop
-  carries it through the stages between, each of which holds it as its input.
+  counted on the stage that reads it, as its input: both executors send it straight there,
+  and nothing of it stays on the stages between. (The loop keeps it in a ring on the device
+  that made it until that stage's last read, as it keeps every stage's input on the device
+  before: counted, as those are, on the reader.)
 * Stage s's device holds its variables, the running sum of its weight gradients (from the
   first weight gradient on: a fused backward B allocates it as it frees the micro-batch's
   activations, so the first holds the larger of the two; a sparse gradient, an embedding
@@ -50,7 +52,6 @@ from gpipe_tf import units
 from gpipe_tf.layers import base_layer
 from gpipe_tf.layers import sequential
 from gpipe_tf.perf import simulator
-from gpipe_tf.pipeline import executor
 from gpipe_tf.pipeline import fields
 from gpipe_tf.pipeline import plan as plan_lib
 from gpipe_tf.pipeline import schedule as schedule_lib
@@ -342,13 +343,11 @@ def FromPlan(pipeline_plan: plan_lib.Plan, slots_per_param: int = 1,
         before_sparse_bytes = before_meta.sparse_gradient_bytes
         shapes = base_layer.AsArgs(before_meta.out_shapes)
     num = len(cells)
-    # The unrolled executor sends a skip a cell only carries straight to the cell that reads
-    # it: it is held there (the reader's input), not on the cells between. The loop carries it.
-    straight = not executor.Choose(pipeline_plan, m, training).loops
     plan = []
     for k, layers in enumerate(cells):
         meta, layer_metas = sequential.ChainMeta(layers, *shapes)
-        passed = sequential.ChainPassed(layers) if straight else {}
+        # A skip a cell only carries is sent past it (held by the cell that reads it).
+        passed = sequential.ChainPassed(layers)
         input_bytes = base_layer.OutputBytes(
             [s for i, s in enumerate(base_layer.FlattenShapes(shapes)) if i not in passed],
             activation_dtype)

@@ -21,6 +21,15 @@ def FloatLeaves(structure) -> list:
     return [x for x in tf.nest.flatten(structure) if IsFloat(x)]
 
 
+def WithNone(structure, positions):
+    """`structure` with None for its flat leaves at `positions` (indices in `tf.nest` order)."""
+    positions = set(positions)
+    if not positions:
+        return structure
+    return tf.nest.pack_sequence_as(structure, [
+        None if i in positions else x for i, x in enumerate(tf.nest.flatten(structure))])
+
+
 def Identity(structure):
     """`tf.identity` of every tensor of a nest (None leaves stay None)."""
     return tf.nest.map_structure(lambda x: tf.identity(x) if x is not None else None, structure)

@@ -36,6 +36,14 @@ backward uses the same parts: I reads the kept residuals (a re-materializing sta
 the forward again, once, after its incoming gradient exists) and writes what W reads (each
 layer's pre-activation gradient, the residuals W needs) to 'saved'; W runs no forward. With
 `logical_device_fn` (XLA) the unrolled executor runs.
+
+A tensor stages give on unread (`Cell.passed_leaves`: a skip from stage 0 to stage 3 that
+stages 1 and 2 only carry) is not in the boundaries' arrays: each such skip has a ring of its
+own ('skip', `rings.Routes`) on the device of the stage that makes it, written by that stage's
+forward and read by the reader's forward (and its re-materializing backward), and its gradient
+one ('d_skip') on the reader's device, written by the reader's backward and read by the
+maker's. The stages between take None in its place, so it goes from device 0 to device 3 at
+the tick stage 3 reads it, and nothing of it to devices 1 and 2.
 """
 
 from __future__ import annotations
@@ -70,6 +78,9 @@ class LoopedSchedule:
             raise ValueError('LoopedSchedule runs no logical_device_fn; use '
                              'unrolled.UnrolledSchedule.')
         self._functions = functions
+        # Per stage, the input leaves it gives on unread: each such skip has a ring of its own
+        # from the stage that makes it to the one that reads it (`rings.Routes`).
+        self._passed = [f.cell.passed_leaves for f in functions]
         self._recomputes = list(recomputes)
         self._devices = [f.device for f in functions]
         self._schedule = sched
@@ -107,8 +118,17 @@ class LoopedSchedule:
     def Backward(self, d_outputs):
         """As `unrolled.UnrolledSchedule.Backward`: (per cell its flat weight gradients,
         d_inputs)."""
+        given = self._ByLeaf(self._num_stages, leaves.FloatLeaves(d_outputs))
         with tf.device(self._devices[-1]):
-            self._d_acts[-1] = [self._batch.View(x) for x in leaves.FloatLeaves(d_outputs)]
+            self._d_acts[-1] = [self._batch.View(given[i])
+                                for i in self._d_act_leaves[self._num_stages]]
+        for j, r in enumerate(self._routes):
+            if r.end == self._num_stages and r.differentiable:
+                # An output's gradient, read in place by the stage that made it, where it is
+                # sent once.
+                with tf.device(self._devices[r.writer]):
+                    self._d_skips[j] = [given[r.target] if r.start == 0 else
+                                        self._batch.View(tf.identity(given[r.target]))]
         self._Loop((B,))
         return self._Gradients()
 
@@ -125,8 +145,11 @@ class LoopedSchedule:
                 loss_inputs)
             self._loss = [tf.zeros([]), tf.zeros([])]
             # The outputs' gradients come from the loss, written as each forward ends.
-            self._d_acts[-1] = self._EmptyArrays(leaves.FloatLeaves(self._output_specs),
-                                                 ('d_act', self._num_stages))
+            self._d_acts[-1] = self._EmptyArrays(
+                self._Leaves(self._num_stages, self._d_act_leaves), ('d_act', self._num_stages))
+            for j, r in enumerate(self._routes):
+                if r.end == self._num_stages and r.differentiable:
+                    self._d_skips[j] = self._EmptyArrays([self._RouteSpec(r)], ('d_skip', j))
         if self._schedule.splits_backward:
             self._StartSaved()
         self._Loop((F, B, I, W))
@@ -141,10 +164,6 @@ class LoopedSchedule:
         m_count, batch_dim = self._num_micro_batches, self._batch_dim
         # Per stage, whether its training forward keeps its residuals for its backward.
         self._keeps = [training and not r for r in self._recomputes]
-        # Eagerly, a TensorArray write changes it in place: a device later in the same tick
-        # would read it, so a slot is not reused in the tick of its last read.
-        self._ring = rings.RingSizes(self._schedule, phases, loss_in_loop,
-                                reuse_in_tick=not tf.executing_eagerly(), keeps=self._keeps)
         self._loop_keys = None  # While a loop is built, the state it carries (`_Loop`).
         self._fetched = {}  # While a tick is built, what it reads across devices (`_Fetched`).
         self._clocks = []  # While a loop is built, per device its count of ticks (`_Loop`).
@@ -164,24 +183,56 @@ class LoopedSchedule:
             # the others take the idle branch), the int32 count of non-empty micro-batches.
             self._written = (None if self._batch.sizes is None else
                              tf.math.count_nonzero(self._batch.sizes, dtype=tf.int32))
-        # acts[b]: the TensorArrays of boundary b (b = 0 the input, b = S the output), one per
-        # leaf; d_acts[b]: those of its float leaves' gradients.
-        self._structures = [self._input_structure]
+        # boundaries[b]: the specs of boundary b's leaves (b = 0 the input, b = S the output);
+        # structures[s]: stage s's input as its call takes it (None for what it passes on).
+        self._boundaries = [leaves.Specs(self._input_structure)]
+        self._structures = []
         self._stat_specs = []  # Per stage, its training statistics' specs.
         step_spec = tf.TensorSpec([], tf.int64)
         for s, fn in enumerate(self._functions):
-            spec = leaves.Specs(self._structures[-1])
+            spec = leaves.WithNone(self._boundaries[-1], self._passed[s])
             outputs, stats = fn.ForwardSpecs(self._thetas[s], spec, step_spec, training)
-            self._structures.append(outputs)
+            self._structures.append(spec)
+            self._boundaries.append(self._Given(s, outputs,
+                                                tf.nest.flatten(self._boundaries[-1])))
             self._stat_specs.append(stats)
-        self._output_specs = self._structures[-1]
+        self._output_specs = self._boundaries[-1]
+        self._routes = rings.Routes(self._passed, [[leaves.IsFloat(x) for x in
+                                                    tf.nest.flatten(b)]
+                                                   for b in self._boundaries])
+        # Eagerly, a TensorArray write changes it in place: a device later in the same tick
+        # would read it, so a slot is not reused in the tick of its last read.
+        self._ring = rings.RingSizes(self._schedule, phases, loss_in_loop,
+                                     reuse_in_tick=not tf.executing_eagerly(),
+                                     keeps=self._keeps, routes=self._routes)
+        # acts[b]: the TensorArrays of boundary b's leaves that stage b - 1 writes and stage b
+        # reads (`act_leaves[b]`: every leaf of the input and the output); d_acts[b]: those of
+        # their float leaves' gradients (`d_act_leaves[b]`); skips[j] and d_skips[j]: the
+        # ring of route j's tensor and of its gradient.
+        num = self._num_stages
+        self._act_leaves, self._d_act_leaves = [], []
+        for b, boundary in enumerate(self._boundaries):
+            flat = tf.nest.flatten(boundary)
+            made = set(range(len(flat))) - (set(self._passed[b - 1].values()) if b else set())
+            read = set(range(len(flat))) - (set(self._passed[b]) if b < num else set())
+            stored = range(len(flat)) if b in (0, num) else sorted(made & read)
+            self._act_leaves.append(list(stored))
+            self._d_act_leaves.append(
+                [i for i in sorted((read if b < num else made) & (made if b else read))
+                 if leaves.IsFloat(flat[i])])
         self._acts = [first] + [
-            self._EmptyArrays(tf.nest.flatten(st), ('act', s + 1)) for s, st in
-            enumerate(self._structures[1:])]
-        self._d_acts = [None] * (self._num_stages + 1)
-        for b in range(self._num_stages):  # Boundary b's gradient is written by stage b.
-            self._d_acts[b] = self._EmptyArrays(leaves.FloatLeaves(self._structures[b]),
+            self._EmptyArrays(self._Leaves(b, self._act_leaves), ('act', b))
+            for b in range(1, num + 1)]
+        self._d_acts = [None] * (num + 1)
+        for b in range(num):  # Boundary b's gradient is written by stage b.
+            self._d_acts[b] = self._EmptyArrays(self._Leaves(b, self._d_act_leaves),
                                                 ('d_act', b))
+        self._skips = [self._EmptyArrays([self._RouteSpec(r)], ('skip', j))
+                       for j, r in enumerate(self._routes)]
+        # An output's gradient comes from the loss (`ForwardBackward`) or is given (`Backward`).
+        self._d_skips = [self._EmptyArrays([self._RouteSpec(r)], ('d_skip', j))
+                         if r.differentiable and r.end < num else None
+                         for j, r in enumerate(self._routes)]
         self._grads = [None] * self._num_stages
         self._stats = [None] * self._num_stages
         # Per stage that runs them, its forward's and backward's parts (`residuals`): where it
@@ -197,6 +248,24 @@ class LoopedSchedule:
                                                               ('kept', s))
                       for s, keep in enumerate(self._keeps)]
         self._saved = [None] * self._num_stages  # Per stage, its I's saved values for its W.
+
+    def _Leaves(self, b, positions) -> list:
+        """The specs of boundary b's leaves at `positions[b]`."""
+        flat = tf.nest.flatten(self._boundaries[b])
+        return [flat[i] for i in positions[b]]
+
+    def _RouteSpec(self, route):
+        return tf.nest.flatten(self._boundaries[route.start])[route.source]
+
+    def _Given(self, s, outputs, inputs_flat):
+        """Stage s's `outputs` as boundary s + 1 holds them: the leaves it passes on unread
+        (None in its call's outputs) those of its input, `inputs_flat` (boundary s's)."""
+        if not self._passed[s]:
+            return outputs
+        flat = tf.nest.flatten(outputs)
+        for i, o in self._passed[s].items():
+            flat[o] = inputs_flat[i]
+        return tf.nest.pack_sequence_as(outputs, flat)
 
     def _StartSaved(self):
         """TensorArrays for what each stage's I saves for its W (a split backward)."""
@@ -224,8 +293,13 @@ class LoopedSchedule:
     def _OwnerStage(self, key) -> int:
         """The stage whose device holds `key`'s TensorArrays: boundary b's outputs on the stage
         that writes them, b - 1; boundary b's gradients, and a stage's kept and saved
-        residuals, on stage b's (the outputs' gradients on the last stage's)."""
+        residuals, on stage b's (the outputs' gradients on the last stage's); a skip on the
+        stage that makes it, its gradient on the one that reads it."""
         kind, i = key
+        if kind == 'skip':
+            return self._routes[i].writer
+        if kind == 'd_skip':
+            return self._routes[i].reader
         return min(i - 1 if kind == 'act' else i, self._num_stages - 1)
 
     def _RingSize(self, key) -> int:
@@ -421,6 +495,8 @@ class LoopedSchedule:
         keys += [('stats', s) for s in range(self._num_stages) if self._stats[s] is not None]
         keys += [('kept', s) for s in range(self._num_stages) if self._kept[s] is not None]
         keys += [('saved', s) for s in range(self._num_stages) if self._saved[s] is not None]
+        keys += [('skip', j) for j in range(len(self._skips))]
+        keys += [('d_skip', j) for j, d in enumerate(self._d_skips) if d is not None]
         keys += [('token', d) for d in range(len(self._tokens))]
         keys += [('clock', d) for d, clock in enumerate(self._clocks) if clock is not None]
         if self._loss_fn is not None:
@@ -433,7 +509,8 @@ class LoopedSchedule:
     def _Table(self, kind) -> list:
         return {'act': self._acts, 'd_act': self._d_acts, 'grad': self._grads,
                 'stats': self._stats, 'token': self._tokens, 'clock': self._clocks,
-                'kept': self._kept, 'saved': self._saved}[kind]
+                'kept': self._kept, 'saved': self._saved, 'skip': self._skips,
+                'd_skip': self._d_skips}[kind]
 
     def _Value(self, key):
         kind, i = key
@@ -476,7 +553,7 @@ class LoopedSchedule:
 
     def _Access(self, kind, s) -> tuple:
         return rings.ArrayAccess(kind, s, self._num_stages, self._loss_fn is not None,
-                                 self._keeps[s])
+                                 self._keeps[s], self._routes)
 
     # ---- the actions ------------------------------------------------------------------------
     def _Read(self, key, structure, m):
@@ -497,6 +574,38 @@ class LoopedSchedule:
         else:  # The inputs, or the outputs' gradients when given: read in place.
             flat = [self._batch.Slice(store, m) for store in stores]
         return flat if structure is None else tf.nest.pack_sequence_as(structure, flat)
+
+    def _Input(self, s, m):
+        """Stage s's input of micro-batch m as its call takes it: what the stage before wrote,
+        the skips it reads from the stages that made them, None for what it passes on."""
+        flat = self._ByLeaf(s, self._Read(('act', s), None, m), self._act_leaves[s])
+        for j, r in enumerate(self._routes):
+            if r.end == s:
+                flat[r.target] = self._Read(('skip', j), None, m)[0]
+        for i in self._passed[s]:
+            flat[i] = None
+        return tf.nest.pack_sequence_as(self._structures[s], flat)
+
+    def _OutputGradient(self, s, m) -> list:
+        """The gradients of stage s's call's float outputs of micro-batch m: from the stage
+        after it, and for a skip it made, from the stage that read it."""
+        flat = self._ByLeaf(s + 1, self._Read(('d_act', s + 1), None, m),
+                            self._d_act_leaves[s + 1])
+        for j, r in enumerate(self._routes):
+            if r.start == s + 1 and r.differentiable:
+                flat[r.source] = self._Read(('d_skip', j), None, m)[0]
+        return [g for g in flat if g is not None]
+
+    def _ByLeaf(self, b, values, positions=None) -> list:
+        """Boundary b's flat leaves with `values` at `positions` (default: its float leaves)
+        and None elsewhere."""
+        flat = tf.nest.flatten(self._boundaries[b])
+        if positions is None:
+            positions = [i for i, x in enumerate(flat) if leaves.IsFloat(x)]
+        result = [None] * len(flat)
+        for i, value in zip(positions, values):
+            result[i] = value
+        return result
 
     def _Write(self, values, key, m, flat):
         """`values[key]`'s TensorArrays with micro-batch m's `flat` leaves written."""
@@ -520,8 +629,8 @@ class LoopedSchedule:
             # and for B and I the outputs' gradient. (Read outside the cell's scope: an array of
             # another stage is read on that stage's device.)
             key = self._Access(kind, s)[0][0]
-            x = self._Read(key, self._structures[s] if key[0] == 'act' else None, m)
-            d_y = self._Read(('d_act', s + 1), None, m) if kind in (B, I) else None
+            x = self._Input(s, m) if key[0] == 'act' else self._Read(key, None, m)
+            d_y = self._OutputGradient(s, m) if kind in (B, I) else None
         with tf.name_scope(f'cell_{s}_{executor.PARTS[kind]}'):
             self._Run(kind, s, m, values, fn, first, x, d_y)
         done = [t.flow if isinstance(t, tf.TensorArray) else t
@@ -541,12 +650,17 @@ class LoopedSchedule:
                 self._Write(values, ('kept', s), m, kept)
             else:
                 outputs, stats = fn.Forward(theta, x, step, first, training=self._training)
-            self._Write(values, ('act', s + 1), m, tf.nest.flatten(outputs))
+            outputs = self._WriteOutputs(values, s, m, outputs)
             if self._stats[s] is not None:
                 values[('stats', s)] = tf.nest.map_structure(tf.add, values[('stats', s)], stats)
             if s == self._num_stages - 1 and self._loss_fn is not None:
                 total, weight, d_y = self._Loss(outputs, m)
-                self._Write(values, ('d_act', s + 1), m, d_y)
+                d_y = self._ByLeaf(s + 1, d_y)
+                self._Write(values, ('d_act', s + 1), m, [d_y[i] for i in
+                                                          self._d_act_leaves[s + 1]])
+                for j, r in enumerate(self._routes):
+                    if r.end == s + 1 and r.differentiable:
+                        self._Write(values, ('d_skip', j), m, [d_y[r.target]])
                 values[('loss', 0)] = [values[('loss', 0)][0] + total,
                                        values[('loss', 0)][1] + weight]
             return
@@ -566,7 +680,26 @@ class LoopedSchedule:
             self._Write(values, ('saved', s), m, saved)
         if kind == B:
             values[('grad', s)] = _Add(values[('grad', s)], d_theta, m)
-        self._Write(values, ('d_act', s), m, [g for g in d_x if g is not None])
+        self._Write(values, ('d_act', s), m, [d_x[i] for i in self._d_act_leaves[s]])
+        for j, r in enumerate(self._routes):
+            if r.end == s and r.differentiable:
+                self._Write(values, ('d_skip', j), m, [d_x[r.target]])
+
+    def _WriteOutputs(self, values, s, m, outputs):
+        """Writes stage s's `outputs` of micro-batch m for the stage after it, and the skips it
+        makes (of its outputs; stage 0 also of its input) to their rings; returns the outputs
+        as the loss reads them (the last stage's with the skips it passes on filled in)."""
+        flat = tf.nest.flatten(outputs)
+        last = s == self._num_stages - 1
+        for j, r in enumerate(self._routes):
+            if last and r.end == s + 1:
+                flat[r.target] = self._Read(('skip', j), None, m)[0]
+            if r.writer == s:
+                made = flat[r.source] if r.start == s + 1 else (
+                    self._Read(('act', 0), None, m)[r.source])
+                self._Write(values, ('skip', j), m, [made])
+        self._Write(values, ('act', s + 1), m, [flat[i] for i in self._act_leaves[s + 1]])
+        return tf.nest.pack_sequence_as(outputs, flat)
 
     def _Loss(self, outputs, m):
         loss_inputs = tf.nest.map_structure(
@@ -605,10 +738,15 @@ class LoopedSchedule:
 
     def _Gradients(self):
         with tf.device(self._devices[0]):
-            arrays = iter(self._d_acts[0])
-            d_inputs = tf.nest.pack_sequence_as(self._input_structure, [
-                self._Joined(next(arrays)) if leaves.IsFloat(x) else None
-                for x in tf.nest.flatten(self._input_structure)])
+            flat = self._ByLeaf(0, [self._Joined(a) for a in self._d_acts[0]],
+                                self._d_act_leaves[0])
+            for j, r in enumerate(self._routes):
+                if r.start == 0 and r.differentiable:
+                    # Through every stage to the output (`Backward`): the given gradient.
+                    d_skip = self._d_skips[j][0]
+                    flat[r.source] = (self._Joined(d_skip) if isinstance(d_skip, tf.TensorArray)
+                                      else d_skip)
+            d_inputs = tf.nest.pack_sequence_as(self._input_structure, flat)
         grads = []
         for s in range(self._num_stages):
             with tf.device(self._devices[s]):

@@ -269,7 +269,7 @@ class UnrolledSchedule:
     def _Read(self, k, m):
         """Cell k's input of micro-batch m as the cell reads it: None for the leaves it gives
         on unread, which do not go to its device."""
-        return _WithNone(self._acts[k][m], self._passed[k])
+        return leaves.WithNone(self._acts[k][m], self._passed[k])
 
     def _Given(self, k, m, outputs):
         """What cell k gives on for micro-batch m: its outputs, with the input leaves it passes
@@ -286,7 +286,7 @@ class UnrolledSchedule:
         """The gradients of cell k's float outputs of micro-batch m, those it gave on unread
         apart (`_PassOn` hands them back)."""
         return self._Assign(k, leaves.FloatLeaves(
-            _WithNone(self._d_acts[k][m], self._passed[k].values())))
+            leaves.WithNone(self._d_acts[k][m], self._passed[k].values())))
 
     def _PassOn(self, k, m, d_x):
         """Hands the input gradient of (k, m) to the previous stage (or the pipeline's input):
@@ -408,11 +408,3 @@ class UnrolledSchedule:
         with tf.device(self._devices[0]):
             return self._d_thetas, self._Joined(self._d_inputs)
 
-
-def _WithNone(structure, positions):
-    """`structure` with None for its flat leaves at `positions`."""
-    positions = set(positions)
-    if not positions:
-        return structure
-    return tf.nest.pack_sequence_as(structure, [
-        None if i in positions else x for i, x in enumerate(tf.nest.flatten(structure))])
