@@ -50,6 +50,8 @@ class SkipLayer(base_layer.BaseLayer):
         self.CreateVariable('w', base_layer.WeightParams((DIM, DIM)))
 
     def FProp(self, theta, *inputs):
+        if len(inputs) == 1 and isinstance(inputs[0], tuple):  # The pipeline's input, a pair.
+            inputs = inputs[0]
         a = inputs[0]
         h = tf.tanh(tf.matmul(a, theta.w))
         if self.p.kind == 'fork':
@@ -145,6 +147,54 @@ class ContractTest(tf.test.TestCase, parameterized.TestCase):
         self.assertLessEqual(test_utils.MaxRelativeError(Infer(),
                                                          test_utils.Unpartitioned(layer, x)),
                              RTOL)
+
+
+class PassThroughTest(tf.test.TestCase, parameterized.TestCase):
+    """A skip from the pipeline's input to its outputs, which every stage only carries: carry
+    layers alone take (x, x) and give (h, x) (stage 0 passes on an input, the last stage gives
+    it as an output). Its gradient comes from the loss inside the pipeline (FPropLoss) or is
+    given to the pipeline's backward (FProp under a tape, gpipe)."""
+
+    def _Layer(self, schedule, unroll):
+        layers = [SkipLayer.Params().Set(name=f'layer_{i}', kind='carry') for i in range(6)]
+        return pipelining_layer.PipeliningLayer.Params().Set(
+            name='model', layer_tpl=layers, num_cells=3, num_micro_batches=M,
+            schedule=schedule, input_shapes=[(BATCH, DIM), (BATCH, DIM)],
+            devices=DEVICES[:3], partition_method='uniform', unroll=unroll).Instantiate()
+
+    @staticmethod
+    def _Loss(outputs, loss_inputs):
+        h, x = outputs
+        return (tf.reduce_mean(tf.square(h - loss_inputs.target)) +
+                tf.reduce_mean(tf.square(x) * loss_inputs.target), tf.constant(1.0))
+
+    # A backward given its gradients runs after every forward: gpipe's.
+    @parameterized.product(schedule_given=[('gpipe', True), ('gpipe', False), ('1f1b', False)],
+                           unroll=[True, False])
+    def testItsValueAndGradientEqualTheLayersInSequence(self, schedule_given, unroll):
+        schedule, given = schedule_given
+        layer = self._Layer(schedule, unroll)
+        x, loss_inputs = Data()
+        a = x * 0.5  # The first layer's input: x is the skip.
+
+        def Got():
+            with tf.GradientTape() as tape, fprop_context.Scope(step=5):
+                tape.watch([a, x])
+                if given:
+                    outputs = layer.FProp(layer.theta, (a, x))
+                    loss, _ = self._Loss(outputs, loss_inputs)
+                else:
+                    outputs, loss, _ = layer.FPropLoss(layer.theta, (a, x), self._Loss,
+                                                       loss_inputs)
+            return loss, tape.gradient(loss, [a, x] + list(layer.trainable_variables))
+
+        with tf.GradientTape() as tape:
+            tape.watch([a, x])
+            loss, _ = self._Loss(test_utils.Unpartitioned(layer, (a, x), step=5), loss_inputs)
+        want = loss, tape.gradient(loss, [a, x] + list(layer.trainable_variables))
+        got = tf.function(Got)()
+        self.assertLessEqual(test_utils.MaxRelativeError(got[0], want[0]), RTOL)
+        self.assertLessEqual(test_utils.MaxRelativeError(got[1], want[1]), RTOL)
 
 
 def _OuterCellScope(name: str) -> str | None:

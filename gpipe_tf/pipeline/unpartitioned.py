@@ -47,6 +47,6 @@ def Unpartitioned(pipeline_layer, inputs, num_micro_batches=1, step: int = 0):
                                  update_collector=fprop_context.UpdateCollector()):
             for layer in pipeline_layer.Layers():
                 args = base_layer.AsArgs(layer.FProp(layer.theta, *args))
-        outputs.append(args[0])
+        outputs.append(args[0] if len(args) == 1 else args)
         first_example += size
     return tf.nest.map_structure(lambda *xs: tf.concat(xs, batch_dim), *outputs)
