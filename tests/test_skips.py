@@ -155,12 +155,13 @@ class PassThroughTest(tf.test.TestCase, parameterized.TestCase):
     it as an output). Its gradient comes from the loss inside the pipeline (FPropLoss) or is
     given to the pipeline's backward (FProp under a tape, gpipe)."""
 
-    def _Layer(self, schedule, unroll):
+    def _Layer(self, schedule, unroll, num_cells):
         layers = [SkipLayer.Params().Set(name=f'layer_{i}', kind='carry') for i in range(6)]
         return pipelining_layer.PipeliningLayer.Params().Set(
-            name='model', layer_tpl=layers, num_cells=3, num_micro_batches=M,
+            name='model', layer_tpl=layers, num_cells=num_cells, num_micro_batches=M,
             schedule=schedule, input_shapes=[(BATCH, DIM), (BATCH, DIM)],
-            devices=DEVICES[:3], partition_method='uniform', unroll=unroll).Instantiate()
+            devices=DEVICES[:num_cells], partition_method='uniform',
+            unroll=unroll).Instantiate()
 
     @staticmethod
     def _Loss(outputs, loss_inputs):
@@ -168,12 +169,14 @@ class PassThroughTest(tf.test.TestCase, parameterized.TestCase):
         return (tf.reduce_mean(tf.square(h - loss_inputs.target)) +
                 tf.reduce_mean(tf.square(x) * loss_inputs.target), tf.constant(1.0))
 
-    # A backward given its gradients runs after every forward: gpipe's.
+    # A backward given its gradients runs after every forward: gpipe's. With one cell, the
+    # stage that gives the input on is the one that gives it out.
     @parameterized.product(schedule_given=[('gpipe', True), ('gpipe', False), ('1f1b', False)],
-                           unroll=[True, False])
-    def testItsValueAndGradientEqualTheLayersInSequence(self, schedule_given, unroll):
+                           unroll=[True, False], num_cells=[1, 3])
+    def testItsValueAndGradientEqualTheLayersInSequence(self, schedule_given, unroll,
+                                                        num_cells):
         schedule, given = schedule_given
-        layer = self._Layer(schedule, unroll)
+        layer = self._Layer(schedule, unroll, num_cells)
         x, loss_inputs = Data()
         a = x * 0.5  # The first layer's input: x is the skip.
 

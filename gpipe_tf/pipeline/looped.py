@@ -41,9 +41,12 @@ A tensor stages give on unread (`Cell.passed_leaves`: a skip from stage 0 to sta
 stages 1 and 2 only carry) is not in the boundaries' arrays: each such skip has a ring of its
 own ('skip', `rings.Routes`) on the device of the stage that makes it, written by that stage's
 forward and read by the reader's forward (and its re-materializing backward), and its gradient
-one ('d_skip') on the reader's device, written by the reader's backward and read by the
-maker's. The stages between take None in its place, so it goes from device 0 to device 3 at
-the tick stage 3 reads it, and nothing of it to devices 1 and 2.
+one ('d_skip') on the reader's device, written by the reader's backward (a skip to the
+pipeline's outputs: by the last stage's forward, from the loss, or given to `Backward`) and
+read by the maker's (a skip of the pipeline's input: joined after the loop). The stages
+between take None in its place, so it goes from device 0 to device 3 at the tick stage 3 reads
+it, and nothing of it to devices 1 and 2. (With one stage, which gives an input on as an
+output, the stage hands it to itself: no ring.)
 """
 
 from __future__ import annotations
@@ -124,8 +127,8 @@ class LoopedSchedule:
                                 for i in self._d_act_leaves[self._num_stages]]
         for j, r in enumerate(self._routes):
             if r.end == self._num_stages and r.differentiable:
-                # An output's gradient, read in place by the stage that made it, where it is
-                # sent once.
+                # An output's gradient, sent once to the stage that made it, where its backward
+                # reads it in place (an input's: the input's gradient, as it is).
                 with tf.device(self._devices[r.writer]):
                     self._d_skips[j] = [given[r.target] if r.start == 0 else
                                         self._batch.View(tf.identity(given[r.target]))]
@@ -228,7 +231,7 @@ class LoopedSchedule:
             self._d_acts[b] = self._EmptyArrays(self._Leaves(b, self._d_act_leaves),
                                                 ('d_act', b))
         self._skips = [self._EmptyArrays([self._RouteSpec(r)], ('skip', j))
-                       for j, r in enumerate(self._routes)]
+                       if r.writer != r.reader else None for j, r in enumerate(self._routes)]
         # An output's gradient comes from the loss (`ForwardBackward`) or is given (`Backward`).
         self._d_skips = [self._EmptyArrays([self._RouteSpec(r)], ('d_skip', j))
                          if r.differentiable and r.end < num else None
@@ -294,7 +297,8 @@ class LoopedSchedule:
         """The stage whose device holds `key`'s TensorArrays: boundary b's outputs on the stage
         that writes them, b - 1; boundary b's gradients, and a stage's kept and saved
         residuals, on stage b's (the outputs' gradients on the last stage's); a skip on the
-        stage that makes it, its gradient on the one that reads it."""
+        stage that makes it, its gradient on the one that reads it (an output's given
+        gradient, not a TensorArray, is on the maker's device: `Backward`)."""
         kind, i = key
         if kind == 'skip':
             return self._routes[i].writer
@@ -495,7 +499,7 @@ class LoopedSchedule:
         keys += [('stats', s) for s in range(self._num_stages) if self._stats[s] is not None]
         keys += [('kept', s) for s in range(self._num_stages) if self._kept[s] is not None]
         keys += [('saved', s) for s in range(self._num_stages) if self._saved[s] is not None]
-        keys += [('skip', j) for j in range(len(self._skips))]
+        keys += [('skip', j) for j, skip in enumerate(self._skips) if skip is not None]
         keys += [('d_skip', j) for j, d in enumerate(self._d_skips) if d is not None]
         keys += [('token', d) for d in range(len(self._tokens))]
         keys += [('clock', d) for d, clock in enumerate(self._clocks) if clock is not None]
@@ -692,12 +696,15 @@ class LoopedSchedule:
         flat = tf.nest.flatten(outputs)
         last = s == self._num_stages - 1
         for j, r in enumerate(self._routes):
-            if last and r.end == s + 1:
-                flat[r.target] = self._Read(('skip', j), None, m)[0]
+            made = None
             if r.writer == s:
                 made = flat[r.source] if r.start == s + 1 else (
                     self._Read(('act', 0), None, m)[r.source])
-                self._Write(values, ('skip', j), m, [made])
+                if r.reader != s:
+                    self._Write(values, ('skip', j), m, [made])
+            if last and r.end == s + 1:
+                flat[r.target] = made if r.reader == r.writer else (
+                    self._Read(('skip', j), None, m)[0])
         self._Write(values, ('act', s + 1), m, [flat[i] for i in self._act_leaves[s + 1]])
         return tf.nest.pack_sequence_as(outputs, flat)
 
@@ -742,7 +749,8 @@ class LoopedSchedule:
                                 self._d_act_leaves[0])
             for j, r in enumerate(self._routes):
                 if r.start == 0 and r.differentiable:
-                    # Through every stage to the output (`Backward`): the given gradient.
+                    # A TensorArray written in the loop; an input given on to the output, its
+                    # gradient given to `Backward`: that tensor.
                     d_skip = self._d_skips[j][0]
                     flat[r.source] = (self._Joined(d_skip) if isinstance(d_skip, tf.TensorArray)
                                       else d_skip)

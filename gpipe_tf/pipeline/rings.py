@@ -65,10 +65,11 @@ def ArrayAccess(kind: str, s: int, num_stages: int, loss_in_loop: bool,
     B or I (the input's, joined after the loop)."""
     ends = [('skip', j) for j, r in enumerate(routes) if r.end == s]
     made = [('d_skip', j) for j, r in enumerate(routes) if r.end == s and r.differentiable]
-    if kind == F:
-        reads = [('act', s)] + [('skip', j) for j, r in enumerate(routes) if r.reader == s]
+    if kind == F:  # (A stage that is both a skip's maker and reader keeps it: no ring.)
+        reads = [('act', s)] + [('skip', j) for j, r in enumerate(routes)
+                                if r.reader == s != r.writer]
         writes = [('act', s + 1)] + [('skip', j) for j, r in enumerate(routes)
-                                     if r.writer == s]
+                                     if r.writer == s != r.reader]
         if s == num_stages - 1 and loss_in_loop:
             writes.append(('d_act', num_stages))
             writes += [('d_skip', j) for j, r in enumerate(routes)
@@ -76,7 +77,7 @@ def ArrayAccess(kind: str, s: int, num_stages: int, loss_in_loop: bool,
         return reads, writes + ([('kept', s)] if keep else [])
     if kind == W:
         return [('saved', s)], []
-    source = [('kept', s)] if keep else [('act', s)] + ends
+    source = [('kept', s)] if keep else ([('act', s)] + ends)
     given = [('d_skip', j) for j, r in enumerate(routes)
              if r.start == s + 1 and r.differentiable]
     return (source + [('d_act', s + 1)] + given,
