@@ -383,11 +383,14 @@ def Compare(args, children: list[Child]) -> None:
                 plains[child, batch] = Remote('plain', child, batch, args.examples, digests)
         bases = [plains[child, batch] for child in children]
         model, build_s = Pipelined(args, lm, m, unroll, recompute)
+        if args.breakdown:
+            # Made before any model here traces: Gpt2 sets the random seed, and a train step
+            # traced under another seed is traced again (4 s at M=4) when next called.
+            one, _ = Pipelined(args, Gpt2(args), m, unroll, recompute, num_cells=1)
         piped = Contender('pipelined', model, data, batch, args.inter_op)
         contenders = [*bases, piped]
         if args.breakdown:
             micro = Remote('plain_micro', children[0], max(batch // m, 1), args.examples, digests)
-            one, _ = Pipelined(args, Gpt2(args), m, unroll, recompute, num_cells=1)
             contenders += [micro, Contender('pipelined_k1', one, data, batch, args.inter_op)]
         for base in bases:
             base.Reset()  # Timed alongside this row's contenders only.
