@@ -7,13 +7,20 @@ modes (36 cases). PAIRWISE, 12 of them,
     PAIRWISE = [(k, m, MODES[(i + j) % 3]) for i, k in enumerate([1, 2, 4])
                                            for j, m in enumerate([1, 2, 4, 8])]
 
-covers every (K, M), (K, mode) and (M, mode) pair; the tests' grid (SMALL) adds (4, 8, 'always'),
-the largest pipeline in the default mode, for a defect that needs all three. This script seeds defects into gpipe_tf at
-graph-build time (each a context manager of `unittest.mock.patch`es; no source file is edited),
-runs the tests' equivalence check on every case of the full grid under each defect, and reports
-which cases fail (relative error at or above the tests' tolerance, or an exception) in the full
-grid, among the pairwise cases and among the tests' cases, and whether each smaller grid still
-catches the defect (at least one failing case). A row without any defect checks that both grids pass as they are.
+covers every (K, M), (K, mode) and (M, mode) pair; the tests' grid (SMALL) adds (4, 8,
+'always'), the largest pipeline in the default mode, for a defect that needs all three. This
+script seeds defects into gpipe_tf at graph-build time (each a context manager of
+`unittest.mock.patch`es; no source file is edited), runs the tests' equivalence check on every
+case of the full grid under each defect, and reports which cases fail (relative error at or
+above the tests' tolerance, or an exception) in the full grid, among the pairwise cases and
+among the tests' cases, and whether each smaller grid still catches the defect (at least one
+failing case). A row without any defect checks that both grids pass as they are.
+
+Each defect but one builds and runs, giving wrong outputs or gradients silently (no exception),
+so a case fails only where the check sees the wrong value; the JSON's `exceptions` counts the
+cases that raised instead. The exception is except_last_flags_short: the schedule's own
+validation (`schedule.Make`, via `plan.MakeSchedule`) rejects K - 1 flags for K stages, a
+ConfigError in every "except_last" case, which is the library catching the defect.
 
 The check is the tests' `testTfFunctionMatchesUnpartitioned` (with `--v1`
 also `testV1GraphMatchesUnpartitioned`), rebuilt here from `gpipe_tf.test_utils`: the same
@@ -23,7 +30,8 @@ also `testV1GraphMatchesUnpartitioned`), rebuilt here from `gpipe_tf.test_utils`
                                       [--out=benchmarks/results/grid_defects.json]
 
 Prints one progress line per defect to stderr, then a table; writes every case to JSON. About
-40 s per defect for the tf.function check on this machine's CPUs.
+12 s per defect (36 cases) for the tf.function check on this machine's CPUs, 82 s for the
+default seven.
 
 Wrong re-materialization flags alone are invisible to this check (recompute changes memory, not
 values): `--defects=recompute_flags_inverted` shows it; it is not in the default list.
@@ -132,30 +140,41 @@ def _ZeroGrads(d_theta):
 
 
 class _Running:
-    """The UnrolledSchedule whose Backward is being built, for defects that depend on K or M:
-    `unrolled.UnrolledSchedule.Backward` is wrapped to record it."""
+    """The UnrolledSchedule whose Backward is being built and the (cell, micro-batch) of the
+    backward action it is building, for defects that depend on K, M or the micro-batch:
+    `unrolled.UnrolledSchedule.Backward` and `._B` are wrapped to record them."""
 
     def __init__(self):
-        self.stack = []
+        self.stack = []  # (executor, cell, micro-batch); cell and micro-batch None outside _B.
 
     @contextlib.contextmanager
     def Recording(self):
-        real = unrolled.UnrolledSchedule.Backward
+        real_backward = unrolled.UnrolledSchedule.Backward
+        real_b = unrolled.UnrolledSchedule._B  # pylint: disable=protected-access
         running = self
 
         def Backward(self, d_outputs):
-            running.stack.append(self)
+            running.stack.append((self, None, None))
             try:
-                return real(self, d_outputs)
+                return real_backward(self, d_outputs)
             finally:
                 running.stack.pop()
 
-        with mock.patch.object(unrolled.UnrolledSchedule, 'Backward', Backward):
+        def B(self, k, m):
+            running.stack.append((self, k, m))
+            try:
+                return real_b(self, k, m)
+            finally:
+                running.stack.pop()
+
+        with mock.patch.object(unrolled.UnrolledSchedule, 'Backward', Backward), \
+                mock.patch.object(unrolled.UnrolledSchedule, '_B', B):
             yield
 
     @property
-    def schedule(self):
-        return self.stack[-1] if self.stack else None
+    def action(self):
+        """(executor, cell, micro-batch) of the backward being built, or (None, None, None)."""
+        return self.stack[-1] if self.stack else (None, None, None)
 
 
 @contextlib.contextmanager
@@ -167,25 +186,52 @@ def NoDefect():
 def ConcatReversed():
     real = microbatch.Concat
 
-    def Concat(micro_batches, batch_dim=0):
-        return real(list(reversed(micro_batches)), batch_dim)
+    def Concat(micro_batches, batch_dim=0, sizes=None):
+        if sizes is not None:  # A batch known only when the step runs: its sizes, reversed too.
+            sizes = list(reversed(sizes)) if isinstance(sizes, list) else tf.reverse(sizes, [0])
+        return real(list(reversed(micro_batches)), batch_dim, sizes)
 
-    # executor looks it up as `microbatch.Concat` for the outputs and the input gradients.
+    # The executor looks it up as `microbatch.Concat` for the outputs and the input gradients.
     with mock.patch.object(microbatch, 'Concat', Concat):
         yield
 
 
+@contextlib.contextmanager
 def _OrderWithout(drop):
     """Patches `schedule.Make` so the build order leaves out the actions `drop(sched, action)`
-    names (bypassing the validator, as a bug in the executor's walk would)."""
-    real = schedule.Make
+    names (bypassing the validator, as a bug in the executor's walk would), and reads the
+    gradients a left-out backward never gave as zeros (`UnrolledSchedule._Gradients`): its
+    micro-batch's input gradient, and a cell's weight gradient when none of its backwards ran.
+    Without that, the executor fails to join the None input gradient (a TypeError from
+    ConcatV2 at graph build, in every case), and the patch, not the grid, would catch it; with
+    it the step silently gives wrong gradients, which is what the grid is to see."""
+    real_make = schedule.Make
+    real_gradients = unrolled.UnrolledSchedule._Gradients  # pylint: disable=protected-access
 
     def Make(*args, **kwargs):
-        sched = real(*args, **kwargs)
+        sched = real_make(*args, **kwargs)
         return dataclasses.replace(sched, order=tuple(a for a in sched.order
                                                       if not drop(sched, a)))
 
-    return mock.patch.object(schedule, 'Make', Make)
+    def Gradients(self):
+        # pylint: disable=protected-access
+        with tf.device(self._devices[0]):
+            for m, d_x in enumerate(self._d_inputs):
+                if d_x is None:  # The micro-batch whose cell-0 backward never ran.
+                    self._d_inputs[m] = tf.nest.map_structure(
+                        lambda x: tf.zeros_like(x) if x is not None and x.dtype.is_floating
+                        else None, self._acts[0][m])
+        for k, d_theta in enumerate(self._d_thetas):
+            if d_theta is None:  # A cell none of whose backwards ran (K = M = 1).
+                with tf.device(self._devices[k]):
+                    self._d_thetas[k] = [
+                        tf.zeros_like(w) if trainable else None for w, trainable in
+                        zip(tf.nest.flatten(self._thetas[k]), self._functions[k].trainable)]
+        return real_gradients(self)
+
+    with mock.patch.object(schedule, 'Make', Make), mock.patch.object(
+            unrolled.UnrolledSchedule, '_Gradients', Gradients):
+        yield
 
 
 @contextlib.contextmanager
@@ -206,7 +252,7 @@ def ExceptLastFlagsShort():
             return [True for _ in range(num_cells - 1)]
         return real(mode, num_cells)
 
-    # MakePlan looks it up in plan's globals.
+    # MakePlan and MakeSchedule look it up in plan's globals.
     with mock.patch.object(plan_lib, 'RecomputeFlags', RecomputeFlags):
         yield
 
@@ -218,15 +264,18 @@ def LastMicroBatchGradsDropped(min_cells_times_micro_batches=1, recompute_only=F
     running = _Running()
 
     def IsLast(sched, m) -> bool:
-        return (sched is not None and m == sched._num_micro_batches - 1 and  # pylint: disable=protected-access
-                sched._num_cells * sched._num_micro_batches >=  # pylint: disable=protected-access
+        return (sched is not None and m == sched.schedule.num_micro_batches - 1 and
+                sched.schedule.num_stages * sched.schedule.num_micro_batches >=
                 min_cells_times_micro_batches)
 
     real_cell_backward = cell_lib.CellFunctions.Backward
 
-    def CellBackward(self, theta, inputs, step, micro_batch, d_outputs):
-        d_theta, d_x = real_cell_backward(self, theta, inputs, step, micro_batch, d_outputs)
-        if IsLast(running.schedule, int(tf.get_static_value(micro_batch))):
+    def CellBackward(self, theta, inputs, step, first_example, d_outputs):
+        # `first_example` is a tensor (the micro-batch's first example in the mini-batch): the
+        # micro-batch is the one of the executor's backward action being built.
+        d_theta, d_x = real_cell_backward(self, theta, inputs, step, first_example, d_outputs)
+        sched, _, m = running.action
+        if IsLast(sched, m):
             d_theta = _ZeroGrads(d_theta)
         return d_theta, d_x
 
@@ -234,18 +283,17 @@ def LastMicroBatchGradsDropped(min_cells_times_micro_batches=1, recompute_only=F
 
     def Differentiate(outputs, theta, inputs, d_outputs, trainable, tape=None):
         d_theta, d_x = real_differentiate(outputs, theta, inputs, d_outputs, trainable, tape)
-        sched = running.schedule
+        sched, k, m = running.action
         # The executor's call for a cell that keeps its activations passes its recorded
         # inputs; the re-materializing backward's own call (inside CellFunctions) does not.
-        if sched is not None and any(
-                inputs is cell_inputs[-1] for cell_inputs in sched._inputs) and IsLast(  # pylint: disable=protected-access
-                    sched, sched._num_micro_batches - 1):  # pylint: disable=protected-access
+        if (IsLast(sched, m) and
+                inputs is sched._inputs[k][m]):  # pylint: disable=protected-access
             d_theta = _ZeroGrads(d_theta)
         return d_theta, d_x
 
     patches = [mock.patch.object(cell_lib.CellFunctions, 'Backward', CellBackward)]
     if not recompute_only:
-        # executor calls `cell_lib.Differentiate` for cells that keep their activations.
+        # The executor calls `cell_lib.Differentiate` for cells that keep their activations.
         patches.append(mock.patch.object(cell_lib, 'Differentiate', Differentiate))
     with running.Recording(), contextlib.ExitStack() as stack:
         for patch in patches:
@@ -283,17 +331,20 @@ DEFECTS = {
     'backward_last_tick_dropped': (
         BackwardLastTickDropped,
         'the backward walk stops one action short: cell 0\'s backward of micro-batch M-1 '
-        'never runs'),
+        'never runs; the gradients it would have given read as zeros (its micro-batch\'s input '
+        'gradient; cell 0\'s weight gradient at M = 1)'),
     'except_last_flags_short': (
         ExceptLastFlagsShort,
-        'plan.RecomputeFlags gives K - 1 flags for "except_last" (the last cell\'s is missing)'),
+        'plan.RecomputeFlags gives K - 1 flags for "except_last" (the last cell\'s is missing): '
+        'schedule.Make\'s validation raises a ConfigError in every except_last case'),
     'last_mb_grads_dropped': (
         LastMicroBatchGradsDropped,
         'every cell\'s weight gradient of micro-batch M-1 is not added to the running sum '
         '(CellFunctions.Backward and cell_lib.Differentiate return zeros for it)'),
     'big_pipeline_tick_dropped': (
         BigPipelineTickDropped,
-        'the backward walk drops cell 0\'s backward of micro-batch M-1 when K * M >= 32'),
+        'the backward walk drops cell 0\'s backward of micro-batch M-1 when K * M >= 32 (its '
+        'gradients read as zeros, as in backward_last_tick_dropped)'),
     'big_pipeline_recompute_grad_dropped': (
         lambda: LastMicroBatchGradsDropped(min_cells_times_micro_batches=32,
                                            recompute_only=True),
@@ -323,8 +374,9 @@ def RunCase(variant: str, defect: str, case) -> dict:
         error, exception = None, f'{type(e).__name__}: {lines[-1][:200] if lines else ""}'
     failed = exception is not None or not error < TOLERANCE  # NaN fails too.
     return {'variant': variant, 'defect': defect, 'k': k, 'm': m, 'mode': mode,
-            'pairwise': case in PAIRWISE, 'small': case in SMALL, 'max_relative_error': error, 'exception': exception,
-            'failed': failed, 'seconds': round(time.perf_counter() - start, 3)}
+            'pairwise': case in PAIRWISE, 'small': case in SMALL, 'max_relative_error': error,
+            'exception': exception, 'failed': failed,
+            'seconds': round(time.perf_counter() - start, 3)}
 
 
 def Summarize(variant: str, defect: str, cases: list[dict]) -> dict:
