@@ -153,9 +153,10 @@ def FitTimed(model, data, batch: int, epochs: int) -> Timer:
     """`model.fit` on `data` (inputs, labels, sample weights) in order, in batches of `batch`,
     `epochs` epochs of every example, timed. The batches come from one iterator over a repeated
     dataset (`steps_per_epoch`): given arrays, Keras makes a new iterator each epoch and
-    deletes the last one, and that waits for the tf.data thread it ran (0.6 to 1.1 s of idle
-    CPU before an epoch's first step, measured with a stack sampler and gdb, in the pipelined
-    model's process: it had made a third of its epochs' time)."""
+    deletes the last one, and that waits for the thread of tf.data's autotuning
+    (`Model::OptimizeLoop`: 0.6 to 1.1 s of idle CPU before an epoch's first step, measured
+    with a stack sampler and gdb, in the pipelined model's process, where it had made a third
+    of its epochs' time)."""
     batches = tf.data.Dataset.from_tensor_slices(tuple(data)).batch(
         batch, drop_remainder=True).repeat()
     timer = Timer()
