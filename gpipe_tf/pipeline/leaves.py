@@ -30,6 +30,18 @@ def WithNone(structure, positions):
         None if i in positions else x for i, x in enumerate(tf.nest.flatten(structure))])
 
 
+def PassedOn(outputs, inputs, passed: dict):
+    """`outputs` with, for each {input leaf: output leaf} of `passed` (a layer's
+    `PassedLeaves`), the output leaf replaced by that leaf of `inputs` (flat `tf.nest`
+    positions; `inputs` a nest or its flat list): what a cell gives on, its skips included."""
+    if not passed:
+        return outputs
+    flat, given = tf.nest.flatten(outputs), tf.nest.flatten(inputs)
+    for i, o in passed.items():
+        flat[o] = given[i]
+    return tf.nest.pack_sequence_as(outputs, flat)
+
+
 def Identity(structure):
     """`tf.identity` of every tensor of a nest (None leaves stay None)."""
     return tf.nest.map_structure(lambda x: tf.identity(x) if x is not None else None, structure)

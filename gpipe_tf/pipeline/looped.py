@@ -121,7 +121,7 @@ class LoopedSchedule:
     def Backward(self, d_outputs):
         """As `unrolled.UnrolledSchedule.Backward`: (per cell its flat weight gradients,
         d_inputs)."""
-        given = self._ByLeaf(self._num_stages, leaves.FloatLeaves(d_outputs))
+        given = leaves.WithFloatLeaves(self._output_specs, leaves.FloatLeaves(d_outputs))
         with tf.device(self._devices[-1]):
             self._d_acts[-1] = [self._batch.View(given[i])
                                 for i in self._d_act_leaves[self._num_stages]]
@@ -196,8 +196,8 @@ class LoopedSchedule:
             spec = leaves.WithNone(self._boundaries[-1], self._passed[s])
             outputs, stats = fn.ForwardSpecs(self._thetas[s], spec, step_spec, training)
             self._structures.append(spec)
-            self._boundaries.append(self._Given(s, outputs,
-                                                tf.nest.flatten(self._boundaries[-1])))
+            self._boundaries.append(leaves.PassedOn(outputs, self._boundaries[-1],
+                                                    self._passed[s]))
             self._stat_specs.append(stats)
         self._output_specs = self._boundaries[-1]
         self._routes = rings.Routes(self._passed, [[leaves.IsFloat(x) for x in
@@ -209,9 +209,10 @@ class LoopedSchedule:
                                      reuse_in_tick=not tf.executing_eagerly(),
                                      keeps=self._keeps, routes=self._routes)
         # acts[b]: the TensorArrays of boundary b's leaves that stage b - 1 writes and stage b
-        # reads (`act_leaves[b]`: every leaf of the input and the output); d_acts[b]: those of
-        # their float leaves' gradients (`d_act_leaves[b]`); skips[j] and d_skips[j]: the
-        # ring of route j's tensor and of its gradient.
+        # reads (`act_leaves[b]`: every leaf of the input and the output); d_acts[b]: the
+        # gradients of the float leaves stage b - 1 makes and stage b reads (`d_act_leaves[b]`;
+        # at the input, those stage 0 reads; at the output, those the last makes); skips[j] and
+        # d_skips[j]: the ring of route j's tensor and of its gradient.
         num = self._num_stages
         self._act_leaves, self._d_act_leaves = [], []
         for b, boundary in enumerate(self._boundaries):
@@ -220,9 +221,7 @@ class LoopedSchedule:
             read = set(range(len(flat))) - (set(self._passed[b]) if b < num else set())
             stored = range(len(flat)) if b in (0, num) else sorted(made & read)
             self._act_leaves.append(list(stored))
-            self._d_act_leaves.append(
-                [i for i in sorted((read if b < num else made) & (made if b else read))
-                 if leaves.IsFloat(flat[i])])
+            self._d_act_leaves.append([i for i in sorted(made & read) if leaves.IsFloat(flat[i])])
         self._acts = [first] + [
             self._EmptyArrays(self._Leaves(b, self._act_leaves), ('act', b))
             for b in range(1, num + 1)]
@@ -259,16 +258,6 @@ class LoopedSchedule:
 
     def _RouteSpec(self, route):
         return tf.nest.flatten(self._boundaries[route.start])[route.source]
-
-    def _Given(self, s, outputs, inputs_flat):
-        """Stage s's `outputs` as boundary s + 1 holds them: the leaves it passes on unread
-        (None in its call's outputs) those of its input, `inputs_flat` (boundary s's)."""
-        if not self._passed[s]:
-            return outputs
-        flat = tf.nest.flatten(outputs)
-        for i, o in self._passed[s].items():
-            flat[o] = inputs_flat[i]
-        return tf.nest.pack_sequence_as(outputs, flat)
 
     def _StartSaved(self):
         """TensorArrays for what each stage's I saves for its W (a split backward)."""
@@ -600,13 +589,9 @@ class LoopedSchedule:
                 flat[r.source] = self._Read(('d_skip', j), None, m)[0]
         return [g for g in flat if g is not None]
 
-    def _ByLeaf(self, b, values, positions=None) -> list:
-        """Boundary b's flat leaves with `values` at `positions` (default: its float leaves)
-        and None elsewhere."""
-        flat = tf.nest.flatten(self._boundaries[b])
-        if positions is None:
-            positions = [i for i, x in enumerate(flat) if leaves.IsFloat(x)]
-        result = [None] * len(flat)
+    def _ByLeaf(self, b, values, positions) -> list:
+        """Boundary b's flat leaves with `values` at `positions` and None elsewhere."""
+        result = [None] * len(tf.nest.flatten(self._boundaries[b]))
         for i, value in zip(positions, values):
             result[i] = value
         return result
@@ -659,7 +644,7 @@ class LoopedSchedule:
                 values[('stats', s)] = tf.nest.map_structure(tf.add, values[('stats', s)], stats)
             if s == self._num_stages - 1 and self._loss_fn is not None:
                 total, weight, d_y = self._Loss(outputs, m)
-                d_y = self._ByLeaf(s + 1, d_y)
+                d_y = leaves.WithFloatLeaves(self._output_specs, d_y)
                 self._Write(values, ('d_act', s + 1), m, [d_y[i] for i in
                                                           self._d_act_leaves[s + 1]])
                 for j, r in enumerate(self._routes):

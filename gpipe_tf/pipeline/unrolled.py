@@ -274,13 +274,7 @@ class UnrolledSchedule:
     def _Given(self, k, m, outputs):
         """What cell k gives on for micro-batch m: its outputs, with the input leaves it passes
         unread in their place (the tensors themselves, on the device that made them)."""
-        if not self._passed[k]:
-            return outputs
-        flat = tf.nest.flatten(outputs)
-        inputs = tf.nest.flatten(self._acts[k][m])
-        for i, o in self._passed[k].items():
-            flat[o] = inputs[i]
-        return tf.nest.pack_sequence_as(outputs, flat)
+        return leaves.PassedOn(outputs, self._acts[k][m], self._passed[k])
 
     def _IncomingGradient(self, k, m):
         """The gradients of cell k's float outputs of micro-batch m, those it gave on unread
@@ -407,4 +401,3 @@ class UnrolledSchedule:
     def _Gradients(self):
         with tf.device(self._devices[0]):
             return self._d_thetas, self._Joined(self._d_inputs)
-
