@@ -286,12 +286,15 @@ class MemoryTest(tf.test.TestCase):
                                      place=False)
             return [cell.before_backward for cell in memory.FromPlan(plan).cells]
 
-        straight, carried, looped = Held(True, True), Held(True, False), Held(False, True)
-        self.assertEqual(looped, straight)  # The loop sends it straight too.
-        # Cells 1 and 2 no longer keep s (BATCH / M x DIM float32: 32 bytes) per micro-batch
-        # for their re-materializing backward; cell 0 makes it, cell 3 reads it: unchanged.
+        carried = Held(True, False)
+        # Unrolled or looped (both send it straight), cells 1 and 2 no longer keep s
+        # (BATCH / M x DIM float32: 32 bytes) per micro-batch for their re-materializing
+        # backward; cell 0 makes it, cell 3 reads it: unchanged.
         skip = BATCH // M * DIM * 4
-        self.assertEqual([c - s for c, s in zip(carried, straight)], [0, M * skip, M * skip, 0])
+        for unroll in (True, False):
+            straight = Held(unroll, True)
+            self.assertEqual([c - s for c, s in zip(carried, straight)],
+                             [0, M * skip, M * skip, 0], msg=f'unroll={unroll}')
 
 
 if __name__ == '__main__':
