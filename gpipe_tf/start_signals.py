@@ -5,7 +5,8 @@ A process started with SIGINT ignored (by a shell script that runs it in the bac
 through its start-up (importing TensorFlow, building the model: seconds) until the training
 loop installed its own handler. And Python's own handler raises KeyboardInterrupt wherever the
 interpreter happens to be, which may be code that catches every exception (library code run
-while TensorFlow imports), so the interrupt can be lost there too.
+while TensorFlow imports), so the interrupt can be lost there too, or code that turns it into
+an error of its own (a C extension's initialization: `ImportError: initialization failed`).
 
 `Listen()`, the trainer's first step, installs a handler that both records the signal and
 raises KeyboardInterrupt (what the trainer's start-up catches, to stop in one line); whatever

@@ -282,7 +282,9 @@ def Main(config: Config) -> int:
     try:
         from gpipe_tf.train import loop  # pylint: disable=g-import-not-at-top
         from gpipe_tf.train import run  # pylint: disable=g-import-not-at-top
-    except KeyboardInterrupt:
+    except (Exception, KeyboardInterrupt) as error:  # pylint: disable=broad-except
+        if not _Interrupted(error):
+            raise
         print(_STOPPED_STARTING, file=sys.stderr, flush=True)
         return 130
     if start_signals.Pending() is not None:  # An interrupt that code it landed in swallowed.
@@ -304,15 +306,26 @@ def Main(config: Config) -> int:
         print(f'stopped by {interrupted}: {saved}; run the same command again to resume.',
               file=sys.stderr, flush=True)
         return 128 + interrupted.signum
-    except KeyboardInterrupt:
-        # Ctrl-C outside the training steps (building, evaluating): nothing new to save.
-        print('stopped by SIGINT outside training; checkpoints already written are kept.',
-              file=sys.stderr, flush=True)
+    except (Exception, KeyboardInterrupt) as error:  # pylint: disable=broad-except
+        if not _Interrupted(error):
+            raise
+        print(_STOPPED_OUTSIDE_TRAINING, file=sys.stderr, flush=True)
         return 130
 
 
 # Ctrl-C while TensorFlow and the trainer's modules load: nothing has been written yet.
 _STOPPED_STARTING = 'stopped by SIGINT while starting; nothing was written.'
+# Ctrl-C outside the training steps (building, evaluating): nothing new to save.
+_STOPPED_OUTSIDE_TRAINING = ('stopped by SIGINT outside training; checkpoints already written '
+                             'are kept.')
+
+
+def _Interrupted(error: BaseException) -> bool:
+    """Whether `error` is, or comes from, the user's Ctrl-C. The interrupt is raised wherever
+    the interpreter is, and code it lands in may turn it into an error of its own: a C
+    extension's module initialization raises `ImportError: initialization failed` from it
+    (seen while TensorFlow imports). `start_signals` keeps the record either way."""
+    return isinstance(error, KeyboardInterrupt) or start_signals.Pending() is not None
 
 
 def _Error(error: BaseException, verbose: bool) -> None:
@@ -333,9 +346,9 @@ def _Quiet() -> None:
         os.dup2(captured.fileno(), 2)
         try:
             import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
-        except KeyboardInterrupt:  # Ctrl-C: the user's, not a failed import to explain.
-            raise
-        except BaseException:
+        except BaseException as error:
+            if _Interrupted(error):  # Ctrl-C: the user's, not a failed import to explain.
+                raise
             os.dup2(stderr, 2)
             captured.seek(0)
             sys.stderr.write(captured.read().decode(errors='replace'))
@@ -362,7 +375,9 @@ def _Main(argv):
         if not config.verbose:
             _Quiet()
         from gpipe_tf.train import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-    except KeyboardInterrupt:
+    except (Exception, KeyboardInterrupt) as error:  # pylint: disable=broad-except
+        if not _Interrupted(error):
+            raise
         print(_STOPPED_STARTING, file=sys.stderr, flush=True)
         sys.exit(130)
     try:

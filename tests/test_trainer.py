@@ -325,6 +325,32 @@ def LastLine(result):
     return result.stderr.strip().splitlines()[-1]
 
 
+# The trainer, interrupted by SIGINT as `import tensorflow` begins; argv[1] says what the code
+# the interrupt lands in does with it: 'error' raises ImportError from it, as a C extension's
+# initialization does; 'swallowed' catches it and imports on.
+_INTERRUPTED_IMPORT = """
+import importlib.abc, os, signal, sys
+landing = sys.argv.pop(1)
+
+class Interrupting(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != 'tensorflow':
+            return None
+        sys.meta_path.remove(self)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.sigtimedwait([], 0)  # A bytecode boundary, where the handler runs.
+        except KeyboardInterrupt as interrupt:
+            if landing == 'error':
+                raise ImportError('initialization failed') from interrupt
+        return None
+
+from gpipe_tf import trainer
+sys.meta_path.insert(0, Interrupting())
+trainer.Run(['gpipe_tf.trainer'] + sys.argv[1:])
+"""
+
+
 class RecoveryTest(ReferenceRunTestCase):
     """Accidents to a logdir never lose work: a damaged or missing index or checkpoint falls
     back to the newest intact one, a second trainer is refused, files are written safely."""
@@ -469,6 +495,22 @@ class RecoveryTest(ReferenceRunTestCase):
         WaitUntilCatching(process, signal.SIGINT)
         process.send_signal(signal.SIGINT)
         self.AssertStoppedWhileStarting(process, logdir)
+
+    def testCtrlCThatAnImportTurnsIntoAnErrorIsOneLine(self):
+        # Where the interrupt lands decides what reaches the trainer: a C extension's module
+        # initialization turns it into `ImportError: initialization failed` (seen while
+        # TensorFlow imports), other code swallows it. Both made here, at the same point every
+        # run, by a finder that interrupts the process as `import tensorflow` begins.
+        for landing in ('error', 'swallowed'):
+            with self.subTest(landing=landing):
+                logdir = os.path.join(self.LogDir(), landing)
+                process = subprocess.Popen(
+                    [sys.executable, '-c', _INTERRUPTED_IMPORT, landing, f'--model={MLP}',
+                     f'--logdir={logdir}', '--max_steps=100000'],
+                    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'), stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True)
+                self.addCleanup(Reap, process)
+                self.AssertStoppedWhileStarting(process, logdir)
 
     def AssertStoppedWhileStarting(self, process, logdir):
         _, stderr = process.communicate(timeout=120)
