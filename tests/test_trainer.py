@@ -959,7 +959,7 @@ class ErrorsTest(TrainerTestCase):
     def testAClusterTimeoutThatIsNotPositive(self):
         for seconds in ('0', '-1', 'inf'):
             self.AssertFailsBeforeTheLogdir(
-                rf'^error: flag --cluster_timeout_s=\S+: expected a finite number of seconds > 0',
+                r'^error: flag --cluster_timeout_s=\S+: expected a finite number of seconds > 0',
                 '--cluster_spec=worker=127.0.0.1:2999', '--worker_split_size=1',
                 f'--cluster_timeout_s={seconds}')
 
