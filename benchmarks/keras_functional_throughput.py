@@ -30,11 +30,10 @@ and weighted metric), fitted on the same data in the same batches.
 Each fit takes its batches, in order, from one iterator over the data repeated (`FitTimed`:
 Keras given arrays makes an iterator per epoch, and deleting the last one waited up to a second
 for its thread). Each model first runs a warm-up epoch (its first `fit` traces the train step);
-then, `--repeats`
-rounds, each model fits `--epochs` epochs, the models in turn (this process asks the child for
-its epochs with a line on its stdin, the child answers with a JSON line of its epoch times and
-CPU seconds; the order swapped each round, so that a slower phase of the shared machine falls on
-both). Examples per second come from the median epoch time (and, `best`, from the fastest: the
+then, `--repeats` rounds, each model fits `--epochs` epochs, the models in turn (this process
+asks the child for its epochs with a line on its stdin, the child answers with a JSON line of
+its epoch times and CPU seconds; the order swapped each round, so that a slower phase of the
+shared machine falls on both). Examples per second come from the median epoch time (and, `best`, from the fastest: the
 least disturbed by other work on the machine); the ratio of the pipelined model's to the
 baseline's is compared with the schedule's ideal M/(M+K-1)*K (K devices, a bubble of
 (K-1)/(M+K-1)). `cores` is a process's CPU seconds over the wall seconds of a model's epochs,
@@ -365,6 +364,7 @@ def Compare(args, children: list[Child]) -> None:
           f'vocabulary {args.vocab}; {args.examples} examples an epoch, {args.repeats} x '
           f'{args.epochs} timed epochs each', flush=True)
     data = Data(args)
+    data_digest = Digest(data)
     print(f"{'N':>4} {'M':>3} {'unroll':>6} {'recompute':>9} {'base ex/s':>10} "
           f"{'piped ex/s':>10} {'ratio':>6} {'best':>5} {'ideal':>6} {'cores':>9} "
           f"{'cpu ms/ex':>9} {'build s':>8} {'1st step s':>10}"
@@ -378,7 +378,7 @@ def Compare(args, children: list[Child]) -> None:
             Ints(args.batch), Ints(args.micro_batches), [Unroll(v) for v in args.unroll.split(',')],
             args.recompute.split(',')):
         lm = Gpt2(args)
-        digests = {'weights': Digest(lm.get_weights()), 'data': Digest(data)}
+        digests = {'weights': Digest(lm.get_weights()), 'data': data_digest}
         for child in children:
             if (child, batch) not in plains:
                 plains[child, batch] = Remote('plain', child, batch, args.examples, digests)
@@ -444,7 +444,9 @@ def main():
     parser.add_argument('--recompute', default='always', help='Comma-separated: always, never.')
     parser.add_argument('--repeats', type=int, default=3, help='Rounds of the models.')
     parser.add_argument('--epochs', type=int, default=2, help='Timed epochs per round.')
-    parser.add_argument('--examples', type=int, default=1024, help='Examples per epoch.')
+    parser.add_argument('--examples', type=int, default=1024,
+                        help='Examples per epoch: a multiple of each --batch (with --breakdown, '
+                        'of each micro-batch size too).')
     parser.add_argument('--breakdown', action='store_true',
                         help='Also time the baseline at the micro-batch size and the '
                         'pipelined model at K=1.')
@@ -468,16 +470,20 @@ def main():
                         help=argparse.SUPPRESS)
     parser.add_argument('--_parent', type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for batch in Ints(args.batch):
-        if args.examples % batch:
-            parser.error(f'--examples={args.examples} is not a multiple of --batch={batch}: '
-                         'every epoch fits whole batches of every example')
     if args._role == 'plain':  # pylint: disable=protected-access
         try:
-            ServeBaseline(args)
+            ServeBaseline(args)  # At the batch sizes the parent asks for, checked there.
         except KeyboardInterrupt:
             pass  # The parent's Ctrl-C reaches this process too; the parent reports it.
         return
+    for batch, m in itertools.product(Ints(args.batch), Ints(args.micro_batches)):
+        sizes = [(batch, '--batch')]
+        if args.breakdown:  # It also fits the baseline at the micro-batch size.
+            sizes.append((max(batch // m, 1), 'the micro-batch size'))
+        for size, flag in sizes:
+            if args.examples % size:
+                parser.error(f'--examples={args.examples} is not a multiple of {flag} ({size}): '
+                             'every epoch fits whole batches of every example')
     # `kill` as Ctrl-C: the `finally` below ends the children and removes their logs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     children, failed = [], False
