@@ -58,6 +58,7 @@ from absl import logging  # pylint: disable=g-import-not-at-top
 from gpipe_tf import test_utils  # pylint: disable=g-import-not-at-top
 from gpipe_tf.layers import basic  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import cell as cell_lib  # pylint: disable=g-import-not-at-top
+from gpipe_tf.pipeline import leaves  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import microbatch  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 from gpipe_tf.pipeline import plan as plan_lib  # pylint: disable=g-import-not-at-top
@@ -219,8 +220,8 @@ def _OrderWithout(drop):
             for m, d_x in enumerate(self._d_inputs):
                 if d_x is None:  # The micro-batch whose cell-0 backward never ran.
                     self._d_inputs[m] = tf.nest.map_structure(
-                        lambda x: tf.zeros_like(x) if x is not None and x.dtype.is_floating
-                        else None, self._acts[0][m])
+                        lambda x: tf.zeros_like(x) if leaves.IsFloat(x) else None,
+                        self._acts[0][m])
         for k, d_theta in enumerate(self._d_thetas):
             if d_theta is None:  # A cell none of whose backwards ran (K = M = 1).
                 with tf.device(self._devices[k]):

@@ -196,9 +196,8 @@ class RingTest(parameterized.TestCase):
         # to 3 pass on to the output's leaf 0; stage 1 passes its input leaf 0 (stage 0's
         # output, an integer mask) to stage 2, which reads it.
         passed = [{1: 2}, {2: 1, 0: 2}, {1: 0}, {0: 0}]
-        floats = [[True, True], [True, True, True], [True, True, False], [True, True],
+        floats = [[True, True], [False, True, True], [True, True, False], [True, True],
                   [True]]
-        floats[1][0] = False
         self.assertEqual(rings.Routes(passed, floats), [
             rings.Route(0, 1, 4, 0, 0, 3, True), rings.Route(1, 0, 2, 2, 0, 2, False)])
 

@@ -87,10 +87,10 @@ def ArrayAccess(kind: str, s: int, num_stages: int, loss_in_loop: bool,
 def RingSizes(sched: schedule_lib.Schedule, phases, loss_in_loop: bool,
                reuse_in_tick: bool = True, keeps=None, routes=()) -> dict:
     """Per TensorArray key ('act', b), ('d_act', b), ('kept', s), ('saved', s), ('skip', j) or
-    ('d_skip', j), how many
-    micro-batches it holds: the smallest R such that micro-batch m + R is written (slot
-    (m + R) mod R) no earlier than the tick of micro-batch m's last read. A loop's tick reads
-    the arrays as they were when it began, so a write in the tick of the last read is safe.
+    ('d_skip', j), how many micro-batches it holds: the smallest R such that micro-batch m + R
+    is written (slot (m + R) mod R) no earlier than the tick of micro-batch m's last read. A
+    loop's tick reads the arrays as they were when it began, so a write in the tick of the last
+    read is safe.
     Values no longer in a ring are freed: with 1F1B a boundary holds about K - b micro-batches,
     a gradient one or two, where M slots would keep every micro-batch until the step ends.
 
